@@ -1,0 +1,227 @@
+"""The ``kvstore`` command: ``serve`` runs the daemon, ``stat`` shows tier occupancy, ``hash``
+prints the keys of a token sequence so operators can check them against an engine's.
+
+Every command takes ``--address``; sizes are written ``512MiB``, ``4GiB``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.address import default_address
+from kvstore.units import format_size, parse_size
+
+
+def _add_address(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--address",
+        default=None,
+        help="daemon address: unix:/path.sock or host:port (default: $KVSTORE_ADDRESS, "
+        "else the user's runtime-directory socket)",
+    )
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvstore", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    _add_address(serve)
+    serve.add_argument("--config", help="TOML config file (default: the embedded default)")
+    serve.add_argument("--cpu-capacity", type=parse_size, help="size of the CPU tier, e.g. 4GiB")
+    serve.add_argument("--cpu-policy", choices=("lru", "priority", "prefix"))
+    serve.add_argument("--log-level", default="WARNING")
+
+    stat = sub.add_parser("stat", help="tier occupancy, hits, evictions")
+    _add_address(stat)
+    stat.add_argument("--json", action="store_true", help="machine-readable output")
+    stat.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+
+    hsh = sub.add_parser("hash", help="print the block keys of a token sequence")
+    hsh.add_argument("--model", required=True)
+    hsh.add_argument("--revision", default="")
+    hsh.add_argument("--tenant", default="")
+    hsh.add_argument("--layers", type=int, required=True)
+    hsh.add_argument("--kv-heads", type=int, required=True)
+    hsh.add_argument("--head-dim", type=int, required=True)
+    hsh.add_argument("--block-size", type=int, default=16)
+    hsh.add_argument("--dtype", default="bfloat16")
+    hsh.add_argument("--tp-rank", type=int, default=0)
+    hsh.add_argument("--tp-size", type=int, default=1)
+    hsh.add_argument(
+        "tokens", nargs="*", help="token ids (comma or space separated); read from stdin if none"
+    )
+    return parser.parse_args(argv)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvstore.config import load_config
+    from kvstore.daemon.server import print_ready, run_daemon
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        cfg = load_config(args.config)
+        cpu = cfg.cpu
+        if args.cpu_capacity is not None:
+            cpu = dataclasses.replace(cpu, capacity_bytes=args.cpu_capacity)
+        if args.cpu_policy is not None:
+            cpu = dataclasses.replace(cpu, policy=args.cpu_policy)
+        cfg = dataclasses.replace(cfg, cpu=cpu, address=args.address or cfg.address)
+    except (OSError, ValueError) as exc:
+        print(f"kvstore serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(run_daemon(cfg, on_ready=print_ready))
+    except RuntimeError as exc:
+        print(f"kvstore serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _bar(fraction: float, width: int = 24) -> str:
+    fraction = min(max(fraction, 0.0), 1.0)
+    full = round(fraction * width)
+    return "█" * full + "░" * (width - full)
+
+
+def stats_to_dict(reply: Any) -> dict[str, Any]:
+    tiers = []
+    for t in reply.tiers:
+        lookups = t.hits + t.misses
+        tiers.append(
+            {
+                "name": t.name,
+                "up": t.up,
+                "capacity_bytes": t.capacity_bytes,
+                "used_bytes": t.used_bytes,
+                "blocks": t.blocks,
+                "hits": t.hits,
+                "misses": t.misses,
+                "hit_rate": (t.hits / lookups) if lookups else None,
+                "evictions": t.evictions,
+                "promotions": t.promotions,
+                "demotions": t.demotions,
+                "checksum_failures": t.checksum_failures,
+                "extra": dict(t.extra),
+            }
+        )
+    namespaces = []
+    for n in reply.namespaces:
+        lookups = n.hits + n.misses
+        namespaces.append(
+            {
+                "id": n.namespace_id,
+                "name": n.name,
+                "blocks": n.blocks,
+                "used_bytes": n.used_bytes,
+                "block_bytes": n.block_bytes,
+                "lookup_hits": n.hits,
+                "lookup_misses": n.misses,
+                "hit_rate": (n.hits / lookups) if lookups else None,
+            }
+        )
+    return {
+        "version": reply.version,
+        "uptime_s": reply.uptime_s,
+        "active_leases": reply.active_leases,
+        "active_reservations": reply.active_reservations,
+        "tiers": tiers,
+        "namespaces": namespaces,
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def render_stats(d: dict[str, Any]) -> str:
+    lines = [
+        f"kvstore {d['version']}  up {d['uptime_s']:.0f}s  "
+        f"leases {d['active_leases']}  reservations {d['active_reservations']}",
+        "",
+        f"{'TIER':<6} {'OCCUPANCY':<26} {'USED':>10} {'CAPACITY':>10} {'BLOCKS':>9} "
+        f"{'HIT RATE':>8} {'HITS':>9} {'MISSES':>9} {'EVICTED':>9} {'PROMOTED':>9} {'DEMOTED':>9}",
+    ]
+    for t in d["tiers"]:
+        frac = t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0.0
+        state = "" if t["up"] else "  DOWN"
+        lines.append(
+            f"{t['name']:<6} {_bar(frac)} {100 * frac:4.0f}% {format_size(t['used_bytes']):>9} "
+            f"{format_size(t['capacity_bytes']):>10} {t['blocks']:>9} {_pct(t['hit_rate']):>8} "
+            f"{t['hits']:>9} {t['misses']:>9} {t['evictions']:>9} {t['promotions']:>9} "
+            f"{t['demotions']:>9}{state}"
+        )
+    if d["namespaces"]:
+        lines += [
+            "",
+            f"{'NAMESPACE':<40} {'BLOCKS':>9} {'USED':>10} {'BLOCK':>9} {'LOOKUP HIT':>10}",
+        ]
+        for n in d["namespaces"]:
+            lines.append(
+                f"{n['name'][:40]:<40} {n['blocks']:>9} {format_size(n['used_bytes']):>10} "
+                f"{format_size(n['block_bytes']):>9} {_pct(n['hit_rate']):>10}"
+            )
+    return "\n".join(lines)
+
+
+def cmd_stat(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvstore.client._common import translate_error
+    from kvstore.v1 import kvstore_pb2 as pb
+    from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+    address = args.address or default_address()
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"kvstore stat: {address}: {translate_error(err)}", file=sys.stderr)
+            return 1
+    d = stats_to_dict(reply)
+    print(json.dumps(d, indent=2) if args.json else render_stats(d))
+    return 0
+
+
+def cmd_hash(args: argparse.Namespace) -> int:
+    from kvstore.keys import Namespace, block_hashes
+    from kvstore.layout import KVLayout, dtype_from_name
+
+    text = " ".join(args.tokens) if args.tokens else sys.stdin.read()
+    try:
+        tokens = [int(t) for t in text.replace(",", " ").split()]
+        layout = KVLayout(
+            args.layers, args.kv_heads, args.head_dim, args.block_size, dtype_from_name(args.dtype)
+        )
+        ns = Namespace(
+            model=args.model,
+            layout=layout,
+            revision=args.revision,
+            tenant=args.tenant,
+            tp_rank=args.tp_rank,
+            tp_size=args.tp_size,
+        )
+    except ValueError as exc:
+        print(f"kvstore hash: {exc}", file=sys.stderr)
+        return 2
+    print(f"# namespace {ns.name}  seed {ns.seed.hex()}")
+    for i, key in enumerate(block_hashes(ns.seed, tokens, layout.block_size)):
+        print(f"{i}\t{key.hex()}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    handler = {"serve": cmd_serve, "stat": cmd_stat, "hash": cmd_hash}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

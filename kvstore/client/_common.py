@@ -1,0 +1,231 @@
+"""What the sync and async clients share: argument checks, the mapped arena, the copies.
+
+Nothing here performs an RPC, so both clients run the same checks and the same copy code and
+differ only in how they call the daemon.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+import torch
+
+from kvstore.checksum import block_checksum
+from kvstore.errors import ERRORS_BY_NAME, KVStoreError, UnavailableError
+from kvstore.keys import BlockKey, Namespace, pack_keys
+from kvstore.layout import KVLayout
+from kvstore.v1 import kvstore_pb2 as pb
+
+TRANSPORTS = ("auto", "shm", "grpc")
+
+# One gRPC message carries a whole block on the bytes path.
+MAX_MESSAGE_BYTES = 256 << 20
+
+
+def channel_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+
+
+def check_transport(transport: str) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+
+
+def check_keys(keys: Sequence[bytes]) -> bytes:
+    """Validate keys and pack them for the wire; raises ValueError naming the bad key."""
+    if isinstance(keys, bytes | bytearray):
+        raise ValueError("keys must be a sequence of 32-byte keys, not one bytes object")
+    return pack_keys(keys)
+
+
+def check_priority(priority: int | None) -> int:
+    if priority is None:
+        return -1
+    if not isinstance(priority, int) or not 0 <= priority <= 255:
+        raise ValueError(f"priority must be an int in [0, 255], got {priority!r}")
+    return priority
+
+
+def check_put(layout: KVLayout, keys: Sequence[bytes], blocks: torch.Tensor) -> torch.Tensor:
+    """Validate a put and return the blocks as a contiguous CPU byte tensor ``[n, block_bytes]``."""
+    layout.check_blocks(blocks)
+    if blocks.shape[0] != len(keys):
+        raise ValueError(f"{len(keys)} keys but {blocks.shape[0]} blocks")
+    if blocks.device.type != "cpu":
+        blocks = blocks.cpu()
+    blocks = blocks.contiguous()
+    return blocks.view(torch.uint8).reshape(len(keys), layout.block_bytes)
+
+
+def check_out(layout: KVLayout, n: int, out: torch.Tensor | None) -> None:
+    if out is None:
+        return
+    layout.check_blocks(out, n, what="out")
+    if out.device.type != "cpu":
+        raise ValueError(f"out must be a CPU tensor, got device {out.device}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+
+
+def byte_rows(layout: KVLayout, blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.view(torch.uint8).reshape(blocks.shape[0], layout.block_bytes)
+
+
+def open_request(namespace: Namespace, priority: int) -> pb.OpenNamespaceRequest:
+    lay = namespace.layout
+    return pb.OpenNamespaceRequest(
+        model=namespace.model,
+        revision=namespace.revision,
+        tenant=namespace.tenant,
+        priority=priority,
+        layout=pb.Layout(
+            num_layers=lay.num_layers,
+            num_kv_heads=lay.num_kv_heads,
+            head_dim=lay.head_dim,
+            block_size=lay.block_size,
+            dtype=lay.dtype_name,
+            tp_rank=namespace.tp_rank,
+            tp_size=namespace.tp_size,
+            hash_version=namespace.hash_version,
+        ),
+    )
+
+
+def check_open_reply(namespace: Namespace, reply: pb.OpenNamespaceResponse) -> None:
+    if reply.seed != namespace.seed:
+        raise KVStoreError(
+            f"daemon computes another key seed for namespace {namespace.name!r}: "
+            "client and daemon disagree on the key encoding"
+        )
+    if reply.block_bytes != namespace.layout.block_bytes:
+        raise KVStoreError(
+            f"daemon expects {reply.block_bytes}-byte blocks, "
+            f"layout gives {namespace.layout.block_bytes}"
+        )
+
+
+def translate_error(err: grpc.RpcError) -> KVStoreError:
+    """Turn a gRPC error into the kvstore exception the daemon raised (by the trailer)."""
+    code = err.code() if hasattr(err, "code") else None
+    details = err.details() if hasattr(err, "details") else str(err)
+    name = None
+    trailers = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == "kvstore-error":
+            name = value
+    if name in ERRORS_BY_NAME:
+        return ERRORS_BY_NAME[name](details)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return UnavailableError(f"kvstore daemon unreachable ({code.name}): {details}")
+    return KVStoreError(f"{code.name if code else 'error'}: {details}")
+
+
+class MappedArena:
+    """The daemon's shared-memory arena mapped into this process.
+
+    Raises OSError when the file cannot be mapped (another host, another user, no /dev/shm) and
+    ValueError when the token at offset 0 is not the daemon's: the caller then uses the bytes path.
+    """
+
+    def __init__(self, info: pb.ArenaInfo) -> None:
+        if not info.path:
+            raise OSError("the daemon has no shared-memory arena")
+        fd = os.open(info.path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size != info.size_bytes:
+                raise ValueError(
+                    f"arena {info.path} is {size} bytes, daemon says {info.size_bytes}"
+                )
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            os.close(fd)
+        if self._mmap[: len(info.token)] != info.token:
+            self._mmap.close()
+            raise ValueError(f"arena {info.path} does not carry the daemon's token")
+        self.path = info.path
+        self.size_bytes = size
+        self.bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._np = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    def slot(self, offset: int, nbytes: int) -> torch.Tensor:
+        if offset < 0 or offset + nbytes > self.size_bytes:
+            raise KVStoreError(f"daemon handed out slot {offset}+{nbytes} outside the arena")
+        return self.bytes[offset : offset + nbytes]
+
+    def checksum(self, offset: int, nbytes: int) -> int:
+        return block_checksum(self._np[offset : offset + nbytes])
+
+    def copy_in(self, rows: torch.Tensor, offsets: Sequence[int]) -> list[int]:
+        """Copy ``rows[i]`` into the slot at ``offsets[i]`` (skipping -1); return the checksums of
+        the written slots, in order. The checksum is read back from the slot, so it vouches for
+        what the slot holds."""
+        nbytes = rows.shape[1]
+        checksums = []
+        for i, offset in enumerate(offsets):
+            if offset < 0:
+                continue
+            self.slot(offset, nbytes).copy_(rows[i])
+            checksums.append(self.checksum(offset, nbytes))
+        return checksums
+
+    def copy_out(
+        self, offsets: Sequence[int], checksums: Sequence[int], rows: torch.Tensor, verify: bool
+    ) -> int:
+        """Copy slots into ``rows``; return how many leading blocks arrived intact. A block whose
+        checksum does not match (its slot was reused after a lease expired, or scribbled on) is a
+        miss, and so is everything after it."""
+        nbytes = rows.shape[1]
+        rows_np = rows.numpy()
+        for i, offset in enumerate(offsets):
+            rows[i].copy_(self.slot(offset, nbytes))
+            if verify and block_checksum(rows_np[i]) != checksums[i]:
+                return i
+        return len(offsets)
+
+    def close(self) -> None:
+        del self.bytes
+        del self._np
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a tensor view still exists; the mapping goes when it is collected
+
+
+def empty_blocks(layout: KVLayout, n: int) -> torch.Tensor:
+    return torch.empty((n, *layout.block_shape), dtype=layout.dtype)
+
+
+def key_list(keys: Sequence[bytes]) -> list[BlockKey]:
+    return [BlockKey(bytes(k)) for k in keys]
+
+
+def blocks_from_stream(
+    layout: KVLayout,
+    keys: Sequence[bytes],
+    received: Sequence[pb.BlockData],
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """Place blocks received on the bytes path into ``out`` (or a new tensor); the run ends at the
+    first block whose key, length or checksum is wrong (fail closed: a miss, never bad data)."""
+    dest = empty_blocks(layout, len(received)) if out is None else out
+    rows = byte_rows(layout, dest).numpy()
+    m = 0
+    for i, block in enumerate(received):
+        if (
+            i >= len(keys)
+            or block.key != keys[i]
+            or len(block.data) != layout.block_bytes
+            or block_checksum(block.data) != block.checksum
+        ):
+            break
+        rows[i] = np.frombuffer(block.data, dtype=np.uint8)
+        m = i + 1
+    return dest[:m]

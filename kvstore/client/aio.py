@@ -1,0 +1,320 @@
+"""``AsyncKVStoreClient``: the asyncio flavour of ``KVStoreClient``, same methods as coroutines.
+
+Copies of large batches run in a worker thread so they do not stall the caller's event loop;
+small ones run inline (a thread hop costs more than copying a few blocks). One client per task
+that issues calls concurrently is the simplest contract; concurrent calls on one client are safe
+for reads and writes of distinct keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import torch
+
+from kvstore.address import default_address
+from kvstore.client._common import (
+    MappedArena,
+    blocks_from_stream,
+    byte_rows,
+    channel_options,
+    check_keys,
+    check_open_reply,
+    check_out,
+    check_priority,
+    check_put,
+    check_transport,
+    empty_blocks,
+    open_request,
+    translate_error,
+)
+from kvstore.client.leases import AsyncReadLease, AsyncWriteReservation
+from kvstore.errors import KVStoreError, UnknownNamespaceError
+from kvstore.keys import BlockKey, Namespace, block_hashes, unpack_keys
+from kvstore.layout import KVLayout
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+R = TypeVar("R")
+
+INLINE_COPY_BYTES = 8 << 20
+"""Batches up to this size are copied on the event loop; larger ones in a worker thread."""
+
+
+class AsyncKVStoreClient:
+    """Asyncio client of one namespace. Create with ``await AsyncKVStoreClient.connect(...)`` or
+    ``async with AsyncKVStoreClient(...) as kv``; arguments as for ``KVStoreClient``."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        layout: KVLayout,
+        model: str,
+        revision: str = "",
+        tenant: str = "",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        priority: int = 0,
+        transport: str = "auto",
+        timeout_s: float = 30.0,
+        verify_checksums: bool = True,
+    ) -> None:
+        check_transport(transport)
+        self.layout = layout
+        self.namespace = Namespace(
+            model=model,
+            layout=layout,
+            revision=revision,
+            tenant=tenant,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.address = address or default_address()
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.verify_checksums = verify_checksums
+        self._priority = check_priority(priority)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: Any = None
+        self._arena: MappedArena | None = None
+        self._ns_id = 0
+        self._pending: set[asyncio.Task[Any]] = set()
+
+    @classmethod
+    async def connect(cls, address: str | None = None, **kwargs: Any) -> AsyncKVStoreClient:
+        client = cls(address, **kwargs)
+        await client.open()
+        return client
+
+    async def open(self) -> None:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())
+            self._stub = pb_grpc.KVStoreStub(self._channel)
+        try:
+            reply = await self._stub.OpenNamespace(
+                open_request(self.namespace, self._priority),
+                timeout=self.timeout_s,
+                wait_for_ready=True,
+            )
+        except grpc.RpcError as err:
+            raise translate_error(err) from None
+        check_open_reply(self.namespace, reply)
+        self._ns_id = reply.namespace_id
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        if self.transport != "grpc":
+            try:
+                self._arena = MappedArena(reply.arena)
+            except (OSError, ValueError) as exc:
+                if self.transport == "shm":
+                    raise KVStoreError(f"cannot map the daemon's arena: {exc}") from exc
+
+    async def _flush(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, set()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _call(self, method: Callable[..., Awaitable[R]], build: Callable[[], Any]) -> R:
+        if self._stub is None:
+            raise KVStoreError("client is not open: use `await client.open()` or `async with`")
+        await self._flush()
+        for attempt in range(2):
+            try:
+                return await method(build(), timeout=self.timeout_s)
+            except grpc.RpcError as err:
+                exc = translate_error(err)
+                if isinstance(exc, UnknownNamespaceError) and attempt == 0:
+                    await self.open()
+                    continue
+                raise exc from None
+        raise AssertionError("unreachable")
+
+    def _background(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        return self._arena is not None
+
+    async def close(self) -> None:
+        await self._flush()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def __aenter__(self) -> AsyncKVStoreClient:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _copy(self, nbytes: int, fn: Callable[[], R]) -> R:
+        if nbytes <= INLINE_COPY_BYTES:
+            return fn()
+        return await asyncio.to_thread(fn)
+
+    # ------------------------------------------------------------------ API
+    def hash_tokens(
+        self,
+        token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+        extra_keys: Sequence[bytes] | None = None,
+    ) -> list[BlockKey]:
+        return block_hashes(self.namespace.seed, token_ids, self.layout.block_size, extra_keys)
+
+    async def lookup(self, keys: Sequence[bytes]) -> int:
+        packed = check_keys(keys)
+        if not keys:
+            return 0
+        reply = await self._call(
+            self._stub.Lookup, lambda: pb.LookupRequest(namespace_id=self._ns_id, keys=packed)
+        )
+        return int(reply.found)
+
+    async def prefetch(self, keys: Sequence[bytes]) -> None:
+        packed = check_keys(keys)
+        if keys:
+            request = pb.PrefetchRequest(namespace_id=self._ns_id, keys=packed)
+            self._background(self._stub.Prefetch(request, timeout=self.timeout_s))
+
+    async def put(
+        self, keys: Sequence[bytes], blocks: torch.Tensor, priority: int | None = None
+    ) -> int:
+        packed = check_keys(keys)
+        rows = check_put(self.layout, keys, blocks)
+        check_priority(priority)
+        if not keys:
+            return 0
+        if self._arena is None:
+            return await self._put_bytes(keys, rows, check_priority(priority))
+        reservation = await self.reserve(keys, priority, _packed=packed)
+        if not reservation.offsets_new:
+            return 0
+        try:
+            await self._copy(
+                len(reservation.offsets_new) * self.layout.block_bytes,
+                lambda: reservation.fill_from(rows),
+            )
+        except BaseException:
+            await reservation.abort()
+            raise
+        return await reservation.commit()
+
+    async def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
+        packed = check_keys(keys)
+        check_out(self.layout, len(keys), out)
+        if not keys:
+            return out[:0] if out is not None else empty_blocks(self.layout, 0)
+        if self._arena is None:
+            return await self._get_bytes(packed, out)
+        lease = await self.acquire(keys, _packed=packed)
+        try:
+            dest = empty_blocks(self.layout, len(lease)) if out is None else out
+            rows = byte_rows(self.layout, dest)
+            m = await self._copy(
+                len(lease) * self.layout.block_bytes,
+                lambda: lease.copy_into(rows, self.verify_checksums),
+            )
+        finally:
+            self._background(lease.release())
+        return dest[:m]
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        packed = check_keys(keys)
+        if not keys:
+            return 0
+        reply = await self._call(
+            self._stub.Delete, lambda: pb.DeleteRequest(namespace_id=self._ns_id, keys=packed)
+        )
+        return int(reply.deleted)
+
+    async def stats(self) -> pb.StatsResponse:
+        return await self._call(self._stub.Stats, pb.StatsRequest)
+
+    # ------------------------------------------------------------------ zero-copy API
+    async def reserve(
+        self, keys: Sequence[bytes], priority: int | None = None, *, _packed: bytes | None = None
+    ) -> AsyncWriteReservation:
+        packed = check_keys(keys) if _packed is None else _packed
+        prio = check_priority(priority)
+        arena = self._require_arena("reserve")
+        reply = await self._call(
+            self._stub.Reserve,
+            lambda: pb.ReserveRequest(namespace_id=self._ns_id, keys=packed, priority=prio),
+        )
+
+        async def commit(checksums: list[int]) -> int:
+            req = pb.CommitRequest(reservation_id=reply.reservation_id, checksums=checksums)
+            return int((await self._call(self._stub.Commit, lambda: req)).committed)
+
+        async def abort() -> None:
+            req = pb.AbortRequest(reservation_id=reply.reservation_id)
+            await self._call(self._stub.Abort, lambda: req)
+
+        return AsyncWriteReservation(
+            arena, self.layout, reply.reservation_id, list(reply.offsets), commit, abort
+        )
+
+    async def acquire(
+        self, keys: Sequence[bytes], *, _packed: bytes | None = None
+    ) -> AsyncReadLease:
+        packed = check_keys(keys) if _packed is None else _packed
+        arena = self._require_arena("acquire")
+        reply = await self._call(
+            self._stub.Acquire, lambda: pb.AcquireRequest(namespace_id=self._ns_id, keys=packed)
+        )
+
+        async def release() -> None:
+            if reply.lease_id:
+                await self._stub.Release(
+                    pb.ReleaseRequest(lease_id=reply.lease_id), timeout=self.timeout_s
+                )
+
+        return AsyncReadLease(
+            arena, self.layout, list(reply.offsets), list(reply.checksums), release
+        )
+
+    def _require_arena(self, what: str) -> MappedArena:
+        if self._arena is None:
+            raise KVStoreError(
+                f"{what} needs the shared-memory arena; this client uses the bytes path"
+            )
+        return self._arena
+
+    # ------------------------------------------------------------------ bytes path
+    async def _put_bytes(self, keys: Sequence[bytes], rows: torch.Tensor, priority: int) -> int:
+        rows_np = rows.numpy()
+
+        async def messages() -> AsyncIterator[pb.PutBlocksRequest]:
+            for i, key in enumerate(keys):
+                yield pb.PutBlocksRequest(
+                    namespace_id=self._ns_id,
+                    key=bytes(key),
+                    data=rows_np[i].tobytes(),
+                    priority=priority,
+                )
+
+        reply = await self._call(self._stub.PutBlocks, messages)
+        return int(reply.stored)
+
+    async def _get_bytes(self, packed: bytes, out: torch.Tensor | None) -> torch.Tensor:
+        keys = unpack_keys(packed)
+
+        async def fetch(request: pb.GetBlocksRequest, timeout: float) -> list[pb.BlockData]:
+            return [block async for block in self._stub.GetBlocks(request, timeout=timeout)]
+
+        received = await self._call(
+            fetch, lambda: pb.GetBlocksRequest(namespace_id=self._ns_id, keys=packed)
+        )
+        return blocks_from_stream(self.layout, keys, received, out)

@@ -1,0 +1,221 @@
+"""Write reservations and read leases: the zero-copy handles of the client library.
+
+A ``WriteReservation`` names the arena slots reserved for the keys that were not yet stored; the
+caller writes them (through ``views`` or ``fill_from``) and commits. A ``ReadLease`` names the
+slots of the leading run of stored blocks; the caller copies out, verifies and releases. The
+sync and async flavours differ only in whether commit/abort/release are awaited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from kvstore.checksum import block_checksum
+from kvstore.client._common import MappedArena
+from kvstore.errors import KVStoreError
+from kvstore.layout import KVLayout
+
+
+class _ReservationState:
+    def __init__(
+        self, arena: MappedArena, layout: KVLayout, reservation_id: int, offsets: list[int]
+    ) -> None:
+        self.arena = arena
+        self.layout = layout
+        self.reservation_id = reservation_id
+        self.offsets = offsets
+        self.indices = [i for i, off in enumerate(offsets) if off >= 0]
+        """Positions (in the keys passed to reserve) of the keys this reservation must write."""
+        self.offsets_new = [offsets[i] for i in self.indices]
+        self.committed = 0
+        self.done = not self.indices
+        self._checksums: list[int] | None = None
+
+    @property
+    def views(self) -> list[torch.Tensor]:
+        """A ``[*block_shape]`` tensor over shared memory per key to write (``indices`` order)."""
+        nbytes = self.layout.block_bytes
+        return [
+            self.arena.slot(off, nbytes).view(self.layout.dtype).view(self.layout.block_shape)
+            for off in self.offsets_new
+        ]
+
+    def fill_from(self, rows: torch.Tensor) -> None:
+        """Copy ``rows[i]`` (``[n, block_bytes]`` uint8, one per key passed to reserve) into the
+        slots of the keys to write."""
+        self._checksums = self.arena.copy_in(rows, self.offsets)
+
+    def checksums(self) -> list[int]:
+        if self._checksums is not None:
+            return self._checksums
+        nbytes = self.layout.block_bytes
+        return [self.arena.checksum(off, nbytes) for off in self.offsets_new]
+
+    def _check_open(self) -> bool:
+        """True if there is something to finish; False if this reservation holds no slot."""
+        if self.done and self.indices:
+            raise KVStoreError(
+                f"reservation {self.reservation_id} was already committed or aborted"
+            )
+        return not self.done
+
+
+class WriteReservation(_ReservationState):
+    def __init__(
+        self,
+        arena: MappedArena,
+        layout: KVLayout,
+        reservation_id: int,
+        offsets: list[int],
+        commit_fn: Callable[[list[int]], int],
+        abort_fn: Callable[[], None],
+    ) -> None:
+        super().__init__(arena, layout, reservation_id, offsets)
+        self._commit_fn = commit_fn
+        self._abort_fn = abort_fn
+
+    def commit(self) -> int:
+        """Make the written blocks visible; returns how many were stored."""
+        if not self._check_open():
+            return 0
+        self.done = True
+        self.committed = self._commit_fn(self.checksums())
+        return self.committed
+
+    def abort(self) -> None:
+        if self._check_open():
+            self.done = True
+            self._abort_fn()
+
+    def __enter__(self) -> WriteReservation:
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if self.done:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class AsyncWriteReservation(_ReservationState):
+    def __init__(
+        self,
+        arena: MappedArena,
+        layout: KVLayout,
+        reservation_id: int,
+        offsets: list[int],
+        commit_fn: Callable[[list[int]], Awaitable[int]],
+        abort_fn: Callable[[], Awaitable[None]],
+    ) -> None:
+        super().__init__(arena, layout, reservation_id, offsets)
+        self._commit_fn = commit_fn
+        self._abort_fn = abort_fn
+
+    async def commit(self) -> int:
+        if not self._check_open():
+            return 0
+        self.done = True
+        self.committed = await self._commit_fn(self.checksums())
+        return self.committed
+
+    async def abort(self) -> None:
+        if self._check_open():
+            self.done = True
+            await self._abort_fn()
+
+    async def __aenter__(self) -> AsyncWriteReservation:
+        return self
+
+    async def __aexit__(self, exc_type: Any, *rest: Any) -> None:
+        if self.done:
+            return
+        if exc_type is None:
+            await self.commit()
+        else:
+            await self.abort()
+
+
+class _LeaseState:
+    def __init__(
+        self, arena: MappedArena, layout: KVLayout, offsets: list[int], checksums: list[int]
+    ) -> None:
+        self.arena = arena
+        self.layout = layout
+        self.offsets = offsets
+        self.checksums = checksums
+        self.released = False
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def views(self) -> list[torch.Tensor]:
+        """One read-only-by-contract ``[*block_shape]`` tensor over shared memory per block."""
+        nbytes = self.layout.block_bytes
+        return [
+            self.arena.slot(off, nbytes).view(self.layout.dtype).view(self.layout.block_shape)
+            for off in self.offsets
+        ]
+
+    def verify(self, i: int, copy: torch.Tensor) -> bool:
+        """True if ``copy`` (a copy of block i taken under this lease) matches its checksum."""
+        flat = copy.contiguous().view(torch.uint8).reshape(-1)
+        return block_checksum(flat.numpy()) == self.checksums[i]
+
+    def copy_into(self, rows: torch.Tensor, verify: bool = True) -> int:
+        """Copy the leased blocks into ``rows`` (``[>= n, block_bytes]`` uint8); returns how many
+        leading blocks arrived intact (a checksum mismatch ends the run)."""
+        return self.arena.copy_out(self.offsets, self.checksums, rows, verify)
+
+
+class ReadLease(_LeaseState):
+    def __init__(
+        self,
+        arena: MappedArena,
+        layout: KVLayout,
+        offsets: list[int],
+        checksums: list[int],
+        release_fn: Callable[[], None],
+    ) -> None:
+        super().__init__(arena, layout, offsets, checksums)
+        self._release_fn = release_fn
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._release_fn()
+
+    def __enter__(self) -> ReadLease:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class AsyncReadLease(_LeaseState):
+    def __init__(
+        self,
+        arena: MappedArena,
+        layout: KVLayout,
+        offsets: list[int],
+        checksums: list[int],
+        release_fn: Callable[[], Awaitable[None]],
+    ) -> None:
+        super().__init__(arena, layout, offsets, checksums)
+        self._release_fn = release_fn
+
+    async def release(self) -> None:
+        if not self.released:
+            self.released = True
+            await self._release_fn()
+
+    async def __aenter__(self) -> AsyncReadLease:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.release()

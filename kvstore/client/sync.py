@@ -1,0 +1,310 @@
+"""``KVStoreClient``: the blocking client library serving engines use.
+
+Same-host clients map the daemon's shared-memory arena and copy blocks straight into and out of
+its slots: one copy per block and two RPCs per batch (reserve + commit, acquire + release). A
+client that cannot map the arena (another host, another user) or is built with
+``transport="grpc"`` sends the bytes over streaming RPCs instead; both paths return the same data.
+
+A client holds one namespace (model + layout + tenant) and is not thread-safe: give each thread
+its own client (they are cheap; the daemon is shared).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import torch
+
+from kvstore.address import default_address
+from kvstore.client._common import (
+    MappedArena,
+    blocks_from_stream,
+    byte_rows,
+    channel_options,
+    check_keys,
+    check_open_reply,
+    check_out,
+    check_priority,
+    check_put,
+    check_transport,
+    empty_blocks,
+    open_request,
+    translate_error,
+)
+from kvstore.client.leases import ReadLease, WriteReservation
+from kvstore.errors import KVStoreError, UnknownNamespaceError
+from kvstore.keys import BlockKey, Namespace, block_hashes, unpack_keys
+from kvstore.layout import KVLayout
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+R = TypeVar("R")
+
+
+class KVStoreClient:
+    """Blocking client of one namespace. See the module docstring.
+
+    ``address``: ``unix:/path.sock`` or ``host:port``; default ``$KVSTORE_ADDRESS`` or the
+    daemon's default socket. ``transport``: ``"auto"`` (shared memory when the arena can be
+    mapped, else bytes), ``"shm"`` (shared memory or fail) or ``"grpc"`` (always bytes).
+    ``verify_checksums``: check every block read against its checksum (a mismatch is a miss).
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        layout: KVLayout,
+        model: str,
+        revision: str = "",
+        tenant: str = "",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        priority: int = 0,
+        transport: str = "auto",
+        timeout_s: float = 30.0,
+        verify_checksums: bool = True,
+    ) -> None:
+        check_transport(transport)
+        self.layout = layout
+        self.namespace = Namespace(
+            model=model,
+            layout=layout,
+            revision=revision,
+            tenant=tenant,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.address = address or default_address()
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.verify_checksums = verify_checksums
+        self._priority = check_priority(priority)
+        self._channel = grpc.insecure_channel(self.address, options=channel_options())
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._arena: MappedArena | None = None
+        self._pending: list[grpc.Future] = []
+        self._ns_id = 0
+        try:
+            self._open()
+        except BaseException:
+            self._channel.close()
+            raise
+
+    # ------------------------------------------------------------------ plumbing
+    def _open(self) -> None:
+        try:
+            reply = self._stub.OpenNamespace(
+                open_request(self.namespace, self._priority),
+                timeout=self.timeout_s,
+                wait_for_ready=True,
+            )
+        except grpc.RpcError as err:
+            raise translate_error(err) from None
+        check_open_reply(self.namespace, reply)
+        self._ns_id = reply.namespace_id
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        if self.transport != "grpc":
+            try:
+                self._arena = MappedArena(reply.arena)
+            except (OSError, ValueError) as exc:
+                if self.transport == "shm":
+                    raise KVStoreError(f"cannot map the daemon's arena: {exc}") from exc
+
+    def _flush(self) -> None:
+        """Wait for fire-and-forget calls (release, prefetch) so calls stay in order."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            try:
+                future.result()
+            except grpc.RpcError:
+                pass  # a lease that expired first, or a prefetch hint: nothing to undo
+
+    def _call(self, method: Callable[..., R], build: Callable[[], Any]) -> R:
+        """Call ``method(build())``; if the daemon restarted and forgot our namespace, open it
+        again and retry once. gRPC errors become kvstore exceptions."""
+        self._flush()
+        for attempt in range(2):
+            try:
+                return method(build(), timeout=self.timeout_s)
+            except grpc.RpcError as err:
+                exc = translate_error(err)
+                if isinstance(exc, UnknownNamespaceError) and attempt == 0:
+                    self._open()
+                    continue
+                raise exc from None
+        raise AssertionError("unreachable")
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        return self._arena is not None
+
+    def close(self) -> None:
+        self._flush()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        self._channel.close()
+
+    def __enter__(self) -> KVStoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ API
+    def hash_tokens(
+        self,
+        token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+        extra_keys: Sequence[bytes] | None = None,
+    ) -> list[BlockKey]:
+        """One 32-byte key per full block of ``token_ids`` in this client's namespace."""
+        return block_hashes(self.namespace.seed, token_ids, self.layout.block_size, extra_keys)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are stored, in any tier."""
+        packed = check_keys(keys)
+        if not keys:
+            return 0
+        reply = self._call(
+            self._stub.Lookup, lambda: pb.LookupRequest(namespace_id=self._ns_id, keys=packed)
+        )
+        return int(reply.found)
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Hint that ``keys`` will be read soon; returns without waiting for the daemon."""
+        packed = check_keys(keys)
+        if keys:
+            self._flush()
+            request = pb.PrefetchRequest(namespace_id=self._ns_id, keys=packed)
+            self._pending.append(self._stub.Prefetch.future(request, timeout=self.timeout_s))
+
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor, priority: int | None = None) -> int:
+        """Store ``blocks[i]`` under ``keys[i]``; returns how many were newly stored (present keys
+        are deduplicated). ``blocks`` is ``[n, *layout.block_shape]`` of the layout's dtype."""
+        packed = check_keys(keys)
+        rows = check_put(self.layout, keys, blocks)
+        prio = check_priority(priority)
+        if not keys:
+            return 0
+        if self._arena is None:
+            return self._put_bytes(keys, rows, prio)
+        with self.reserve(keys, priority, _packed=packed) as reservation:
+            if not reservation.offsets_new:
+                return 0
+            reservation.fill_from(rows)
+        return reservation.committed
+
+    def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The leading run of stored blocks, ``[m, *block_shape]`` with ``m <= len(keys)``.
+
+        With ``out`` (``[>= len(keys), *block_shape]``, contiguous, CPU) the blocks are written
+        into it and ``out[:m]`` is returned; no memory is allocated.
+        """
+        packed = check_keys(keys)
+        check_out(self.layout, len(keys), out)
+        if not keys:
+            return out[:0] if out is not None else empty_blocks(self.layout, 0)
+        if self._arena is None:
+            return self._get_bytes(packed, out)
+        lease = self.acquire(keys, _packed=packed)
+        try:
+            if out is None:
+                out = empty_blocks(self.layout, len(lease.offsets))
+            m = lease.copy_into(byte_rows(self.layout, out), self.verify_checksums)
+        finally:
+            lease.release()
+        return out[:m]
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        packed = check_keys(keys)
+        if not keys:
+            return 0
+        reply = self._call(
+            self._stub.Delete, lambda: pb.DeleteRequest(namespace_id=self._ns_id, keys=packed)
+        )
+        return int(reply.deleted)
+
+    def stats(self) -> pb.StatsResponse:
+        return self._call(self._stub.Stats, pb.StatsRequest)
+
+    # ------------------------------------------------------------------ zero-copy API
+    def reserve(
+        self, keys: Sequence[bytes], priority: int | None = None, *, _packed: bytes | None = None
+    ) -> WriteReservation:
+        """Reserve slots for the keys not yet stored. Write each ``reservation.views[j]`` (a
+        ``[*block_shape]`` tensor over shared memory, for ``keys[reservation.indices[j]]``),
+        then ``commit()``; or use it as a context manager (commit on success, abort on error).
+        Blocks become visible to readers only at commit."""
+        packed = check_keys(keys) if _packed is None else _packed
+        prio = check_priority(priority)
+        arena = self._require_arena("reserve")
+        reply = self._call(
+            self._stub.Reserve,
+            lambda: pb.ReserveRequest(namespace_id=self._ns_id, keys=packed, priority=prio),
+        )
+
+        def commit(checksums: list[int]) -> int:
+            req = pb.CommitRequest(reservation_id=reply.reservation_id, checksums=checksums)
+            return int(self._call(self._stub.Commit, lambda: req).committed)
+
+        def abort() -> None:
+            req = pb.AbortRequest(reservation_id=reply.reservation_id)
+            self._call(self._stub.Abort, lambda: req)
+
+        return WriteReservation(
+            arena, self.layout, reply.reservation_id, list(reply.offsets), commit, abort
+        )
+
+    def acquire(self, keys: Sequence[bytes], *, _packed: bytes | None = None) -> ReadLease:
+        """Lease the leading run of stored blocks: ``lease.views[i]`` reads block i in place
+        (verify with ``lease.verify(i)`` after copying); ``release()`` when done."""
+        packed = check_keys(keys) if _packed is None else _packed
+        arena = self._require_arena("acquire")
+        reply = self._call(
+            self._stub.Acquire, lambda: pb.AcquireRequest(namespace_id=self._ns_id, keys=packed)
+        )
+
+        def release() -> None:
+            if reply.lease_id:
+                request = pb.ReleaseRequest(lease_id=reply.lease_id)
+                self._pending.append(self._stub.Release.future(request, timeout=self.timeout_s))
+
+        return ReadLease(arena, self.layout, list(reply.offsets), list(reply.checksums), release)
+
+    def _require_arena(self, what: str) -> MappedArena:
+        if self._arena is None:
+            raise KVStoreError(
+                f"{what} needs the shared-memory arena; this client uses the bytes path"
+            )
+        return self._arena
+
+    # ------------------------------------------------------------------ bytes path
+    def _put_bytes(self, keys: Sequence[bytes], rows: torch.Tensor, priority: int) -> int:
+        rows_np = rows.numpy()
+
+        def messages() -> Iterator[pb.PutBlocksRequest]:
+            for i, key in enumerate(keys):
+                yield pb.PutBlocksRequest(
+                    namespace_id=self._ns_id,
+                    key=bytes(key),
+                    data=rows_np[i].tobytes(),
+                    priority=priority,
+                )
+
+        reply = self._call(self._stub.PutBlocks, messages)
+        return int(reply.stored)
+
+    def _get_bytes(self, packed: bytes, out: torch.Tensor | None) -> torch.Tensor:
+        def fetch(request: pb.GetBlocksRequest, timeout: float) -> list[pb.BlockData]:
+            return list(self._stub.GetBlocks(request, timeout=timeout))
+
+        received = self._call(
+            fetch, lambda: pb.GetBlocksRequest(namespace_id=self._ns_id, keys=packed)
+        )
+        return blocks_from_stream(self.layout, unpack_keys(packed), received, out)
