@@ -44,6 +44,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     stat.add_argument("--json", action="store_true", help="machine-readable output")
     stat.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
 
+    sub.add_parser(
+        "demo",
+        help="start a daemon on the default config and drive a synthetic workload through it",
+        add_help=False,
+    )
+
     hsh = sub.add_parser("hash", help="print the block keys of a token sequence")
     hsh.add_argument("--model", required=True)
     hsh.add_argument("--revision", default="")
@@ -88,6 +94,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _bar(fraction: float, width: int = 24) -> str:
     fraction = min(max(fraction, 0.0), 1.0)
     full = round(fraction * width)
+    if fraction > 0 and full == 0:
+        full = 1  # a tier holding anything never looks empty
     return "█" * full + "░" * (width - full)
 
 
@@ -218,6 +226,11 @@ def cmd_hash(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        from kvstore.demo import main as demo_main
+
+        return demo_main(argv[1:])
     args = _parse_args(argv)
     handler = {"serve": cmd_serve, "stat": cmd_stat, "hash": cmd_hash}[args.command]
     return handler(args)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import subprocess
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -229,3 +231,30 @@ def blocks_from_stream(
         rows[i] = np.frombuffer(block.data, dtype=np.uint8)
         m = i + 1
     return dest[:m]
+
+
+def wait_for_daemon(
+    address: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None
+) -> None:
+    """Block until the daemon at ``address`` answers its health check as SERVING.
+
+    Raises UnavailableError after ``timeout_s``, or at once if ``proc`` (the daemon's process,
+    when the caller started it) exits first.
+    """
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise UnavailableError(f"daemon exited with {proc.returncode} before serving")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise UnavailableError(f"daemon at {address} not serving after {timeout_s}s")
+            time.sleep(0.05)

@@ -25,7 +25,7 @@ from kvstore.errors import (
     NamespaceMismatchError,
     UnknownNamespaceError,
 )
-from kvstore.keys import KEY_BYTES, Namespace, unpack_keys
+from kvstore.keys import HASH_VERSION, KEY_BYTES, Namespace, unpack_keys
 from kvstore.layout import KVLayout, dtype_from_name
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -110,7 +110,7 @@ def namespace_from_request(request: pb.OpenNamespaceRequest) -> Namespace:
         tenant=request.tenant,
         tp_rank=lay.tp_rank,
         tp_size=lay.tp_size or 1,
-        hash_version=lay.hash_version,
+        hash_version=lay.hash_version or HASH_VERSION,  # 0: unset, the current version
     )
 
 

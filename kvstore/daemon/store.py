@@ -168,16 +168,18 @@ class BlockStore:
     def lookup(self, ns_id: int, keys: Sequence[bytes]) -> int:
         record = self.namespace(ns_id)
         found = len(self._leading_run(ns_id, keys))
+        # Hits and misses are counted per key asked by lookup, the call engines make before
+        # every prefill; a get that follows it asks only for what lookup found.
         record.lookup_hits += found
         record.lookup_misses += len(keys) - found
+        self.cpu.hits += found
+        self.cpu.misses += len(keys) - found
         return found
 
     def acquire(self, ns_id: int, keys: Sequence[bytes]) -> tuple[int, list[int], list[int]]:
         """Lease the leading run of present blocks: (lease id or 0, offsets, checksums)."""
         self.namespace(ns_id)
         eids = self._leading_run(ns_id, keys)
-        self.cpu.hits += len(eids)
-        self.cpu.misses += len(keys) - len(eids)
         if not eids:
             return 0, [], []
         for eid in eids:

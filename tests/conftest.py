@@ -1,0 +1,156 @@
+"""Test harness: real daemon processes on temporary unix sockets.
+
+``daemon_factory(**config)`` starts ``python -m kvstore serve`` with a config file written for
+the test and waits until its health check answers; every daemon is stopped (SIGTERM, then
+SIGKILL) and its socket directory removed when the test ends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore import KVLayout
+from kvstore.client._common import wait_for_daemon
+
+SMALL_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16)
+"""8 KiB bf16 blocks: fast tests that still exercise every shape dimension."""
+
+
+def random_blocks(layout: KVLayout, n: int, seed: int = 0) -> torch.Tensor:
+    """Random blocks of ``layout``; for any dtype, including float8, via random bytes."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, layout.block_bytes), dtype=torch.uint8, generator=g)
+    if layout.dtype.is_floating_point and layout.itemsize >= 2:
+        # Avoid NaN payloads so tensors compare equal by value as well as by bytes.
+        values = torch.randn((n, *layout.block_shape), generator=g)
+        return values.to(layout.dtype)
+    return raw.view(layout.dtype).reshape(n, *layout.block_shape)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
+
+
+def wait_healthy(
+    address: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None
+) -> None:
+    wait_for_daemon(address, timeout_s, proc)
+
+
+@dataclass
+class DaemonProcess:
+    """A real ``kvstore serve`` process owned by a test."""
+
+    directory: Path
+    config_text: str
+    extra_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def socket_path(self) -> Path:
+        return self.directory / "kv.sock"
+
+    @property
+    def address(self) -> str:
+        return f"unix:{self.socket_path}"
+
+    def start(self) -> DaemonProcess:
+        config = self.directory / "daemon.toml"
+        config.write_text(self.config_text)
+        self.log = open(self.directory / "daemon.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvstore",
+                "serve",
+                "--address",
+                self.address,
+                "--config",
+                str(config),
+                *self.extra_args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        wait_healthy(self.address, proc=self.proc)
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def logs(self) -> str:
+        return (self.directory / "daemon.log").read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def config_toml(
+    cpu_capacity: str = "16MiB",
+    slab: str = "1MiB",
+    policy: str = "lru",
+    lease_ttl_s: float = 30.0,
+    reservation_ttl_s: float = 30.0,
+    reaper_interval_s: float = 0.2,
+) -> str:
+    return f"""
+[daemon]
+lease_ttl_s = {lease_ttl_s}
+reservation_ttl_s = {reservation_ttl_s}
+reaper_interval_s = {reaper_interval_s}
+
+[cpu]
+capacity = "{cpu_capacity}"
+slab = "{slab}"
+policy = "{policy}"
+"""
+
+
+@pytest.fixture
+def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    started: list[DaemonProcess] = []
+
+    def start(**kwargs: object) -> DaemonProcess:
+        # Short paths: a unix socket path must fit in 108 bytes.
+        directory = Path(tmp_path_factory.mktemp("kvd", numbered=True))
+        d = DaemonProcess(directory, config_toml(**kwargs))  # type: ignore[arg-type]
+        started.append(d)
+        return d.start()
+
+    yield start
+    for d in started:
+        if d.alive():
+            d.stop()
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> DaemonProcess:
+    return daemon_factory()
+
+
+@pytest.fixture(autouse=True)
+def _short_tmp(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Keep socket paths short and out of the user's runtime dir.
+    monkeypatch.delenv("KVSTORE_ADDRESS", raising=False)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")

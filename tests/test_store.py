@@ -1,0 +1,247 @@
+"""The block store in-process: its protocols and invariants, on a real shared-memory arena."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore import KVLayout, Namespace, block_hashes
+from kvstore.checksum import block_checksum
+from kvstore.config import CpuTierConfig, DaemonConfig
+from kvstore.daemon.store import BlockStore
+from kvstore.errors import (
+    CapacityError,
+    LeaseExpiredError,
+    NamespaceMismatchError,
+    UnknownNamespaceError,
+)
+from kvstore.tiers.cpu import HEADER_BYTES, SlabAllocator
+
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16)  # 4 KiB blocks
+NS = Namespace(model="m", layout=LAYOUT)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_store(capacity_blocks: int = 8, policy: str = "lru", clock: Clock | None = None):
+    cfg = DaemonConfig(
+        lease_ttl_s=10,
+        reservation_ttl_s=10,
+        cpu=CpuTierConfig(
+            capacity_bytes=capacity_blocks * LAYOUT.block_bytes,
+            slab_bytes=LAYOUT.block_bytes * 2,
+            prefault=False,
+            policy=policy,
+        ),
+    )
+    return BlockStore(cfg, clock=clock or Clock())
+
+
+@pytest.fixture
+def store():
+    s = make_store()
+    yield s
+    s.close()
+
+
+def keys(n: int, start: int = 0) -> list[bytes]:
+    return block_hashes(NS.seed, list(range(start * 16, (start + n) * 16)))
+
+
+def put(store: BlockStore, ns_id: int, ks: list[bytes], fill: int = 1) -> int:
+    rid, offsets = store.reserve(ns_id, ks)
+    sums = []
+    for off in offsets:
+        if off >= 0:
+            data = bytes([fill]) * LAYOUT.block_bytes
+            store.arena.view[off : off + LAYOUT.block_bytes] = data
+            sums.append(block_checksum(data))
+    return store.commit(rid, sums) if rid else 0
+
+
+def test_reserved_blocks_are_invisible_until_commit(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    ks = keys(3)
+    rid, offsets = store.reserve(ns, ks)
+    assert all(o >= HEADER_BYTES for o in offsets)
+    assert store.lookup(ns, ks) == 0
+    # A second writer of the same keys is told not to write them.
+    rid2, offsets2 = store.reserve(ns, ks)
+    assert rid2 == 0 and offsets2 == [-1, -1, -1]
+    store.commit(rid, [1, 2, 3])
+    assert store.lookup(ns, ks) == 3
+    with pytest.raises(LeaseExpiredError):
+        store.commit(rid, [1, 2, 3])
+
+
+def test_commit_needs_one_checksum_per_block(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    rid, _ = store.reserve(ns, keys(2))
+    with pytest.raises(ValueError, match="2 blocks"):
+        store.commit(rid, [1])
+    assert store.commit(rid, [1, 2]) == 2  # the bad commit changed nothing
+
+
+def test_duplicate_keys_in_one_put_are_written_once(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    k = keys(1)[0]
+    rid, offsets = store.reserve(ns, [k, k])
+    assert offsets[1] == -1 and offsets[0] >= 0
+    store.commit(rid, [7])
+
+
+def test_lookup_stops_at_the_first_gap(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    ks = keys(5)
+    put(store, ns, [ks[0], ks[1], ks[3], ks[4]])
+    assert store.lookup(ns, ks) == 2
+
+
+def test_lru_eviction_under_pressure(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    capacity = store.allocator.capacity_bytes // LAYOUT.block_bytes
+    old = keys(capacity)
+    put(store, ns, old)
+    put(store, ns, keys(2, start=100))
+    assert store.lookup(ns, old[:2]) == 0  # the two oldest are gone
+    assert store.lookup(ns, old[2:]) == capacity - 2
+    assert store.cpu.evictions == 2
+    snap = store.tier_snapshots()[0]
+    assert snap.used_bytes <= snap.capacity_bytes and snap.blocks == capacity
+
+
+def test_leased_blocks_are_never_evicted(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    capacity = store.allocator.capacity_bytes // LAYOUT.block_bytes
+    ks = keys(capacity)
+    put(store, ns, ks)
+    lease, offsets, _ = store.acquire(ns, ks)
+    assert len(offsets) == capacity
+    with pytest.raises(CapacityError, match="leased"):
+        store.reserve(ns, keys(1, start=500))
+    store.release(lease)
+    assert store.reserve(ns, keys(1, start=500))[0] != 0
+
+
+def test_delete_while_leased_keeps_the_slot_until_release(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    ks = keys(2)
+    put(store, ns, ks, fill=9)
+    lease, offsets, _ = store.acquire(ns, ks)
+    assert store.delete(ns, ks) == 2
+    assert store.lookup(ns, ks) == 0
+    # The reader's slots are still intact and held.
+    assert store.arena.view[offsets[0]] == 9
+    used = store.tier_snapshots()[0].used_bytes
+    assert used == 2 * LAYOUT.block_bytes
+    store.release(lease)
+    assert store.tier_snapshots()[0].used_bytes == 0
+
+
+def test_expired_reservations_and_leases_are_reclaimed() -> None:
+    clock = Clock()
+    s = make_store(clock=clock)
+    try:
+        ns = s.open_namespace(NS).ns_id
+        ks = keys(2)
+        s.reserve(ns, ks)  # a client that dies before commit
+        put(s, ns, keys(1, start=50))
+        s.acquire(ns, keys(1, start=50))  # a reader that dies holding a lease
+        clock.now = 11.0
+        assert s.reap() == (1, 1)
+        assert s.active_reservations == 0 and s.active_leases == 0
+        snap = s.tier_snapshots()[0]
+        assert snap.used_bytes == LAYOUT.block_bytes and snap.blocks == 1
+        assert s.index.leases[s.index.get(keys(1, start=50)[0])] == 0
+    finally:
+        s.close()
+
+
+def test_namespace_mismatch_is_refused(store: BlockStore) -> None:
+    store.open_namespace(NS)
+    other = Namespace(model="m", layout=dataclasses.replace(LAYOUT, head_dim=32))
+    with pytest.raises(NamespaceMismatchError, match="registered with layout"):
+        store.open_namespace(other)
+    assert store.open_namespace(NS).ns_id == 1  # joining with the same fingerprint is fine
+
+
+def test_unknown_namespace_id(store: BlockStore) -> None:
+    with pytest.raises(UnknownNamespaceError):
+        store.lookup(42, keys(1))
+
+
+def test_a_key_of_another_namespace_is_a_miss(store: BlockStore) -> None:
+    a = store.open_namespace(NS).ns_id
+    b = store.open_namespace(Namespace(model="m", layout=LAYOUT, tenant="t2")).ns_id
+    ks = keys(2)  # hashed with NS's seed, then (wrongly) presented in tenant t2
+    put(store, a, ks)
+    assert store.lookup(b, ks) == 0
+    assert store.acquire(b, ks) == (0, [], [])
+
+
+def test_arena_is_unlinked_on_close() -> None:
+    s = make_store()
+    path = s.arena.path
+    assert os.path.exists(path) and os.stat(path).st_mode & 0o777 == 0o600
+    s.close()
+    assert not os.path.exists(path)
+
+
+def test_slab_allocator_mixes_sizes_and_reports_full() -> None:
+    alloc = SlabAllocator(HEADER_BYTES + 4 * 16384, slab_bytes=16384)
+    small = [alloc.allocate(4096) for _ in range(4)]  # one slab of 4 KiB slots
+    big = [alloc.allocate(16384) for _ in range(3)]  # three slabs of one slot
+    assert None not in small and None not in big
+    assert alloc.allocate(16384) is None and alloc.free_slots(4096) == 0
+    assert len(set(small + big)) == 7
+    alloc.free(big[0], 16384)
+    assert alloc.allocate(16384) == big[0]
+    with pytest.raises(ValueError, match="does not fit"):
+        alloc.check_fits(32768)
+
+
+@given(st.lists(st.tuples(st.sampled_from("prgdl"), st.integers(0, 11)), max_size=80))
+@settings(max_examples=40, deadline=None)
+def test_random_operations_keep_the_books_straight(ops: list[tuple[str, int]]) -> None:
+    s = make_store(capacity_blocks=6)
+    try:
+        ns = s.open_namespace(NS).ns_id
+        all_keys = keys(12)
+        leases: list[int] = []
+        for op, i in ops:
+            k = all_keys[i]
+            if op == "p":
+                try:
+                    put(s, ns, [k])
+                except CapacityError:
+                    pass
+            elif op == "g":
+                lease, _, _ = s.acquire(ns, [k])
+                if lease:
+                    leases.append(lease)
+            elif op == "r" and leases:
+                s.release(leases.pop(i % len(leases)))
+            elif op == "d":
+                s.delete(ns, [k])
+            elif op == "l":
+                s.lookup(ns, [k])
+            snap = s.tier_snapshots()[0]
+            assert 0 <= snap.used_bytes <= snap.capacity_bytes
+            assert snap.blocks == len(s.policy)
+            held = sum(1 for e in range(s.index.capacity) if s.index.state[e] != 0)
+            assert snap.used_bytes == held * LAYOUT.block_bytes
+        for lease in leases:
+            s.release(lease)
+        assert all(s.index.leases[e] == 0 for e in range(s.index.capacity))
+    finally:
+        s.close()
