@@ -26,6 +26,9 @@ class CpuTierConfig:
     slab_bytes: int = 64 << 20
     prefault: bool = True
     policy: str = "lru"
+    # Background write-back keeps at least (1 - high_watermark) of the tier free or clean
+    # (already on the tier below), so a put rarely waits for a demotion.
+    high_watermark: float = 0.9
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -34,6 +37,38 @@ class CpuTierConfig:
             raise ValueError(f"cpu slab size must be positive, got {self.slab_bytes}")
         if self.policy not in POLICIES:
             raise ValueError(f"cpu policy {self.policy!r} unknown; choose one of {POLICIES}")
+        if not 0.0 < self.high_watermark <= 1.0:
+            raise ValueError(f"cpu high_watermark must be in (0, 1], got {self.high_watermark}")
+
+
+CODECS = ("none", "lz4")
+
+
+@dataclass(frozen=True)
+class NvmeTierConfig:
+    """The local-disk tier. Off unless ``path`` is set."""
+
+    path: str = ""
+    capacity_bytes: int = 16 << 30
+    codec: str = "none"
+    write_through: bool = False
+    direct_io: bool = True
+    io_threads: int = 4
+    policy: str = "lru"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path)
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"nvme capacity must be positive, got {self.capacity_bytes}")
+        if self.codec not in CODECS:
+            raise ValueError(f"nvme codec {self.codec!r} unknown; choose one of {CODECS}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"nvme policy {self.policy!r} unknown; choose one of {POLICIES}")
+        if self.io_threads <= 0:
+            raise ValueError(f"nvme io_threads must be positive, got {self.io_threads}")
 
 
 @dataclass(frozen=True)
@@ -44,6 +79,9 @@ class DaemonConfig:
     reaper_interval_s: float = 0.5
     max_message_bytes: int = 256 << 20
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
+    nvme: NvmeTierConfig = field(default_factory=NvmeTierConfig)
+    # Seconds a graceful stop may spend writing dirty CPU blocks down so a restart finds them.
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("lease_ttl_s", "reservation_ttl_s", "reaper_interval_s"):
@@ -58,32 +96,55 @@ def _section(data: dict[str, Any], name: str) -> dict[str, Any]:
     return value
 
 
+# Per section: config-file key -> (dataclass field, converter).
+_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
+    "daemon": {
+        "address": ("address", str),
+        "lease_ttl_s": ("lease_ttl_s", float),
+        "reservation_ttl_s": ("reservation_ttl_s", float),
+        "reaper_interval_s": ("reaper_interval_s", float),
+        "max_message_bytes": ("max_message_bytes", parse_size),
+        "drain_timeout_s": ("drain_timeout_s", float),
+    },
+    "cpu": {
+        "capacity": ("capacity_bytes", parse_size),
+        "slab": ("slab_bytes", parse_size),
+        "prefault": ("prefault", bool),
+        "policy": ("policy", str),
+        "high_watermark": ("high_watermark", float),
+    },
+    "nvme": {
+        "path": ("path", str),
+        "capacity": ("capacity_bytes", parse_size),
+        "codec": ("codec", str),
+        "write_through": ("write_through", bool),
+        "direct_io": ("direct_io", bool),
+        "io_threads": ("io_threads", int),
+        "policy": ("policy", str),
+    },
+}
+
+
+def _fields(data: dict[str, Any], section: str, source: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in _section(data, section).items():
+        if key not in _KEYS[section]:
+            raise ValueError(f"{source}: unknown key {section}.{key}")
+        name, convert = _KEYS[section][key]
+        out[name] = convert(value)
+    return out
+
+
 def _apply(base: DaemonConfig, data: dict[str, Any], source: str) -> DaemonConfig:
-    known = {"daemon", "cpu"}
-    unknown = set(data) - known
+    unknown = set(data) - set(_KEYS)
     if unknown:
         raise ValueError(f"{source}: unknown config sections {sorted(unknown)}")
-    d = _section(data, "daemon")
-    c = _section(data, "cpu")
-    cpu_kw: dict[str, Any] = {}
-    for key, value in c.items():
-        if key == "capacity":
-            cpu_kw["capacity_bytes"] = parse_size(value)
-        elif key == "slab":
-            cpu_kw["slab_bytes"] = parse_size(value)
-        elif key in ("prefault", "policy"):
-            cpu_kw[key] = value
-        else:
-            raise ValueError(f"{source}: unknown key cpu.{key}")
-    daemon_kw: dict[str, Any] = {}
-    for key, value in d.items():
-        if key == "max_message_bytes":
-            daemon_kw[key] = parse_size(value)
-        elif key in ("address", "lease_ttl_s", "reservation_ttl_s", "reaper_interval_s"):
-            daemon_kw[key] = value
-        else:
-            raise ValueError(f"{source}: unknown key daemon.{key}")
-    return dataclasses.replace(base, cpu=dataclasses.replace(base.cpu, **cpu_kw), **daemon_kw)
+    return dataclasses.replace(
+        base,
+        cpu=dataclasses.replace(base.cpu, **_fields(data, "cpu", source)),
+        nvme=dataclasses.replace(base.nvme, **_fields(data, "nvme", source)),
+        **_fields(data, "daemon", source),
+    )
 
 
 def default_config_text() -> str:
@@ -103,4 +164,7 @@ def load_config(
     if env.get("KVSTORE_CPU_CAPACITY"):
         cpu = dataclasses.replace(cfg.cpu, capacity_bytes=parse_size(env["KVSTORE_CPU_CAPACITY"]))
         cfg = dataclasses.replace(cfg, cpu=cpu)
+    if env.get("KVSTORE_NVME_PATH"):
+        nvme = dataclasses.replace(cfg.nvme, path=env["KVSTORE_NVME_PATH"])
+        cfg = dataclasses.replace(cfg, nvme=nvme)
     return cfg

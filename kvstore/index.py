@@ -30,6 +30,12 @@ class State(IntEnum):
     ORPHAN = 3
 
 
+# ``tier`` is a bit set: a committed block may have a copy in the CPU tier, on disk, or both
+# (a clean CPU block has both; dropping its CPU copy then costs no write).
+IN_CPU = 1
+IN_NVME = 2
+
+
 class BlockIndex:
     """Maps 32-byte keys to entry ids and holds per-entry fields. See the module docstring."""
 
@@ -44,7 +50,8 @@ class BlockIndex:
         self.priority = bytearray()
         self.ns = array("H")
         self.leases = array("H")
-        self.offset = array("q")
+        self.offset = array("q")  # CPU arena offset, -1 when not in the CPU tier
+        self.disk = array("q")  # NVMe slot, -1 when not on disk
         self.checksum = array("Q")
 
     def __len__(self) -> int:
@@ -64,7 +71,9 @@ class BlockIndex:
             raise AssertionError(f"entry {eid} has no key (state {State(self.state[eid]).name})")
         return key
 
-    def add(self, key: bytes, ns: int, tier: int, offset: int, priority: int) -> int:
+    def add(
+        self, key: bytes, ns: int, tier: int, offset: int, priority: int, disk: int = -1
+    ) -> int:
         """A new RESERVED entry. The key must not be indexed already."""
         if key in self._ids:
             raise AssertionError("key already indexed")
@@ -77,6 +86,7 @@ class BlockIndex:
             self.ns[eid] = ns
             self.leases[eid] = 0
             self.offset[eid] = offset
+            self.disk[eid] = disk
             self.checksum[eid] = 0
         else:
             eid = len(self._keys)
@@ -87,6 +97,7 @@ class BlockIndex:
             self.ns.append(ns)
             self.leases.append(0)
             self.offset.append(offset)
+            self.disk.append(disk)
             self.checksum.append(0)
         self._ids[key] = eid
         return eid

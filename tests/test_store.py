@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 
@@ -58,8 +59,8 @@ def keys(n: int, start: int = 0) -> list[bytes]:
     return block_hashes(NS.seed, list(range(start * 16, (start + n) * 16)))
 
 
-def put(store: BlockStore, ns_id: int, ks: list[bytes], fill: int = 1) -> int:
-    rid, offsets = store.reserve(ns_id, ks)
+async def put(store: BlockStore, ns_id: int, ks: list[bytes], fill: int = 1) -> int:
+    rid, offsets = await store.reserve(ns_id, ks)
     sums = []
     for off in offsets:
         if off >= 0:
@@ -69,14 +70,14 @@ def put(store: BlockStore, ns_id: int, ks: list[bytes], fill: int = 1) -> int:
     return store.commit(rid, sums) if rid else 0
 
 
-def test_reserved_blocks_are_invisible_until_commit(store: BlockStore) -> None:
+async def test_reserved_blocks_are_invisible_until_commit(store: BlockStore) -> None:
     ns = store.open_namespace(NS).ns_id
     ks = keys(3)
-    rid, offsets = store.reserve(ns, ks)
+    rid, offsets = await store.reserve(ns, ks)
     assert all(o >= HEADER_BYTES for o in offsets)
     assert store.lookup(ns, ks) == 0
     # A second writer of the same keys is told not to write them.
-    rid2, offsets2 = store.reserve(ns, ks)
+    rid2, offsets2 = await store.reserve(ns, ks)
     assert rid2 == 0 and offsets2 == [-1, -1, -1]
     store.commit(rid, [1, 2, 3])
     assert store.lookup(ns, ks) == 3
@@ -84,35 +85,35 @@ def test_reserved_blocks_are_invisible_until_commit(store: BlockStore) -> None:
         store.commit(rid, [1, 2, 3])
 
 
-def test_commit_needs_one_checksum_per_block(store: BlockStore) -> None:
+async def test_commit_needs_one_checksum_per_block(store: BlockStore) -> None:
     ns = store.open_namespace(NS).ns_id
-    rid, _ = store.reserve(ns, keys(2))
+    rid, _ = await store.reserve(ns, keys(2))
     with pytest.raises(ValueError, match="2 blocks"):
         store.commit(rid, [1])
     assert store.commit(rid, [1, 2]) == 2  # the bad commit changed nothing
 
 
-def test_duplicate_keys_in_one_put_are_written_once(store: BlockStore) -> None:
+async def test_duplicate_keys_in_one_put_are_written_once(store: BlockStore) -> None:
     ns = store.open_namespace(NS).ns_id
     k = keys(1)[0]
-    rid, offsets = store.reserve(ns, [k, k])
+    rid, offsets = await store.reserve(ns, [k, k])
     assert offsets[1] == -1 and offsets[0] >= 0
     store.commit(rid, [7])
 
 
-def test_lookup_stops_at_the_first_gap(store: BlockStore) -> None:
+async def test_lookup_stops_at_the_first_gap(store: BlockStore) -> None:
     ns = store.open_namespace(NS).ns_id
     ks = keys(5)
-    put(store, ns, [ks[0], ks[1], ks[3], ks[4]])
+    await put(store, ns, [ks[0], ks[1], ks[3], ks[4]])
     assert store.lookup(ns, ks) == 2
 
 
-def test_lru_eviction_under_pressure(store: BlockStore) -> None:
+async def test_lru_eviction_under_pressure(store: BlockStore) -> None:
     ns = store.open_namespace(NS).ns_id
     capacity = store.allocator.capacity_bytes // LAYOUT.block_bytes
     old = keys(capacity)
-    put(store, ns, old)
-    put(store, ns, keys(2, start=100))
+    await put(store, ns, old)
+    await put(store, ns, keys(2, start=100))
     assert store.lookup(ns, old[:2]) == 0  # the two oldest are gone
     assert store.lookup(ns, old[2:]) == capacity - 2
     assert store.cpu.evictions == 2
@@ -120,24 +121,24 @@ def test_lru_eviction_under_pressure(store: BlockStore) -> None:
     assert snap.used_bytes <= snap.capacity_bytes and snap.blocks == capacity
 
 
-def test_leased_blocks_are_never_evicted(store: BlockStore) -> None:
+async def test_leased_blocks_are_never_evicted(store: BlockStore) -> None:
     ns = store.open_namespace(NS).ns_id
     capacity = store.allocator.capacity_bytes // LAYOUT.block_bytes
     ks = keys(capacity)
-    put(store, ns, ks)
-    lease, offsets, _ = store.acquire(ns, ks)
+    await put(store, ns, ks)
+    lease, offsets, _ = await store.acquire(ns, ks)
     assert len(offsets) == capacity
     with pytest.raises(CapacityError, match="leased"):
-        store.reserve(ns, keys(1, start=500))
+        await store.reserve(ns, keys(1, start=500))
     store.release(lease)
-    assert store.reserve(ns, keys(1, start=500))[0] != 0
+    assert (await store.reserve(ns, keys(1, start=500)))[0] != 0
 
 
-def test_delete_while_leased_keeps_the_slot_until_release(store: BlockStore) -> None:
+async def test_delete_while_leased_keeps_the_slot_until_release(store: BlockStore) -> None:
     ns = store.open_namespace(NS).ns_id
     ks = keys(2)
-    put(store, ns, ks, fill=9)
-    lease, offsets, _ = store.acquire(ns, ks)
+    await put(store, ns, ks, fill=9)
+    lease, offsets, _ = await store.acquire(ns, ks)
     assert store.delete(ns, ks) == 2
     assert store.lookup(ns, ks) == 0
     # The reader's slots are still intact and held.
@@ -148,15 +149,15 @@ def test_delete_while_leased_keeps_the_slot_until_release(store: BlockStore) -> 
     assert store.tier_snapshots()[0].used_bytes == 0
 
 
-def test_expired_reservations_and_leases_are_reclaimed() -> None:
+async def test_expired_reservations_and_leases_are_reclaimed() -> None:
     clock = Clock()
     s = make_store(clock=clock)
     try:
         ns = s.open_namespace(NS).ns_id
         ks = keys(2)
-        s.reserve(ns, ks)  # a client that dies before commit
-        put(s, ns, keys(1, start=50))
-        s.acquire(ns, keys(1, start=50))  # a reader that dies holding a lease
+        await s.reserve(ns, ks)  # a client that dies before commit
+        await put(s, ns, keys(1, start=50))
+        await s.acquire(ns, keys(1, start=50))  # a reader that dies holding a lease
         clock.now = 11.0
         assert s.reap() == (1, 1)
         assert s.active_reservations == 0 and s.active_leases == 0
@@ -180,13 +181,13 @@ def test_unknown_namespace_id(store: BlockStore) -> None:
         store.lookup(42, keys(1))
 
 
-def test_a_key_of_another_namespace_is_a_miss(store: BlockStore) -> None:
+async def test_a_key_of_another_namespace_is_a_miss(store: BlockStore) -> None:
     a = store.open_namespace(NS).ns_id
     b = store.open_namespace(Namespace(model="m", layout=LAYOUT, tenant="t2")).ns_id
     ks = keys(2)  # hashed with NS's seed, then (wrongly) presented in tenant t2
-    put(store, a, ks)
+    await put(store, a, ks)
     assert store.lookup(b, ks) == 0
-    assert store.acquire(b, ks) == (0, [], [])
+    assert await store.acquire(b, ks) == (0, [], [])
 
 
 def test_arena_is_unlinked_on_close() -> None:
@@ -213,6 +214,10 @@ def test_slab_allocator_mixes_sizes_and_reports_full() -> None:
 @given(st.lists(st.tuples(st.sampled_from("prgdl"), st.integers(0, 11)), max_size=80))
 @settings(max_examples=40, deadline=None)
 def test_random_operations_keep_the_books_straight(ops: list[tuple[str, int]]) -> None:
+    asyncio.run(_random_operations(ops))
+
+
+async def _random_operations(ops: list[tuple[str, int]]) -> None:
     s = make_store(capacity_blocks=6)
     try:
         ns = s.open_namespace(NS).ns_id
@@ -222,11 +227,11 @@ def test_random_operations_keep_the_books_straight(ops: list[tuple[str, int]]) -
             k = all_keys[i]
             if op == "p":
                 try:
-                    put(s, ns, [k])
+                    await put(s, ns, [k])
                 except CapacityError:
                     pass
             elif op == "g":
-                lease, _, _ = s.acquire(ns, [k])
+                lease, _, _ = await s.acquire(ns, [k])
                 if lease:
                     leases.append(lease)
             elif op == "r" and leases:

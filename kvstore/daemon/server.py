@@ -65,6 +65,11 @@ class Daemon:
         if socket_path is not None:
             _prepare_unix_socket(socket_path)
         self.store = BlockStore(self.config)
+        try:
+            await self.store.start()
+        except BaseException:
+            self.store.close()
+            raise
         options = [
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.max_send_message_length", self.config.max_message_bytes),
@@ -111,7 +116,7 @@ class Daemon:
         if self.server is not None:
             await self.server.stop(grace_s)
         if self.store is not None:
-            self.store.close()
+            await self.store.stop()
         socket_path = unix_socket_path(self.address)
         if socket_path is not None:
             with contextlib.suppress(FileNotFoundError):

@@ -127,7 +127,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         arena = self.store.arena
         return pb.OpenNamespaceResponse(
             namespace_id=record.ns_id,
-            seed=record.seed,
+            seed=record.namespace.seed if record.namespace else b"",
             block_bytes=record.block_bytes,
             fingerprint=record.fingerprint,
             arena=pb.ArenaInfo(path=arena.path, size_bytes=arena.size_bytes, token=arena.token),
@@ -140,7 +140,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Reserve(self, request, context):
-        reservation_id, offsets = self.store.reserve(
+        reservation_id, offsets = await self.store.reserve(
             request.namespace_id, _keys(request.keys), request.priority
         )
         return pb.ReserveResponse(
@@ -161,7 +161,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Acquire(self, request, context):
-        lease_id, offsets, checksums = self.store.acquire(request.namespace_id, _keys(request.keys))
+        lease_id, offsets, checksums = await self.store.acquire(
+            request.namespace_id, _keys(request.keys)
+        )
         return pb.AcquireResponse(
             lease_id=lease_id,
             offsets=offsets,
@@ -184,7 +186,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             if len(message.key) != KEY_BYTES:
                 raise ValueError(f"block {received}: key is {len(message.key)} bytes, not 32")
             received += 1
-            if self.store.put_block(ns_id, message.key, message.data, message.priority):
+            if await self.store.put_block(ns_id, message.key, message.data, message.priority):
                 stored += 1
         return pb.PutBlocksResponse(stored=stored, received=received)
 
@@ -194,7 +196,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         # A streaming handler cannot use the unary wrapper: it aborts on the first error.
         try:
             keys = _keys(request.keys)
-            lease_id, _, _ = self.store.acquire(request.namespace_id, keys)
+            lease_id, _, _ = await self.store.acquire(request.namespace_id, keys)
         except Exception as exc:
             await abort_with(context, "GetBlocks", exc)
         if not lease_id:
@@ -211,10 +213,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Prefetch(self, request, context):
-        _keys(request.keys)
+        keys = _keys(request.keys)
         self.store.namespace(request.namespace_id)
-        # With the CPU tier alone every present block is already as close as it gets.
-        return pb.PrefetchResponse(queued=0)
+        return pb.PrefetchResponse(queued=self.store.mover.prefetch(request.namespace_id, keys))
 
     @_rpc
     async def Delete(self, request, context):
@@ -248,7 +249,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         for ns in self.store.namespaces():
             reply.namespaces.add(
                 namespace_id=ns.ns_id,
-                name=ns.namespace.name,
+                name=ns.name,
                 blocks=ns.blocks,
                 used_bytes=ns.blocks * ns.block_bytes,
                 hits=ns.lookup_hits,

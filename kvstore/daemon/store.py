@@ -1,25 +1,34 @@
-"""The daemon's block store: namespaces, the index, the CPU tier, leases and reservations.
+"""The daemon's block store: namespaces, the index, leases, reservations, and the tiers.
 
-``BlockStore`` is the one owner of the index. Every method is called on the daemon's event loop
-and none blocks for long: the bytes of same-host clients never pass through here (they copy into
-and out of the shared arena themselves), and the bytes path copies at most one block per call.
+``BlockStore`` is the one owner of the index. Every method runs on the daemon's event loop;
+bytes move in executors (the NVMe tier's IO threads, ``asyncio.to_thread`` for checksums), so
+the loop never blocks on a copy or a disk.
 
-Write protocol (two-phase): ``reserve`` allocates slots and creates RESERVED entries, invisible
-to readers; the client copies into the slots; ``commit`` makes them visible with their checksums.
-A reservation that is not committed within ``reservation_ttl_s`` is reclaimed by ``reap``.
+Write protocol (two-phase): ``reserve`` allocates CPU slots and creates RESERVED entries,
+invisible to readers; the client copies into the slots; ``commit`` makes them visible with their
+checksums. A reservation not committed within ``reservation_ttl_s`` is reclaimed by ``reap``.
 
-Read protocol: ``acquire`` takes a read lease on the leading run of committed blocks (a leased
-block is never evicted or reused); the client copies out and verifies checksums; ``release``
-drops the lease. Leases expire after ``lease_ttl_s`` so a dead client leaks nothing; a client
-that copies after its lease expired detects any reuse of the slot through the checksum.
+Read protocol: ``acquire`` takes a read lease on the leading run of committed blocks, promoting
+blocks that are only on disk into the CPU tier first (a second reader of a block being promoted
+waits for that promotion instead of reading the disk again); the client copies out, verifies the
+checksums and calls ``release``. A leased block is never evicted or freed. Leases expire after
+``lease_ttl_s``; a client copying after its lease expired detects a reused slot by checksum.
+
+Movement (``movement.py`` holds the background parts): puts land in the CPU tier. With an NVMe
+tier, write-back keeps at least ``1 - high_watermark`` of the CPU tier free or clean (already on
+disk) by writing its coldest dirty blocks down in the background, so a put rarely waits; with
+``write_through`` every commit is written down at once. Evicting a clean block only drops its
+CPU copy; a dirty victim is written down first. A block whose checksum fails on the way down or
+up is dropped and counted: a miss, never wrong data.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstore.checksum import block_checksum
 from kvstore.config import DaemonConfig
@@ -29,26 +38,33 @@ from kvstore.errors import (
     NamespaceMismatchError,
     UnknownNamespaceError,
 )
-from kvstore.index import BlockIndex, State
+from kvstore.index import IN_CPU, IN_NVME, BlockIndex, State
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.layout import KVLayout
 from kvstore.policy import EvictionPolicy, make_policy
 from kvstore.tiers.cpu import HEADER_BYTES, SharedMemoryArena, SlabAllocator
 
-TIER_CPU = 1
+if TYPE_CHECKING:
+    from kvstore.tiers.nvme import NvmeTier
 
 
 @dataclass
 class NamespaceRecord:
+    """A namespace the daemon knows. ``namespace`` is None for one recovered from disk whose
+    client has not opened it yet (only its fingerprint and block size are known)."""
+
     ns_id: int
-    namespace: Namespace
-    seed: bytes
+    namespace: Namespace | None
     fingerprint: bytes
     block_bytes: int
     priority: int
     blocks: int = 0
     lookup_hits: int = 0
     lookup_misses: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.namespace.name if self.namespace else f"(recovered {self.fingerprint.hex()})"
 
 
 @dataclass
@@ -59,6 +75,8 @@ class TierCounters:
     promotions: int = 0
     demotions: int = 0
     checksum_failures: int = 0
+    prefetch_hits: int = 0
+    io_errors: int = 0
 
 
 @dataclass
@@ -86,10 +104,10 @@ class TierSnapshot:
 
 
 class BlockStore:
-    """Owns the namespaces, the block index, the CPU arena and its eviction policy, the leases
-    and the reservations. See the module docstring for the protocols. Event-loop only."""
+    """Owns the namespaces, the block index, the CPU arena, the NVMe tier (when configured),
+    one eviction policy per tier, the leases and the reservations. Event-loop only."""
 
-    def __init__(self, config: DaemonConfig, clock=time.monotonic) -> None:
+    def __init__(self, config: DaemonConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._clock = clock
         # The header page comes on top of the capacity, so all of it holds blocks.
@@ -99,14 +117,32 @@ class BlockStore:
         self.allocator = SlabAllocator(self.arena.size_bytes, config.cpu.slab_bytes)
         self.index = BlockIndex()
         self.policy: EvictionPolicy = make_policy(config.cpu.policy)
+        self.nvme_policy: EvictionPolicy = make_policy(config.nvme.policy)
         self.cpu = TierCounters()
+        self.nvme_counters = TierCounters()
+        self.nvme: NvmeTier | None = None  # set by start() when configured
         self._namespaces: dict[int, NamespaceRecord] = {}
         self._by_name: dict[str, NamespaceRecord] = {}
+        self._by_fingerprint: dict[bytes, NamespaceRecord] = {}
         self._reservations: dict[int, _Reservation] = {}
         self._leases: dict[int, _Lease] = {}
         self._ids = itertools.count(1)
-        self._used_bytes = 0
+        self._cpu_used = 0
+        self._cpu_clean = 0  # bytes of CPU blocks that also have a disk copy
+        self._nvme_blocks = 0
         self._reserved_blocks = 0
+        from kvstore.daemon.movement import Mover
+
+        self.mover = Mover(self)
+
+    async def start(self) -> None:
+        """Open the NVMe tier (recovering what it holds) and start background movement."""
+        await self.mover.start()
+
+    async def stop(self) -> None:
+        """Write dirty blocks down (bounded by ``drain_timeout_s``), close tiers, unlink."""
+        await self.mover.stop()
+        self.close()
 
     def close(self) -> None:
         self.arena.close()
@@ -123,27 +159,57 @@ class BlockStore:
         existing = self._by_name.get(namespace.name)
         if existing is not None:
             if existing.fingerprint != fingerprint:
+                assert existing.namespace is not None
                 raise NamespaceMismatchError(
                     f"namespace {namespace.name!r} is registered with layout "
                     f"{_describe(existing.namespace.layout)}; this client claims "
                     f"{_describe(namespace.layout)} (hash version {namespace.hash_version})"
                 )
             return existing
+        recovered = self._by_fingerprint.get(fingerprint)
+        if recovered is not None:
+            # Blocks of this namespace were found on disk at start-up: bind them to it.
+            if recovered.block_bytes != block_bytes:
+                raise NamespaceMismatchError(
+                    f"blocks on disk for {namespace.name!r} are {recovered.block_bytes} bytes, "
+                    f"the layout gives {block_bytes}"
+                )
+            recovered.namespace = namespace
+            recovered.priority = priority
+            self._by_name[namespace.name] = recovered
+            return recovered
+        record = self._new_namespace(namespace, fingerprint, block_bytes, priority)
+        self._by_name[namespace.name] = record
+        return record
+
+    def _new_namespace(
+        self, namespace: Namespace | None, fingerprint: bytes, block_bytes: int, priority: int
+    ) -> NamespaceRecord:
         if len(self._namespaces) >= 0xFFFF:
             raise CapacityError("too many namespaces (65535)")
         ns_id = len(self._namespaces) + 1
-        record = NamespaceRecord(
-            ns_id, namespace, namespace.seed, fingerprint, block_bytes, priority
-        )
+        record = NamespaceRecord(ns_id, namespace, fingerprint, block_bytes, priority)
         self._namespaces[ns_id] = record
-        self._by_name[namespace.name] = record
+        self._by_fingerprint[fingerprint] = record
+        return record
+
+    def recovered_namespace(self, fingerprint: bytes, block_bytes: int) -> NamespaceRecord:
+        record = self._by_fingerprint.get(fingerprint)
+        if record is None:
+            record = self._new_namespace(None, fingerprint, block_bytes, 0)
         return record
 
     def namespace(self, ns_id: int) -> NamespaceRecord:
         record = self._namespaces.get(ns_id)
-        if record is None:
+        if record is None or record.namespace is None:
             raise UnknownNamespaceError(f"unknown namespace id {ns_id}: open the namespace first")
         return record
+
+    def block_bytes_of(self, eid: int) -> int:
+        return self._namespaces[self.index.ns[eid]].block_bytes
+
+    def fingerprint_of(self, eid: int) -> bytes:
+        return self._namespaces[self.index.ns[eid]].fingerprint
 
     # ----------------------------------------------------------------- reads
     def _committed(self, ns_id: int, key: bytes) -> int | None:
@@ -156,7 +222,7 @@ class BlockStore:
             return None
         return eid
 
-    def _leading_run(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
+    def leading_run(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
         eids: list[int] = []
         for key in keys:
             eid = self._committed(ns_id, key)
@@ -167,23 +233,37 @@ class BlockStore:
 
     def lookup(self, ns_id: int, keys: Sequence[bytes]) -> int:
         record = self.namespace(ns_id)
-        found = len(self._leading_run(ns_id, keys))
+        run = self.leading_run(ns_id, keys)
+        found = len(run)
         # Hits and misses are counted per key asked by lookup, the call engines make before
-        # every prefill; a get that follows it asks only for what lookup found.
+        # every prefill; a get that follows it asks only for what lookup found. A block is a hit
+        # of the highest tier that holds it.
         record.lookup_hits += found
         record.lookup_misses += len(keys) - found
-        self.cpu.hits += found
-        self.cpu.misses += len(keys) - found
+        in_cpu = sum(1 for e in run if self.index.tier[e] & IN_CPU)
+        self.cpu.hits += in_cpu
+        self.cpu.misses += len(keys) - in_cpu
+        if self.nvme is not None:
+            self.nvme_counters.hits += found - in_cpu
+            self.nvme_counters.misses += len(keys) - found
         return found
 
-    def acquire(self, ns_id: int, keys: Sequence[bytes]) -> tuple[int, list[int], list[int]]:
-        """Lease the leading run of present blocks: (lease id or 0, offsets, checksums)."""
+    async def acquire(self, ns_id: int, keys: Sequence[bytes]) -> tuple[int, list[int], list[int]]:
+        """Lease the leading run of present blocks, promoting any that are only on disk:
+        (lease id or 0, offsets, checksums)."""
         self.namespace(ns_id)
-        eids = self._leading_run(ns_id, keys)
+        eids = self.leading_run(ns_id, keys)
         if not eids:
             return 0, [], []
-        for eid in eids:
+        for eid in eids:  # pin the whole run before anything awaits
             self.index.add_lease(eid)
+        ready = await self.mover.bring_to_cpu(eids)
+        for eid in eids[ready:]:
+            self._drop_one_lease(eid)
+        eids = eids[:ready]
+        if not eids:
+            return 0, [], []
+        self.mover.note_read(eids)
         self.policy.touch(eids)
         lease_id = next(self._ids)
         self._leases[lease_id] = _Lease(eids, self._clock() + self.config.lease_ttl_s)
@@ -195,12 +275,12 @@ class BlockStore:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             raise LeaseExpiredError(f"lease {lease_id} is unknown or already expired")
-        self._drop_lease(lease)
-
-    def _drop_lease(self, lease: _Lease) -> None:
         for eid in lease.eids:
-            if self.index.drop_lease(eid) == 0 and self.index.state[eid] == State.ORPHAN:
-                self._free_entry(eid)
+            self._drop_one_lease(eid)
+
+    def _drop_one_lease(self, eid: int) -> None:
+        if self.index.drop_lease(eid) == 0 and self.index.state[eid] == State.ORPHAN:
+            self._free_entry(eid)
 
     def leased_entries(self, lease_id: int) -> list[int]:
         lease = self._leases.get(lease_id)
@@ -209,44 +289,45 @@ class BlockStore:
         return lease.eids
 
     def read_block(self, eid: int) -> tuple[bytes, int]:
-        """Copy one leased block's bytes out of the arena (the bytes path)."""
-        size = self._namespaces[self.index.ns[eid]].block_bytes
+        """Copy one leased CPU block's bytes out of the arena (the bytes path)."""
+        size = self.block_bytes_of(eid)
         offset = self.index.offset[eid]
         return bytes(self.arena.view[offset : offset + size]), self.index.checksum[eid]
 
     # ----------------------------------------------------------------- writes
-    def reserve(
+    async def reserve(
         self, ns_id: int, keys: Sequence[bytes], priority: int = -1
     ) -> tuple[int, list[int]]:
         """Reserve a slot for each key not present: (reservation id or 0, offset or -1 per key).
 
-        All or nothing: when the tier cannot make room for every new key (the rest is leased or
-        being written) nothing is reserved and CapacityError says how many slots were missing.
+        All or nothing: when the CPU tier cannot make room for every new key (the rest is leased
+        or being written) nothing is reserved and CapacityError says how many slots were missing.
         """
         record = self.namespace(ns_id)
         priority = record.priority if priority < 0 else priority
         if priority > 255:
             raise ValueError(f"priority must be in [0, 255], got {priority}")
-        todo: list[int] = []
-        seen: set[bytes] = set()
         for i, key in enumerate(keys):
             if len(key) != KEY_BYTES:
                 raise ValueError(f"key {i} is {len(key)} bytes, not {KEY_BYTES}")
-            if key not in seen and self.index.get(key) is None:
-                todo.append(i)
-            seen.add(key)
         offsets = [-1] * len(keys)
-        if not todo:
-            return 0, offsets
-        self._make_room(record.block_bytes, len(todo))
+        for _ in range(8):
+            todo = self._new_positions(keys)
+            if not todo:
+                return 0, offsets
+            if self.allocator.free_slots(record.block_bytes) >= len(todo):
+                break
+            # Making room may wait for dirty victims to reach the disk; other calls run
+            # meanwhile and may take the room, hence the loop.
+            await self.mover.make_cpu_room(record.block_bytes, len(todo))
+        else:
+            raise CapacityError(f"cpu tier full: room for {len(todo)} blocks kept being taken")
+        # No await from here on: the slots are ours.
         eids = []
         for i in todo:
-            offset = self.allocator.allocate(record.block_bytes)
-            if offset is None:
-                raise AssertionError("allocator out of slots after _make_room succeeded")
-            eids.append(self.index.add(keys[i], ns_id, TIER_CPU, offset, priority))
+            offset = self.cpu_alloc(record.block_bytes)
+            eids.append(self.index.add(keys[i], ns_id, IN_CPU, offset, priority))
             offsets[i] = offset
-        self._used_bytes += record.block_bytes * len(eids)
         self._reserved_blocks += len(eids)
         reservation_id = next(self._ids)
         self._reservations[reservation_id] = _Reservation(
@@ -254,30 +335,14 @@ class BlockStore:
         )
         return reservation_id, offsets
 
-    def _make_room(self, block_bytes: int, needed: int) -> None:
-        short = needed - self.allocator.free_slots(block_bytes)
-        if short <= 0:
-            return
-        slot = self.allocator.slot_bytes_for(block_bytes)
-        index = self.index
-        size_of = self._namespaces
-
-        def protected(eid: int) -> bool:
-            return bool(index.leases[eid]) or (
-                self.allocator.slot_bytes_for(size_of[index.ns[eid]].block_bytes) != slot
-            )
-
-        victims = self.policy.evict(short, protected)
-        if victims is None:
-            raise CapacityError(
-                f"cpu tier full: {needed} slots of {block_bytes} bytes needed, "
-                f"{needed - short} free and fewer than {short} evictable "
-                "(the rest are leased or being written)"
-            )
-        for eid in victims:
-            self.policy.remove(eid)
-            self._free_entry(eid)
-        self.cpu.evictions += len(victims)
+    def _new_positions(self, keys: Sequence[bytes]) -> list[int]:
+        todo: list[int] = []
+        seen: set[bytes] = set()
+        for i, key in enumerate(keys):
+            if key not in seen and self.index.get(key) is None:
+                todo.append(i)
+            seen.add(key)
+        return todo
 
     def commit(self, reservation_id: int, checksums: Sequence[int]) -> int:
         reservation = self._reservations.get(reservation_id)
@@ -297,19 +362,17 @@ class BlockStore:
         self.policy.touch(reservation.eids)
         self._reserved_blocks -= len(reservation.eids)
         record.blocks += len(reservation.eids)
+        self.mover.note_committed(reservation.eids)
         return len(reservation.eids)
 
     def abort(self, reservation_id: int) -> None:
         reservation = self._reservations.pop(reservation_id, None)
         if reservation is None:
             raise LeaseExpiredError(f"reservation {reservation_id} is unknown or expired")
-        self._reclaim(reservation)
-
-    def _reclaim(self, reservation: _Reservation) -> None:
         for eid in reservation.eids:
             self._free_entry(eid)
 
-    def put_block(self, ns_id: int, key: bytes, data: bytes, priority: int = -1) -> bool:
+    async def put_block(self, ns_id: int, key: bytes, data: bytes, priority: int = -1) -> bool:
         """The bytes path: store one block whose bytes arrived over gRPC. True if newly stored."""
         record = self.namespace(ns_id)
         if len(data) != record.block_bytes:
@@ -317,7 +380,7 @@ class BlockStore:
                 f"block for key {key.hex()[:16]}… is {len(data)} bytes, "
                 f"the namespace's blocks are {record.block_bytes}"
             )
-        reservation_id, offsets = self.reserve(ns_id, [key], priority)
+        reservation_id, offsets = await self.reserve(ns_id, [key], priority)
         if not reservation_id:
             return False
         offset = offsets[0]
@@ -325,33 +388,98 @@ class BlockStore:
         self.commit(reservation_id, [block_checksum(data)])
         return True
 
-    # ----------------------------------------------------------------- removal
+    # ----------------------------------------------------------------- slots and removal
+    def cpu_alloc(self, block_bytes: int) -> int:
+        offset = self.allocator.allocate(block_bytes)
+        if offset is None:
+            raise AssertionError("cpu allocator out of slots after room was made")
+        self._cpu_used += block_bytes
+        return offset
+
+    def cpu_unalloc(self, offset: int, block_bytes: int) -> None:
+        """Give back a slot from ``cpu_alloc`` that no entry took."""
+        self.allocator.free(offset, block_bytes)
+        self._cpu_used -= block_bytes
+
+    def drop_cpu_copy(self, eid: int) -> None:
+        """Free an entry's CPU slot; it must have a disk copy (it stays findable there)."""
+        if not self.index.tier[eid] & IN_NVME:
+            raise AssertionError(f"dropping the only copy of entry {eid}")
+        self._free_cpu_slot(eid)
+        self.policy.remove(eid)
+
+    def drop_disk_copy(self, eid: int) -> None:
+        """Free an entry's disk slot; it must have a CPU copy (it becomes dirty again)."""
+        if not self.index.tier[eid] & IN_CPU:
+            raise AssertionError(f"dropping the only copy of entry {eid}")
+        self._free_disk_slot(eid)
+        self.nvme_policy.remove(eid)
+
+    def _free_cpu_slot(self, eid: int) -> None:
+        bb = self.block_bytes_of(eid)
+        self.allocator.free(self.index.offset[eid], bb)
+        self._cpu_used -= bb
+        if self.index.tier[eid] & IN_NVME:
+            self._cpu_clean -= bb
+        self.index.offset[eid] = -1
+        self.index.tier[eid] &= ~IN_CPU
+
+    def _free_disk_slot(self, eid: int) -> None:
+        assert self.nvme is not None
+        self.nvme.free(self.index.disk[eid])
+        if self.index.tier[eid] & IN_CPU:
+            self._cpu_clean -= self.block_bytes_of(eid)
+        self.index.disk[eid] = -1
+        self.index.tier[eid] &= ~IN_NVME
+        self._nvme_blocks -= 1
+
+    def mark_on_disk(self, eid: int, slot: int) -> None:
+        self.index.disk[eid] = slot
+        self.index.tier[eid] |= IN_NVME
+        self._nvme_blocks += 1
+        if self.index.tier[eid] & IN_CPU:
+            self._cpu_clean += self.block_bytes_of(eid)
+        self.nvme_policy.insert(eid, self.index.priority[eid])
+
+    def mark_in_cpu(self, eid: int, offset: int) -> None:
+        self.index.offset[eid] = offset
+        self.index.tier[eid] |= IN_CPU
+        if self.index.tier[eid] & IN_NVME:
+            self._cpu_clean += self.block_bytes_of(eid)
+        self.policy.insert(eid, self.index.priority[eid])
+
+    def forget(self, eid: int) -> None:
+        """Remove a committed entry from every tier (evicted from the last tier holding it, or
+        found corrupt). A leased entry keeps its slots until its last lease goes."""
+        if self.index.tier[eid] & IN_CPU:
+            self.policy.remove(eid)
+        if self.index.tier[eid] & IN_NVME:
+            self.nvme_policy.remove(eid)
+        self._namespaces[self.index.ns[eid]].blocks -= 1
+        if self.index.leases[eid]:
+            self.index.orphan(eid)
+        else:
+            self._free_entry(eid)
+
     def delete(self, ns_id: int, keys: Sequence[bytes]) -> int:
-        record = self.namespace(ns_id)
+        self.namespace(ns_id)
         deleted = 0
         for key in keys:
             eid = self._committed(ns_id, key)
-            if eid is None:
-                continue
-            self.policy.remove(eid)
-            record.blocks -= 1
-            if self.index.leases[eid]:
-                self.index.orphan(eid)  # freed when the last reader releases
-            else:
-                self._free_entry(eid, count=False)
-            deleted += 1
+            if eid is not None:
+                self.forget(eid)
+                deleted += 1
         return deleted
 
-    def _free_entry(self, eid: int, count: bool = True) -> None:
-        """Return an entry's slot to the allocator and forget it. Does not touch the policy."""
+    def _free_entry(self, eid: int) -> None:
+        """Free every slot an entry holds and forget it. Does not touch the policies."""
         state = self.index.state[eid]
-        record = self._namespaces[self.index.ns[eid]]
-        self.allocator.free(self.index.offset[eid], record.block_bytes)
-        self._used_bytes -= record.block_bytes
+        if self.index.tier[eid] & IN_CPU:
+            self._free_cpu_slot(eid)
+        if self.index.tier[eid] & IN_NVME:
+            self._free_disk_slot(eid)
         if state == State.RESERVED:
             self._reserved_blocks -= 1
-        elif state == State.COMMITTED and count:
-            record.blocks -= 1
         self.index.drop(eid)
 
     def reap(self) -> tuple[int, int]:
@@ -359,10 +487,12 @@ class BlockStore:
         now = self._clock()
         dead_res = [r for r, v in self._reservations.items() if v.expires_at <= now]
         for rid in dead_res:
-            self._reclaim(self._reservations.pop(rid))
+            for eid in self._reservations.pop(rid).eids:
+                self._free_entry(eid)
         dead_leases = [lid for lid, v in self._leases.items() if v.expires_at <= now]
         for lid in dead_leases:
-            self._drop_lease(self._leases.pop(lid))
+            for eid in self._leases.pop(lid).eids:
+                self._drop_one_lease(eid)
         return len(dead_res), len(dead_leases)
 
     # ----------------------------------------------------------------- stats
@@ -374,21 +504,53 @@ class BlockStore:
     def active_reservations(self) -> int:
         return len(self._reservations)
 
+    @property
+    def cpu_used_bytes(self) -> int:
+        return self._cpu_used
+
+    @property
+    def cpu_clean_bytes(self) -> int:
+        return self._cpu_clean
+
     def tier_snapshots(self) -> list[TierSnapshot]:
-        committed = len(self.index) - self._reserved_blocks
-        return [
+        cpu_blocks = len(self.policy)
+        snaps = [
             TierSnapshot(
                 "cpu",
                 self.allocator.capacity_bytes,
-                self._used_bytes,
-                committed,
+                self._cpu_used,
+                cpu_blocks,
                 self.cpu,
-                extra={"reserved_blocks": float(self._reserved_blocks)},
+                extra={
+                    "reserved_blocks": float(self._reserved_blocks),
+                    "clean_bytes": float(self._cpu_clean),
+                },
             )
         ]
+        if self.nvme is not None:
+            stats = self.nvme.stats()
+            extra = {
+                k: float(v)
+                for k, v in stats.items()
+                if k not in ("capacity_bytes", "used_bytes", "blocks")
+                and isinstance(v, int | float)
+            }
+            extra["prefetch_hits"] = float(self.nvme_counters.prefetch_hits)
+            extra["io_errors"] = float(self.nvme_counters.io_errors)
+            snaps.append(
+                TierSnapshot(
+                    "nvme",
+                    int(stats["capacity_bytes"]),
+                    int(stats["used_bytes"]),
+                    self._nvme_blocks,
+                    self.nvme_counters,
+                    extra=extra,
+                )
+            )
+        return snaps
 
     def namespaces(self) -> list[NamespaceRecord]:
-        return list(self._namespaces.values())
+        return [r for r in self._namespaces.values() if r.namespace is not None or r.blocks]
 
 
 def _describe(layout: KVLayout) -> str:

@@ -1,0 +1,373 @@
+"""Moving blocks between the CPU tier and the NVMe tier: write-back, promotion, prefetch.
+
+``Mover`` owns the NVMe tier object and the work in flight between tiers: the background
+flusher, promotions (deduplicated: a second reader of a block being promoted awaits the first
+promotion), prefetch tasks and the drain at shutdown. It changes the index only through the
+store's methods. Runs on the daemon's event loop; the tier does its IO in its own threads.
+
+Every IO holds a lease on its entry for its duration, so the entry's slots are never freed or
+reused under it; an entry deleted meanwhile becomes an ORPHAN and its slots go with the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from kvstore.checksum import block_checksum
+from kvstore.errors import CapacityError
+from kvstore.index import IN_CPU, IN_NVME, State
+
+if TYPE_CHECKING:
+    from kvstore.daemon.store import BlockStore
+
+log = logging.getLogger(__name__)
+
+
+class Mover:
+    """See the module docstring. Created by the store; ``start``/``stop`` bracket its life."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+        self.config = store.config.nvme
+        self._promoting: dict[int, asyncio.Future[bool]] = {}
+        self._flushing: dict[int, asyncio.Future[bool]] = {}
+        self._write_through: deque[int] = deque()
+        self._prefetched = bytearray()
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._flusher: asyncio.Task[None] | None = None
+
+    # ----------------------------------------------------------------- life cycle
+    async def start(self) -> None:
+        if not self.config.enabled:
+            return
+        from kvstore.tiers.nvme import NvmeTier
+
+        tier = NvmeTier(
+            self.config.path,
+            self.config.capacity_bytes,
+            codec=None if self.config.codec == "none" else self.config.codec,
+            direct_io=self.config.direct_io,
+            io_threads=self.config.io_threads,
+        )
+        records = await tier.open()
+        self.store.nvme = tier
+        self._recover(records)
+        self._flusher = asyncio.create_task(self._flush_loop())
+
+    def _recover(self, records: list[Any]) -> None:
+        """Index every block found on disk, oldest first so the LRU order approximates age."""
+        store, index = self.store, self.store.index
+        for rec in sorted(records, key=lambda r: r.seq):
+            ns = store.recovered_namespace(rec.namespace, rec.length)
+            old = index.get(rec.key)
+            if old is not None:  # an older record of the same key: keep the newest
+                store.forget(old)
+            eid = index.add(rec.key, ns.ns_id, 0, -1, 0)
+            index.commit(eid, rec.checksum)
+            store.mark_on_disk(eid, rec.slot)
+            ns.blocks += 1
+
+    async def stop(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        tier = self.store.nvme
+        if tier is None:
+            return
+        # Write dirty blocks down so a restart finds them: coldest first, within the budget.
+        dirty = [e for e in self.store.policy.order() if not self.store.index.tier[e] & IN_NVME]
+        try:
+            await asyncio.wait_for(self._flush_all(dirty), self.store.config.drain_timeout_s)
+        except TimeoutError:
+            log.warning("drain timed out; %d dirty blocks may not be on disk", len(dirty))
+        await tier.close()
+
+    async def _flush_all(self, eids: list[int]) -> None:
+        window = 2 * self.config.io_threads
+        for i in range(0, len(eids), window):
+            await asyncio.gather(*(self.flush(e) for e in eids[i : i + window]))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ----------------------------------------------------------------- hooks from the store
+    def note_committed(self, eids: list[int]) -> None:
+        if self.store.nvme is None:
+            return
+        if self.config.write_through:
+            self._write_through.extend(eids)
+        self._wake.set()
+
+    def note_read(self, eids: list[int]) -> None:
+        flags = self._prefetched
+        for eid in eids:
+            if eid < len(flags) and flags[eid]:
+                flags[eid] = 0
+                self.store.nvme_counters.prefetch_hits += 1
+
+    # ----------------------------------------------------------------- CPU room
+    async def make_cpu_room(self, block_bytes: int, needed: int) -> None:
+        """Free CPU slots until ``needed`` slots of this size are free: drop clean victims' CPU
+        copies, write dirty ones down first (or drop them when there is no tier below).
+        Raises CapacityError when not enough blocks can go (leased or being written)."""
+        store, index = self.store, self.store.index
+        slot_size = store.allocator.slot_bytes_for(block_bytes)
+        for _ in range(4):
+            short = needed - store.allocator.free_slots(block_bytes)
+            if short <= 0:
+                return
+
+            def protected(eid: int) -> bool:
+                return (
+                    bool(index.leases[eid])
+                    or eid in self._flushing
+                    or store.allocator.slot_bytes_for(store.block_bytes_of(eid)) != slot_size
+                )
+
+            victims = store.policy.evict(short, protected)
+            if victims is None:
+                raise CapacityError(
+                    f"cpu tier full: {needed} slots of {block_bytes} bytes needed, "
+                    f"{needed - short} free and fewer than {short} evictable "
+                    "(the rest are leased or being written)"
+                )
+            dirty = [v for v in victims if not index.tier[v] & IN_NVME]
+            if dirty and store.nvme is not None:
+                await asyncio.gather(*(self.flush(v) for v in dirty))
+            for v in victims:
+                if index.state[v] != State.COMMITTED or index.leases[v] or v in self._flushing:
+                    continue  # changed while the writes ran
+                if not index.tier[v] & IN_CPU:
+                    continue
+                if index.tier[v] & IN_NVME:
+                    store.drop_cpu_copy(v)
+                else:
+                    store.forget(v)  # nothing below holds it (no tier, or the write failed)
+                store.cpu.evictions += 1
+        if store.allocator.free_slots(block_bytes) < needed:
+            raise CapacityError(f"cpu tier full: could not free {needed} slots of {block_bytes}")
+
+    # ----------------------------------------------------------------- down: write-back
+    async def flush(self, eid: int) -> bool:
+        """Write a CPU block to disk (keeping its CPU copy). True when it is on disk."""
+        pending = self._flushing.get(eid)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._flushing[eid] = future
+        try:
+            ok = await self._flush_one(eid)
+        except BaseException:
+            future.set_result(False)
+            raise
+        finally:
+            del self._flushing[eid]
+        future.set_result(ok)
+        return ok
+
+    async def _flush_one(self, eid: int) -> bool:
+        store, index, tier = self.store, self.store.index, self.store.nvme
+        if tier is None or index.state[eid] != State.COMMITTED:
+            return False
+        if index.tier[eid] & IN_NVME:
+            return True
+        if not index.tier[eid] & IN_CPU:
+            return False
+        block_bytes = store.block_bytes_of(eid)
+        slot = self._disk_slot(block_bytes)
+        if slot is None:
+            return False
+        key, fingerprint = index.key(eid), store.fingerprint_of(eid)
+        checksum, offset = index.checksum[eid], index.offset[eid]
+        index.add_lease(eid)
+        try:
+            data = store.arena.view[offset : offset + block_bytes]
+            # Verified on the way down: a CPU copy that no longer matches its checksum (a
+            # client scribbled on its slot) must not be made durable.
+            if await asyncio.to_thread(block_checksum, data) != checksum:
+                tier.free(slot)
+                store.cpu.checksum_failures += 1
+                store.forget(eid)
+                return False
+            from kvstore.tiers.nvme import NvmeIOError
+
+            try:
+                await tier.write(slot, key, fingerprint, data, checksum)
+            except NvmeIOError as exc:
+                store.nvme_counters.io_errors += 1
+                log.warning("nvme write failed: %s", exc)
+                return False
+            if index.state[eid] != State.COMMITTED:  # deleted while writing
+                tier.free(slot)
+                return False
+            store.mark_on_disk(eid, slot)
+            store.nvme_counters.demotions += 1
+            return True
+        finally:
+            store._drop_one_lease(eid)
+
+    def _disk_slot(self, block_bytes: int) -> int | None:
+        """A free disk slot, evicting the coldest disk block of this size when the tier is
+        full. A disk-only victim is gone; a victim with a CPU copy just becomes dirty again."""
+        store, index, tier = self.store, self.store.index, self.store.nvme
+        assert tier is not None
+        slot: int | None = tier.allocate(block_bytes)
+        if slot is not None:
+            return slot
+
+        def protected(eid: int) -> bool:
+            return (
+                bool(index.leases[eid])
+                or eid in self._promoting
+                or store.block_bytes_of(eid) != block_bytes
+            )
+
+        victims = store.nvme_policy.evict(1, protected)
+        if victims is None:
+            return None
+        for v in victims:
+            if index.tier[v] & IN_CPU:
+                store.drop_disk_copy(v)
+            else:
+                store.forget(v)
+            store.nvme_counters.evictions += 1
+        return tier.allocate(block_bytes)
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while True:
+                batch = self._next_flush_batch()
+                if not batch:
+                    break
+                results = await asyncio.gather(*(self.flush(e) for e in batch))
+                if not any(results):
+                    break  # the disk takes nothing now (full of leased blocks, IO errors)
+
+    def _next_flush_batch(self) -> list[int]:
+        store, index = self.store, self.store.index
+        limit = 2 * self.config.io_threads
+        batch: list[int] = []
+        if self.config.write_through:
+            while self._write_through and len(batch) < limit:
+                eid = self._write_through.popleft()
+                if (
+                    index.state[eid] == State.COMMITTED
+                    and index.tier[eid] == IN_CPU
+                    and eid not in self._flushing
+                ):
+                    batch.append(eid)
+            return batch
+        capacity = store.allocator.capacity_bytes
+        target = (1.0 - store.config.cpu.high_watermark) * capacity
+        have = capacity - store.cpu_used_bytes + store.cpu_clean_bytes
+        if have >= target:
+            return batch
+        want = target - have
+        for eid in store.policy.order():  # coldest first
+            if index.tier[eid] == IN_CPU and eid not in self._flushing:
+                batch.append(eid)
+                want -= store.block_bytes_of(eid)
+                if want <= 0 or len(batch) >= limit:
+                    break
+        return batch
+
+    # ----------------------------------------------------------------- up: promotion, prefetch
+    async def bring_to_cpu(self, eids: list[int]) -> int:
+        """Promote the blocks of a run that are only on disk; returns how many leading blocks
+        of the run are now in the CPU tier."""
+        index = self.store.index
+        need = [e for e in eids if not index.tier[e] & IN_CPU]
+        if need:
+            await asyncio.gather(*(self.promote(e) for e in need))
+        for i, eid in enumerate(eids):
+            if index.state[eid] != State.COMMITTED or not index.tier[eid] & IN_CPU:
+                return i
+        return len(eids)
+
+    async def promote(self, eid: int) -> bool:
+        pending = self._promoting.get(eid)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._promoting[eid] = future
+        try:
+            ok = await self._promote_one(eid)
+        except BaseException:
+            future.set_result(False)
+            raise
+        finally:
+            del self._promoting[eid]
+        future.set_result(ok)
+        return ok
+
+    async def _promote_one(self, eid: int) -> bool:
+        store, index, tier = self.store, self.store.index, self.store.nvme
+        if index.state[eid] != State.COMMITTED:
+            return False
+        if index.tier[eid] & IN_CPU:
+            return True
+        if tier is None or not index.tier[eid] & IN_NVME:
+            return False
+        block_bytes = store.block_bytes_of(eid)
+        key, fingerprint = index.key(eid), store.fingerprint_of(eid)
+        checksum = index.checksum[eid]
+        index.add_lease(eid)
+        try:
+            try:
+                await self.make_cpu_room(block_bytes, 1)
+            except CapacityError:
+                return False
+            offset = store.cpu_alloc(block_bytes)
+            view = store.arena.view[offset : offset + block_bytes]
+            ok = await tier.read_into(index.disk[eid], key, fingerprint, checksum, view)
+            if index.state[eid] != State.COMMITTED:  # deleted while reading
+                store.cpu_unalloc(offset, block_bytes)
+                return False
+            if not ok:
+                # Corrupt or torn on disk: a miss, counted; the disk slot is freed.
+                store.cpu_unalloc(offset, block_bytes)
+                store.nvme_counters.checksum_failures += 1
+                store.forget(eid)
+                return False
+            store.mark_in_cpu(eid, offset)
+            store.nvme_counters.promotions += 1
+            return True
+        finally:
+            store._drop_one_lease(eid)
+
+    def prefetch(self, ns_id: int, keys: list[bytes]) -> int:
+        """Start promoting the run's disk-only blocks in prefix order; returns how many."""
+        store, index = self.store, self.store.index
+        run = store.leading_run(ns_id, keys)
+        todo = [e for e in run if not index.tier[e] & IN_CPU]
+        if todo and store.nvme is not None:
+            self._spawn(self._prefetch(todo))
+        return len(todo) if store.nvme is not None else 0
+
+    async def _prefetch(self, eids: list[int]) -> None:
+        # A window of concurrent reads; the semaphore hands them out in prefix order.
+        window = asyncio.Semaphore(self.config.io_threads)
+
+        async def one(eid: int) -> None:
+            async with window:
+                if await self.promote(eid):
+                    if eid >= len(self._prefetched):
+                        self._prefetched.extend(bytes(eid + 1 - len(self._prefetched) + 1024))
+                    self._prefetched[eid] = 1
+
+        await asyncio.gather(*(one(e) for e in eids))
