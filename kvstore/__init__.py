@@ -3,6 +3,7 @@
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.keys import BlockKey, Namespace, block_hashes
 from kvstore.layout import KVLayout
+from kvstore.paged import PagedKVCache
 
 __version__ = "0.1.0"
 
@@ -12,6 +13,7 @@ __all__ = [
     "KVLayout",
     "KVStoreClient",
     "Namespace",
+    "PagedKVCache",
     "__version__",
     "block_hashes",
 ]

@@ -1,0 +1,143 @@
+"""Paged KV-cache kernels: gather, scatter, block copy and decode paged attention.
+
+Engine layout (per layer, as vLLM keeps it): ``kv_caches[l]`` is ``[2, num_blocks, block_size,
+num_kv_heads, head_dim]`` (K then V); each block's ``[block_size, H, D]`` must be contiguous, the
+strides of dims 0 and 1 are free but equal in every layer. Store layout: one contiguous block
+``[num_layers, 2, block_size, H, D]``.
+
+Every function validates its inputs (ValueError naming the problem) and dispatches on the
+device of the caches: CUDA tensors go to the CuPy-launched kernels in ``cuda.py`` (imported only
+then, so CuPy stays optional), anything else to the torch reference in ``reference.py``.
+``check=False`` skips only the checks that read id values (range, uniqueness, seq_lens), which
+cost a device sync when the ids live on a GPU.
+
+This package imports nothing from kvstore: it is the lowest layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import reference
+from ._validate import (
+    BlocksLike,
+    IdsLike,
+    as_ids,
+    check_attention,
+    check_blocks,
+    check_caches,
+    check_id_range,
+    check_unique,
+)
+
+__all__ = ["copy_blocks", "gather_blocks", "paged_attention", "reference", "scatter_blocks"]
+
+
+def gather_blocks(
+    kv_caches: Sequence[torch.Tensor], block_ids: IdsLike, out: BlocksLike, *, check: bool = True
+) -> None:
+    """Copy physical blocks out of the paged cache: ``out[i][l] = kv_caches[l][:, block_ids[i]]``.
+
+    ``out`` is one tensor ``[n, num_layers, 2, block_size, H, D]`` or n contiguous per-block
+    tensors (e.g. views into shared-memory slots). With CUDA caches, ``out`` may be device memory
+    or pinned host memory, written by the kernel directly (zero-copy); all layers go in one launch.
+    """
+    geom = check_caches(kv_caches)
+    ids = as_ids(block_ids, "block_ids")
+    check_blocks(out, geom, ids.numel(), "out")
+    if check:
+        check_id_range(ids, geom.num_blocks, "block_ids")
+    if ids.numel() == 0:
+        return
+    if geom.device.type == "cuda":
+        from . import cuda
+
+        cuda.gather_blocks(geom, kv_caches, ids, out)
+    else:
+        reference.gather_blocks(kv_caches, ids, out)
+
+
+def scatter_blocks(
+    blocks: BlocksLike, kv_caches: Sequence[torch.Tensor], block_ids: IdsLike, *, check: bool = True
+) -> None:
+    """Copy contiguous blocks into the paged cache, the inverse of gather_blocks:
+    ``kv_caches[l][:, block_ids[i]] = blocks[i][l]``.
+
+    ``block_ids`` must be distinct (each destination written once).
+    """
+    geom = check_caches(kv_caches)
+    ids = as_ids(block_ids, "block_ids")
+    check_blocks(blocks, geom, ids.numel(), "blocks")
+    if check:
+        check_id_range(ids, geom.num_blocks, "block_ids")
+        check_unique(ids, "block_ids")
+    if ids.numel() == 0:
+        return
+    if geom.device.type == "cuda":
+        from . import cuda
+
+        cuda.scatter_blocks(geom, blocks, kv_caches, ids)
+    else:
+        reference.scatter_blocks(blocks, kv_caches, ids)
+
+
+def copy_blocks(
+    kv_caches: Sequence[torch.Tensor],
+    src_block_ids: IdsLike,
+    dst_block_ids: IdsLike,
+    *,
+    check: bool = True,
+) -> None:
+    """Copy whole physical blocks in every layer (for copy-on-write):
+       ``kv_caches[l][:, dst[i]] = kv_caches[l][:, src[i]]``.
+    Destinations must be distinct and disjoint from the sources, so that the
+       result does not depend on the order the copies run in.
+    """
+    geom = check_caches(kv_caches)
+    src = as_ids(src_block_ids, "src_block_ids")
+    dst = as_ids(dst_block_ids, "dst_block_ids")
+    if src.numel() != dst.numel():
+        raise ValueError(
+            f"src_block_ids has {src.numel()} entries, dst_block_ids {dst.numel()}; they pair up"
+        )
+    if check:
+        check_id_range(src, geom.num_blocks, "src_block_ids")
+        check_id_range(dst, geom.num_blocks, "dst_block_ids")
+        check_unique(dst, "dst_block_ids")
+        if src.numel() and bool(torch.isin(dst, src.to(dst.device)).any()):
+            raise ValueError("dst_block_ids overlap src_block_ids; a block cannot be both")
+    if src.numel() == 0:
+        return
+    if geom.device.type == "cuda":
+        from . import cuda
+
+        cuda.copy_blocks(geom, kv_caches, src, dst)
+    else:
+        reference.copy_blocks(kv_caches, src, dst)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    check: bool = True,
+) -> torch.Tensor:
+    """Decode attention for one layer over a paged cache; returns ``[num_seqs, num_heads, D]``.
+
+    query ``[num_seqs, num_heads, D]`` (fp16, bf16 or fp32); kv_cache_layer ``[2, num_blocks,
+    block_size, num_kv_heads, D]`` of the same dtype; block_tables ``[num_seqs, max_blocks]``
+    int32 (entries past a sequence's last block are ignored); seq_lens ``[num_seqs]`` int32.
+    num_heads must be a multiple of num_kv_heads (GQA). Softmax and sums run in float32; a
+    sequence of length 0 gets zeros.
+    """
+    shape = check_attention(query, kv_cache_layer, block_tables, seq_lens, scale, check)
+    if query.device.type == "cuda":
+        from . import cuda
+
+        return cuda.paged_attention(shape, query, kv_cache_layer, block_tables, seq_lens, scale)
+    return reference.paged_attention(query, kv_cache_layer, block_tables, seq_lens, float(scale))

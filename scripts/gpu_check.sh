@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One prepared check for a GPU host, well under 5 minutes: installs CuPy (and the test tools) if
+# missing, runs the CUDA tests of the kernels and the paged cache, then the GPU benchmark.
+# Prints everything; exits non-zero if anything fails or if the CUDA tests were skipped.
+#
+#   scripts/gpu_check.sh
+#   KVSTORE_WHEELS=/path/to/wheels scripts/gpu_check.sh   # offline host: install from wheels
+#   KVSTORE_CUPY='cupy-cuda13x[ctk]' scripts/gpu_check.sh # another CuPy build
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+start=$SECONDS
+section() { printf '\n== %s (at %ds)\n' "$1" $((SECONDS - start)); }
+
+install() {
+  if [[ -n "${KVSTORE_WHEELS:-}" ]]; then
+    "$PYTHON" -m pip install -q --no-index --find-links "$KVSTORE_WHEELS" "$@"
+  else
+    "$PYTHON" -m pip install -q "$@"
+  fi
+}
+
+section "device"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+"$PYTHON" - <<'PY'
+import torch
+
+if not torch.cuda.is_available():
+    raise SystemExit("gpu_check: torch sees no CUDA device (a CPU-only torch build?)")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
+PY
+
+section "python packages"
+# `import kvstore` loads the client too (grpc, ...): install the project's dependencies if they
+# are missing, except torch, which stays the host's own CUDA build.
+if ! "$PYTHON" -c 'import kvstore' 2>/dev/null; then
+  mapfile -t deps < <("$PYTHON" - <<'PY'
+import tomllib
+
+for dep in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+    if not dep.replace(" ", "").startswith(("torch>", "torch=", "torch<", "torch;")):
+        print(dep)
+PY
+  )
+  install "${deps[@]}"
+fi
+"$PYTHON" -c 'import pytest, hypothesis' 2>/dev/null || install pytest hypothesis
+# [ctk] brings NVRTC from PyPI: RawModule compiles the .cu sources at run time.
+"$PYTHON" -c 'import cupy' 2>/dev/null || install "${KVSTORE_CUPY:-cupy-cuda12x[ctk]>=13}"
+"$PYTHON" - <<'PY'
+import cupy
+
+print(f"cupy {cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}")
+PY
+
+section "CUDA tests"
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider -rs -m cuda \
+  tests/test_kernels.py tests/test_paged.py 2>&1 | tee "$log"
+if grep -qi "skipped" "$log"; then
+  echo "gpu_check: CUDA tests were skipped; this host should run them all" >&2
+  exit 1
+fi
+
+section "benchmark"
+timeout 150 "$PYTHON" benchmarks/bench_paged.py --cuda
+
+section "done in $((SECONDS - start))s"

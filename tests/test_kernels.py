@@ -1,0 +1,456 @@
+"""kvstore.kernels: gather/scatter/copy are bit-exact moves, paged attention equals dense
+attention, bad inputs raise ValueError. CPU tests run the torch reference; tests marked ``cuda``
+run the CuPy kernels against it and skip without a GPU and CuPy."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import math
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvstore import kernels
+from kvstore.kernels import reference
+
+COPY_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]
+ATTN_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+ATTN_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+HAS_CUDA = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and CuPy")
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_RAW[t.element_size()])
+
+
+def random_bytes(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Every bit pattern, NaN payloads included: a value-converting copy would not survive."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    return data.view(dtype).reshape(shape)
+
+
+def make_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    block_major: bool = False,
+    device: str = "cpu",
+) -> list[torch.Tensor]:
+    """Per-layer caches [2, nb, bs, H, D]; ``block_major`` stores them as [nb, 2, ...] (the
+    layout some attention backends use) and hands out the transposed view."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num_layers):
+        if block_major:
+            t = random_bytes((num_blocks, 2, block_size, heads, head_dim), dtype, gen)
+            t = t.transpose(0, 1)
+        else:
+            t = random_bytes((2, num_blocks, block_size, heads, head_dim), dtype, gen)
+        out.append(t.to(device))
+    return out
+
+
+def block_shape(caches: list[torch.Tensor]) -> tuple[int, ...]:
+    _, _, bs, h, d = caches[0].shape
+    return (len(caches), 2, bs, h, d)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(raw(a.cpu()), raw(b.cpu()))
+
+
+# -- gather / scatter / copy (CPU reference path) --------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", COPY_DTYPES)
+@pytest.mark.parametrize("block_major", [False, True])
+def test_gather_matches_direct_indexing(dtype: torch.dtype, block_major: bool) -> None:
+    caches = make_caches(3, 10, 4, 2, 8, dtype, block_major=block_major)
+    ids = [7, 0, 3, 9]
+    out = torch.empty(len(ids), *block_shape(caches), dtype=dtype)
+    kernels.gather_blocks(caches, ids, out)
+    for i, b in enumerate(ids):
+        for layer, cache in enumerate(caches):
+            assert same_bytes(out[i, layer], cache[:, b])
+
+
+@pytest.mark.parametrize("dtype", COPY_DTYPES)
+def test_gather_then_scatter_is_identity(dtype: torch.dtype) -> None:
+    caches = make_caches(2, 12, 4, 2, 8, dtype, seed=1)
+    original = [c.clone() for c in caches]
+    ids = torch.tensor([5, 11, 2, 6], dtype=torch.int32)
+    blocks = torch.empty(len(ids), *block_shape(caches), dtype=dtype)
+    kernels.gather_blocks(caches, ids, blocks)
+    for c in caches:  # wipe the gathered blocks so scatter has to restore them
+        raw(c)[:, ids.long()] = 0
+    assert not all(same_bytes(c, o) for c, o in zip(caches, original, strict=True))
+    kernels.scatter_blocks(blocks, caches, ids)
+    assert all(same_bytes(c, o) for c, o in zip(caches, original, strict=True))
+
+
+@pytest.mark.parametrize("dtype", COPY_DTYPES)
+def test_gather_into_list_equals_gather_into_tensor(dtype: torch.dtype) -> None:
+    caches = make_caches(3, 9, 5, 3, 4, dtype, seed=2)
+    ids = [8, 1, 1, 4]
+    whole = torch.empty(len(ids), *block_shape(caches), dtype=dtype)
+    kernels.gather_blocks(caches, ids, whole)
+    # Separate per-block tensors, as views into one shared-memory arena would be.
+    arena = torch.zeros(len(ids) * 2 + 1, *block_shape(caches), dtype=dtype)
+    parts = [arena[2 * i + 1] for i in range(len(ids))]
+    kernels.gather_blocks(caches, ids, parts)
+    for i, p in enumerate(parts):
+        assert same_bytes(p, whole[i])
+    untouched = arena[0::2]
+    assert not bool(raw(untouched).any())
+
+
+@pytest.mark.parametrize("dtype", COPY_DTYPES)
+def test_scatter_from_list_equals_scatter_from_tensor(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    a = make_caches(2, 8, 4, 2, 4, dtype, seed=4)
+    b = [c.clone() for c in a]
+    blocks = random_bytes((3, *block_shape(a)), dtype, gen)
+    kernels.scatter_blocks(blocks, a, [6, 0, 3])
+    kernels.scatter_blocks([blk.clone() for blk in blocks], b, [6, 0, 3])
+    assert all(same_bytes(x, y) for x, y in zip(a, b, strict=True))
+    assert same_bytes(a[1][:, 0], blocks[1, 1])
+
+
+@pytest.mark.parametrize("dtype", COPY_DTYPES)
+def test_copy_blocks_copies_exactly_and_touches_nothing_else(dtype: torch.dtype) -> None:
+    caches = make_caches(3, 10, 4, 2, 8, dtype, seed=5, block_major=True)
+    before = [c.clone() for c in caches]
+    src, dst = [2, 2, 7], [0, 5, 9]
+    kernels.copy_blocks(caches, src, dst)
+    for c, old in zip(caches, before, strict=True):
+        for s, d in zip(src, dst, strict=True):
+            assert same_bytes(c[:, d], old[:, s])
+        for b in set(range(10)) - set(dst):
+            assert same_bytes(c[:, b], old[:, b])
+
+
+def test_empty_id_lists_are_no_ops() -> None:
+    caches = make_caches(2, 4, 2, 1, 4, torch.float16)
+    before = [c.clone() for c in caches]
+    kernels.gather_blocks(caches, [], torch.empty(0, *block_shape(caches), dtype=torch.float16))
+    kernels.scatter_blocks([], caches, [])
+    kernels.copy_blocks(caches, [], [])
+    assert all(same_bytes(c, o) for c, o in zip(caches, before, strict=True))
+
+
+# -- paged attention ---------------------------------------------------------------------------
+
+
+def build_paged(
+    seq_lens: list[int],
+    heads_kv: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Dense per-sequence K/V, and the same data scattered into a paged cache through shuffled
+    block tables by plain indexing (no kernel involved)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    max_blocks = max(blocks_per_seq) + 1
+    cache = torch.randn(2, num_blocks, block_size, heads_kv, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    # Padding entries point at a valid block: the kernel must not read past seq_len anyway.
+    tables = torch.full((len(seq_lens), max_blocks), perm[-1], dtype=torch.int32)
+    dense = []
+    for i, n in enumerate(seq_lens):
+        k = torch.randn(n, heads_kv, head_dim, generator=gen).to(dtype)
+        v = torch.randn(n, heads_kv, head_dim, generator=gen).to(dtype)
+        for j in range(blocks_per_seq[i]):
+            b = perm.pop(0)
+            tables[i, j] = b
+            chunk = slice(j * block_size, min((j + 1) * block_size, n))
+            cache[0, b, : chunk.stop - chunk.start] = k[chunk]
+            cache[1, b, : chunk.stop - chunk.start] = v[chunk]
+        dense.append((k, v))
+    return cache, tables, torch.tensor(seq_lens, dtype=torch.int32), dense
+
+
+def dense_attention(
+    query: torch.Tensor, dense: list[tuple[torch.Tensor, torch.Tensor]], scale: float
+) -> torch.Tensor:
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    for i, (k, v) in enumerate(dense):
+        if k.shape[0] == 0:
+            continue
+        q = query[i].float()[None, :, None, :]  # [1, Hq, 1, D]
+        kk = k.float().transpose(0, 1)[None]  # [1, Hkv, n, D]
+        vv = v.float().transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q, kk, vv, scale=scale, enable_gqa=True)
+        out[i] = o[0, :, 0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize(
+    ("heads", "heads_kv", "head_dim", "block_size"),
+    [(4, 4, 16, 4), (8, 2, 32, 16), (6, 1, 24, 8)],
+)
+def test_paged_attention_equals_dense(
+    dtype: torch.dtype, heads: int, heads_kv: int, head_dim: int, block_size: int
+) -> None:
+    seq_lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 50]
+    cache, tables, lens, dense = build_paged(seq_lens, heads_kv, head_dim, block_size, dtype, 7)
+    query = torch.randn(len(seq_lens), heads, head_dim, generator=torch.Generator().manual_seed(8))
+    query = query.to(dtype)
+    scale = head_dim**-0.5
+    got = kernels.paged_attention(query, cache, tables, lens, scale)
+    assert got.shape == query.shape and got.dtype == dtype
+    want = dense_attention(query, dense, scale)
+    torch.testing.assert_close(got.float(), want, atol=ATTN_TOL[dtype], rtol=ATTN_TOL[dtype])
+
+
+def test_paged_attention_empty_sequence_gives_zeros() -> None:
+    cache, tables, lens, _ = build_paged([5, 0, 3], 2, 8, 4, torch.float32, 9)
+    query = torch.randn(3, 4, 8)
+    out = kernels.paged_attention(query, cache, tables, lens, 0.3)
+    assert torch.equal(out[1], torch.zeros(4, 8))
+    assert bool(out[0].abs().sum() > 0)
+
+
+# -- validation --------------------------------------------------------------------------------
+
+
+def _bad_copy_calls() -> list[tuple[str, object, str]]:
+    c = make_caches(2, 6, 4, 2, 8, torch.float16)
+    out = torch.empty(2, *block_shape(c), dtype=torch.float16)
+    other = make_caches(2, 6, 4, 2, 8, torch.float32)
+    return [
+        ("ids out of range", lambda: kernels.gather_blocks(c, [0, 6], out), r"block_ids\[1\] = 6"),
+        ("negative id", lambda: kernels.gather_blocks(c, [-1, 0], out), r"out of range"),
+        ("float ids", lambda: kernels.gather_blocks(c, torch.tensor([0.0, 1.0]), out), "int32"),
+        (
+            "2-D ids",
+            lambda: kernels.gather_blocks(c, torch.zeros(2, 1, dtype=torch.long), out),
+            "1-D",
+        ),
+        ("too few out", lambda: kernels.gather_blocks(c, [0, 1, 2], out), "holds 2 blocks"),
+        ("out dtype", lambda: kernels.gather_blocks(c, [0, 1], out.float()), "dtype"),
+        ("out shape", lambda: kernels.gather_blocks(c, [0, 1], out[:, :1]), "shape"),
+        ("list len", lambda: kernels.gather_blocks(c, [0, 1], [out[0]]), "holds 1 blocks"),
+        ("list dtype", lambda: kernels.gather_blocks(c, [0], [out[0].float()]), "dtype"),
+        (
+            "non-contiguous block",
+            lambda: kernels.gather_blocks(c, [0], [out[0].transpose(0, 1)]),
+            "shape|contiguous",
+        ),
+        (
+            "mixed layer dtypes",
+            lambda: kernels.gather_blocks([c[0], other[1]], [0], out[:1]),
+            "dtype",
+        ),
+        (
+            "mixed layer shapes",
+            lambda: kernels.gather_blocks([c[0], c[1][:, :3]], [0], out[:1]),
+            "shape",
+        ),
+        ("no layers", lambda: kernels.gather_blocks([], [0], out[:1]), "empty"),
+        ("one tensor not a list", lambda: kernels.gather_blocks(c[0], [0], out[:1]), "list"),  # type: ignore[arg-type]
+        ("4-D layer", lambda: kernels.gather_blocks([c[0][0]], [0], out[:1]), "shape"),
+        (
+            "non-contiguous block in cache",
+            lambda: kernels.gather_blocks([c[0].transpose(3, 4)], [0], out[:1]),
+            "contiguous",
+        ),
+        ("scatter duplicates", lambda: kernels.scatter_blocks(out, c, [1, 1]), "duplicate"),
+        ("copy length mismatch", lambda: kernels.copy_blocks(c, [0, 1], [2]), "pair"),
+        ("copy overlap", lambda: kernels.copy_blocks(c, [0, 1], [1, 2]), "overlap"),
+        ("copy dst duplicate", lambda: kernels.copy_blocks(c, [0, 1], [2, 2]), "duplicate"),
+        ("copy dst range", lambda: kernels.copy_blocks(c, [0], [9]), r"dst_block_ids\[0\] = 9"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("case", "call", "match"), _bad_copy_calls(), ids=lambda x: x if isinstance(x, str) else ""
+)
+def test_bad_copy_inputs_raise_value_error(case: str, call: object, match: str) -> None:
+    assert callable(call)
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def _bad_attention_calls() -> list[tuple[str, object, str]]:
+    cache, tables, lens, _ = build_paged([5, 9], 2, 8, 4, torch.float16, 1)
+    q = torch.randn(2, 4, 8).half()
+    pa = kernels.paged_attention
+    bad_table = tables.clone()
+    bad_table[1, 1] = cache.shape[1]
+    return [
+        ("fp8 query", lambda: pa(q.to(torch.float8_e4m3fn), cache, tables, lens, 1.0), "dtype"),
+        ("dtype mismatch", lambda: pa(q.float(), cache, tables, lens, 1.0), "dtype"),
+        ("2-D query", lambda: pa(q[0], cache, tables, lens, 1.0), "query"),
+        ("head_dim mismatch", lambda: pa(q[..., :4], cache, tables, lens, 1.0), "head_dim"),
+        (
+            "GQA ratio",
+            lambda: pa(torch.randn(2, 3, 8).half(), cache, tables, lens, 1.0),
+            "multiple",
+        ),
+        ("int64 tables", lambda: pa(q, cache, tables.long(), lens, 1.0), "int32"),
+        ("int64 seq_lens", lambda: pa(q, cache, tables, lens.long(), 1.0), "int32"),
+        ("table rows", lambda: pa(q, cache, tables[:1], lens, 1.0), "rows"),
+        ("seq_lens count", lambda: pa(q, cache, tables, lens[:1], 1.0), "entries"),
+        (
+            "seq_len too long",
+            lambda: pa(q, cache, tables, torch.tensor([5, 99], dtype=torch.int32), 1.0),
+            r"seq_lens\[1\]",
+        ),
+        (
+            "negative seq_len",
+            lambda: pa(q, cache, tables, torch.tensor([5, -1], dtype=torch.int32), 1.0),
+            r"seq_lens\[1\]",
+        ),
+        (
+            "block id out of range",
+            lambda: pa(q, cache, bad_table, lens, 1.0),
+            r"block_tables\[1, 1\]",
+        ),
+        ("scale type", lambda: pa(q, cache, tables, lens, "1.0"), "scale"),  # type: ignore[arg-type]
+    ]
+
+
+@pytest.mark.parametrize(
+    ("case", "call", "match"), _bad_attention_calls(), ids=lambda x: x if isinstance(x, str) else ""
+)
+def test_bad_attention_inputs_raise_value_error(case: str, call: object, match: str) -> None:
+    assert callable(call)
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_check_false_skips_only_value_checks() -> None:
+    cache, tables, lens, _ = build_paged([5], 1, 8, 4, torch.float32, 2)
+    q = torch.randn(1, 1, 8)
+    padded = tables.clone()
+    padded[0, -1] = -1  # past the sequence's last block: ignored with or without checks
+    kernels.paged_attention(q, cache, padded, lens, 1.0)
+    with pytest.raises(ValueError, match="int32"):
+        kernels.paged_attention(q, cache, tables.long(), lens, 1.0, check=False)
+
+
+# -- layering and optional CuPy ----------------------------------------------------------------
+
+
+def test_kernels_package_imports_nothing_of_ours() -> None:
+    folder = pathlib.Path(kernels.__file__).resolve().parent
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                assert not (node.module or "").startswith("kvstore"), f"{path.name} imports kvstore"
+            if isinstance(node, ast.Import):
+                assert all(not a.name.startswith("kvstore") for a in node.names), path.name
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed")
+def test_cuda_module_imports_without_cupy_and_says_what_is_missing() -> None:
+    from kvstore.kernels import cuda
+
+    with pytest.raises(RuntimeError, match="CuPy"):
+        cuda._cupy()
+
+
+def test_cuda_sources_ship_with_the_package() -> None:
+    folder = pathlib.Path(kernels.__file__).resolve().parent
+    assert {p.name for p in folder.glob("*.cu")} == {"paged_copy.cu", "paged_attention.cu"}
+
+
+# -- CUDA kernels against the reference --------------------------------------------------------
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", COPY_DTYPES)
+@pytest.mark.parametrize("block_major", [False, True])
+def test_cuda_copies_match_reference(dtype: torch.dtype, block_major: bool) -> None:
+    host = make_caches(3, 20, 16, 4, 64, dtype, seed=11, block_major=block_major)
+    dev = [c.cuda() for c in host]
+    ids = [19, 0, 7, 3, 12]
+    shape = (len(ids), *block_shape(host))
+    want = torch.empty(shape, dtype=dtype)
+    reference.gather_blocks(host, torch.tensor(ids), want)
+
+    got = torch.empty(shape, dtype=dtype, device="cuda")
+    kernels.gather_blocks(dev, ids, got)
+    assert same_bytes(got, want)
+    parts = [torch.empty(shape[1:], dtype=dtype, device="cuda") for _ in ids]
+    kernels.gather_blocks(dev, torch.tensor(ids, device="cuda"), parts)
+    assert all(same_bytes(p, want[i]) for i, p in enumerate(parts))
+
+    fresh = random_bytes(shape, dtype, torch.Generator().manual_seed(12))
+    kernels.scatter_blocks(fresh.cuda(), dev, [1, 2, 4, 5, 6])
+    reference.scatter_blocks(fresh, host, torch.tensor([1, 2, 4, 5, 6]))
+    kernels.copy_blocks(dev, [1, 1, 19], [8, 9, 10])
+    reference.copy_blocks(host, torch.tensor([1, 1, 19]), torch.tensor([8, 9, 10]))
+    torch.cuda.synchronize()
+    assert all(same_bytes(d, h) for d, h in zip(dev, host, strict=True))
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
+def test_cuda_gather_scatter_pinned_host_zero_copy(dtype: torch.dtype) -> None:
+    host = make_caches(2, 10, 16, 2, 32, dtype, seed=13)
+    dev = [c.cuda() for c in host]
+    ids = [3, 9, 0]
+    shape = (len(ids), *block_shape(host))
+    want = torch.empty(shape, dtype=dtype)
+    reference.gather_blocks(host, torch.tensor(ids), want)
+    pinned = torch.empty(shape, dtype=dtype).pin_memory()
+    kernels.gather_blocks(dev, ids, pinned)
+    # A one-element offset into a pinned arena forces the narrow-vector kernels.
+    arena = torch.zeros(math.prod(shape) + 1, dtype=dtype).pin_memory()
+    parts = list(arena[1:].view(shape))
+    kernels.gather_blocks(dev, ids, parts)
+    torch.cuda.synchronize()
+    assert same_bytes(pinned, want)
+    assert all(same_bytes(p, want[i]) for i, p in enumerate(parts))
+    kernels.scatter_blocks(parts, dev, [4, 5, 6])
+    torch.cuda.synchronize()
+    for i, b in enumerate([4, 5, 6]):
+        for layer in range(2):
+            assert same_bytes(dev[layer][:, b], want[i, layer])
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_pageable_host_out_is_refused() -> None:
+    dev = [c.cuda() for c in make_caches(1, 4, 16, 1, 32, torch.float16)]
+    out = torch.empty(1, 1, 2, 16, 1, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="pageable"):
+        kernels.gather_blocks(dev, [0], out)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize(("heads", "heads_kv", "head_dim"), [(8, 8, 64), (32, 8, 128), (4, 1, 80)])
+def test_cuda_paged_attention_matches_reference(
+    dtype: torch.dtype, heads: int, heads_kv: int, head_dim: int
+) -> None:
+    seq_lens = [1, 15, 16, 17, 0, 300, 1000]
+    cache, tables, lens, _ = build_paged(seq_lens, heads_kv, head_dim, 16, dtype, 21)
+    query = torch.randn(len(seq_lens), heads, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    want = reference.paged_attention(query, cache, tables, lens, scale)
+    got = kernels.paged_attention(query.cuda(), cache.cuda(), tables.cuda(), lens.cuda(), scale)
+    tol = ATTN_TOL[dtype]
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
