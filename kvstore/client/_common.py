@@ -154,6 +154,7 @@ class MappedArena:
             raise ValueError(f"arena {info.path} does not carry the daemon's token")
         self.path = info.path
         self.size_bytes = size
+        self.pinned = False  # registered with CUDA as pinned memory (see paged_io)
         self.bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self._np = np.frombuffer(self._mmap, dtype=np.uint8)
 
@@ -192,7 +193,17 @@ class MappedArena:
                 return i
         return len(offsets)
 
+    def intact(self, offsets: Sequence[int], checksums: Sequence[int], nbytes: int) -> int:
+        """How many leading slots still hold the bytes their checksums name."""
+        for i, offset in enumerate(offsets):
+            if self.checksum(offset, nbytes) != checksums[i]:
+                return i
+        return len(offsets)
+
     def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
+            self.pinned = False
         del self.bytes
         del self._np
         try:

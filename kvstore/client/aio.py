@@ -16,7 +16,9 @@ import grpc
 import numpy as np
 import torch
 
+from kvstore import kernels
 from kvstore.address import default_address
+from kvstore.client import paged_io
 from kvstore.client._common import (
     MappedArena,
     blocks_from_stream,
@@ -241,6 +243,69 @@ class AsyncKVStoreClient:
 
     async def stats(self) -> pb.StatsResponse:
         return await self._call(self._stub.Stats, pb.StatsRequest)
+
+    # ------------------------------------------------------------------ paged caches
+    async def offload(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        priority: int | None = None,
+    ) -> int:
+        """As ``KVStoreClient.offload``; the gathers run in a worker thread."""
+        ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
+        check_keys(keys)
+        stored = 0
+        for ck, cids in paged_io.chunked(keys, ids):
+            if self._arena is None:
+                blocks = paged_io.staging(self.layout, len(cids))
+                await asyncio.to_thread(kernels.gather_blocks, kv_caches, cids, blocks)
+                stored += await self.put(ck, blocks, priority)
+                continue
+            paged_io.ensure_pinned(self._arena, kv_caches)
+            reservation = await self.reserve(ck, priority)
+            try:
+                await asyncio.to_thread(
+                    paged_io.gather_into_views,
+                    kv_caches,
+                    [cids[i] for i in reservation.indices],
+                    reservation.views,
+                )
+            except BaseException:
+                await reservation.abort()
+                raise
+            stored += await reservation.commit()
+        return stored
+
+    async def load(
+        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], keys: Sequence[bytes]
+    ) -> int:
+        """As ``KVStoreClient.load``; the scatters run in a worker thread."""
+        ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
+        check_keys(keys)
+        loaded = 0
+        for ck, cids in paged_io.chunked(keys, ids):
+            if self._arena is None:
+                got = await self.get(ck)
+                await asyncio.to_thread(
+                    kernels.scatter_blocks, got, kv_caches, cids[: got.shape[0]]
+                )
+                n = got.shape[0]
+            else:
+                arena = self._arena
+                paged_io.ensure_pinned(arena, kv_caches)
+                lease = await self.acquire(ck)
+                try:
+                    await asyncio.to_thread(
+                        paged_io.scatter_from_views, lease.views, kv_caches, cids[: len(lease)]
+                    )
+                    n = arena.intact(lease.offsets, lease.checksums, self.layout.block_bytes)
+                finally:
+                    await lease.release()
+            loaded += n
+            if n < len(ck):
+                break
+        return loaded
 
     # ------------------------------------------------------------------ zero-copy API
     async def reserve(

@@ -18,7 +18,9 @@ import grpc
 import numpy as np
 import torch
 
+from kvstore import kernels
 from kvstore.address import default_address
+from kvstore.client import paged_io
 from kvstore.client._common import (
     MappedArena,
     blocks_from_stream,
@@ -232,6 +234,59 @@ class KVStoreClient:
 
     def stats(self) -> pb.StatsResponse:
         return self._call(self._stub.Stats, pb.StatsRequest)
+
+    # ------------------------------------------------------------------ paged caches
+    def offload(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        priority: int | None = None,
+    ) -> int:
+        """Store physical blocks ``block_ids`` of an engine's paged cache (``kv_caches``: one
+        ``[2, num_blocks, block_size, H, D]`` tensor per layer) under ``keys``, gathering them
+        straight into shared memory. Returns how many blocks were newly stored."""
+        ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
+        check_keys(keys)
+        stored = 0
+        for ck, cids in paged_io.chunked(keys, ids):
+            if self._arena is None:
+                blocks = paged_io.staging(self.layout, len(cids))
+                kernels.gather_blocks(kv_caches, cids, blocks)
+                stored += self.put(ck, blocks, priority)
+                continue
+            paged_io.ensure_pinned(self._arena, kv_caches)
+            with self.reserve(ck, priority) as reservation:
+                paged_io.gather_into_views(
+                    kv_caches, [cids[i] for i in reservation.indices], reservation.views
+                )
+            stored += reservation.committed
+        return stored
+
+    def load(
+        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], keys: Sequence[bytes]
+    ) -> int:
+        """Fill physical blocks ``block_ids`` from the store; returns n, the number of leading
+        blocks loaded (the rest were not cached, or failed their checksum)."""
+        ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
+        check_keys(keys)
+        loaded = 0
+        for ck, cids in paged_io.chunked(keys, ids):
+            if self._arena is None:
+                got = self.get(ck)
+                kernels.scatter_blocks(got, kv_caches, cids[: got.shape[0]])
+                n = got.shape[0]
+            else:
+                paged_io.ensure_pinned(self._arena, kv_caches)
+                with self.acquire(ck) as lease:
+                    paged_io.scatter_from_views(lease.views, kv_caches, cids[: len(lease)])
+                    # Checked after the copy: a slot that changed under us fails here, and the
+                    # caller recomputes from that block on.
+                    n = self._arena.intact(lease.offsets, lease.checksums, self.layout.block_bytes)
+            loaded += n
+            if n < len(ck):
+                break
+        return loaded
 
     # ------------------------------------------------------------------ zero-copy API
     def reserve(

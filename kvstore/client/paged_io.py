@@ -1,0 +1,95 @@
+"""Moving blocks between an engine's paged KV cache and the store, through the kernels.
+
+``offload`` gathers physical blocks straight into reserved shared-memory slots and commits them;
+``load`` scatters leased slots straight into physical blocks. Neither builds a tensor the size
+of the whole transfer: work goes in chunks of ``chunk_blocks`` and, on the shared-memory path,
+through no intermediate tensor at all. On CUDA the arena is registered as pinned memory once, so
+the kernels read and write it across PCIe directly. The bytes path (no arena) uses one
+chunk-sized staging tensor.
+
+Used by ``KVStoreClient.offload/load`` and ``AsyncKVStoreClient.offload/load``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from kvstore import kernels
+from kvstore.client._common import MappedArena
+from kvstore.layout import KVLayout
+
+CHUNK_BLOCKS = 32
+
+
+def check_paged(
+    layout: KVLayout,
+    kv_caches: Sequence[torch.Tensor],
+    block_ids: Sequence[int],
+    keys: Sequence[bytes],
+) -> list[int]:
+    """Validate an offload/load against the layout; returns the block ids as ints."""
+    if len(kv_caches) != layout.num_layers:
+        raise ValueError(f"kv_caches has {len(kv_caches)} layers, layout has {layout.num_layers}")
+    expected = (2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    for i, cache in enumerate(kv_caches):
+        if not isinstance(cache, torch.Tensor):
+            raise ValueError(f"kv_caches[{i}] must be a torch.Tensor")
+        if cache.dtype != layout.dtype:
+            raise ValueError(
+                f"kv_caches[{i}] has dtype {cache.dtype}, layout expects {layout.dtype}"
+            )
+        shape = tuple(cache.shape)
+        if len(shape) != 5 or (shape[0], *shape[2:]) != expected:
+            raise ValueError(
+                f"kv_caches[{i}] has shape {shape}, expected [2, num_blocks, "
+                f"{layout.block_size}, {layout.num_kv_heads}, {layout.head_dim}]"
+            )
+    ids = [
+        int(b) for b in (block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids)
+    ]
+    if len(ids) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(ids)} block ids")
+    return ids
+
+
+def ensure_pinned(arena: MappedArena, kv_caches: Sequence[torch.Tensor]) -> None:
+    """Register the arena as pinned host memory the first time CUDA caches use it, so the
+    kernels copy across PCIe at full speed and without a staging buffer."""
+    if not kv_caches or kv_caches[0].device.type != "cuda" or arena.pinned:
+        return
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(arena.bytes.data_ptr(), arena.size_bytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of the shared-memory arena failed: {err}")
+    arena.pinned = True
+
+
+def chunked(
+    keys: Sequence[bytes], ids: list[int], size: int = CHUNK_BLOCKS
+) -> Iterator[tuple[Sequence[bytes], list[int]]]:
+    for start in range(0, len(ids), size):
+        yield keys[start : start + size], ids[start : start + size]
+
+
+def gather_into_views(
+    kv_caches: Sequence[torch.Tensor], block_ids: list[int], views: list[torch.Tensor]
+) -> None:
+    if views:
+        kernels.gather_blocks(kv_caches, block_ids, views)
+        if kv_caches[0].device.type == "cuda":
+            torch.cuda.current_stream(kv_caches[0].device).synchronize()
+
+
+def scatter_from_views(
+    views: list[torch.Tensor], kv_caches: Sequence[torch.Tensor], block_ids: list[int]
+) -> None:
+    if views:
+        kernels.scatter_blocks(views, kv_caches, block_ids)
+        if kv_caches[0].device.type == "cuda":
+            torch.cuda.current_stream(kv_caches[0].device).synchronize()
+
+
+def staging(layout: KVLayout, n: int) -> torch.Tensor:
+    return torch.empty((n, *layout.block_shape), dtype=layout.dtype)
