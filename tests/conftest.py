@@ -113,8 +113,13 @@ def config_toml(
     lease_ttl_s: float = 30.0,
     reservation_ttl_s: float = 30.0,
     reaper_interval_s: float = 0.2,
+    high_watermark: float = 0.9,
+    nvme_path: str | Path | None = None,
+    nvme_capacity: str = "1MiB",
+    nvme_codec: str = "none",
+    write_through: bool = False,
 ) -> str:
-    return f"""
+    text = f"""
 [daemon]
 lease_ttl_s = {lease_ttl_s}
 reservation_ttl_s = {reservation_ttl_s}
@@ -124,7 +129,17 @@ reaper_interval_s = {reaper_interval_s}
 capacity = "{cpu_capacity}"
 slab = "{slab}"
 policy = "{policy}"
+high_watermark = {high_watermark}
 """
+    if nvme_path is not None:
+        text += f"""
+[nvme]
+path = "{nvme_path}"
+capacity = "{nvme_capacity}"
+codec = "{nvme_codec}"
+write_through = {"true" if write_through else "false"}
+"""
+    return text
 
 
 @pytest.fixture

@@ -1,0 +1,46 @@
+# The two commands a fresh machine needs:
+#   make demo   set up .venv, start the daemon on the embedded default config, run a workload
+#   make test   set up .venv, lint, type-check, check generated code, compile kernels, run tests
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint pytest proto kernels bench clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 is installed first, from the CPU wheel on disk, so that nothing pulls a
+# multi-GB CUDA build; pyproject.toml asks only for a range that version satisfies.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m kvstore demo
+
+test: setup lint pytest
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	PYTHON=$(PY) scripts/gen_proto.sh --check
+	scripts/compile_kernels.sh
+
+pytest: setup
+	$(PY) -m pytest -q
+
+proto: setup
+	PYTHON=$(PY) scripts/gen_proto.sh
+
+bench: setup
+	$(PY) benchmarks/bench_transfer.py
+	$(PY) benchmarks/bench_lookup.py
+	$(PY) benchmarks/bench_index_memory.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
