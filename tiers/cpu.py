@@ -46,9 +46,11 @@ class SharedMemoryArena:
         try:
             os.ftruncate(fd, self.size_bytes)
             if prefault:
+                # Allocates (and zeroes) every page now. The daemon's own mapping is not
+                # populated: it touches slot bytes only on the bytes path and when moving
+                # blocks between tiers, and page tables cost 2 KiB per MiB per process.
                 os.posix_fallocate(fd, 0, self.size_bytes)
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
-            self._mmap = mmap.mmap(fd, self.size_bytes, flags=flags)
+            self._mmap = mmap.mmap(fd, self.size_bytes, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
             os.unlink(self.path)
@@ -161,6 +163,13 @@ class SlabAllocator:
     def free_slots(self, block_bytes: int) -> int:
         """Slots a class could still hand out without eviction (its own plus unassigned slabs)."""
         cls = self._class(block_bytes)
-        return len(cls.free) + sum(
-            size // cls.slot_bytes for size in self._slab_sizes[self._next_slab :]
+        unassigned = self.num_slabs - self._next_slab
+        if unassigned == 0:
+            return len(cls.free)
+        # Every unassigned slab is full-size but perhaps the last: O(1), not a scan.
+        last = self._slab_sizes[-1]
+        return (
+            len(cls.free)
+            + (unassigned - 1) * (self.slab_bytes // cls.slot_bytes)
+            + last // cls.slot_bytes
         )
