@@ -1,0 +1,479 @@
+"""Shared helpers of the benchmark scripts: real processes, timers, tables, ``--json``.
+
+* ``KVStoreDaemon``: runs ``python -m kvstore serve`` on a unix socket in a private temp dir,
+  waits until its gRPC health check says SERVING, stops it with SIGTERM (SIGKILL after a grace
+  period, then removes the arena it would have unlinked).
+* ``RedisServer``: runs ``redis-server`` on a unix socket only (``--port 0``), no persistence.
+* ``Timing`` / ``summarize`` / ``median_time``: medians (and p99) of repeated measurements.
+* ``print_table``, ``emit``: a readable table, or one JSON document with ``--json``.
+
+Every process and temp dir is cleaned up on return, exception, Ctrl-C and SIGTERM: use the
+classes as context managers inside ``run_main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import inspect
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+REDIS_SERVER = "/usr/bin/redis-server"
+
+
+# --------------------------------------------------------------------------- processes
+def _stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> int | None:
+    """SIGTERM, wait up to ``grace_s``, then SIGKILL. Returns the exit status."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def _tail(path: str, n: int = 2000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class KVStoreDaemon:
+    """A real ``kvstore serve`` subprocess on ``unix:<tmpdir>/kv.sock``.
+
+    ``cpu_capacity_bytes`` sizes the shared-memory arena (pre-faulted at start, so give it what
+    the benchmark needs and no more). The daemon runs in its own session so a Ctrl-C reaches
+    only the benchmark, which then stops the daemon in order.
+    """
+
+    def __init__(
+        self,
+        cpu_capacity_bytes: int,
+        *,
+        policy: str = "lru",
+        ready_timeout_s: float = 60.0,
+        grace_s: float = 10.0,
+    ) -> None:
+        self.cpu_capacity_bytes = cpu_capacity_bytes
+        self.policy = policy
+        self.ready_timeout_s = ready_timeout_s
+        self.grace_s = grace_s
+        self._dir: str | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.address = ""
+        self.log_path = ""
+
+    def __enter__(self) -> KVStoreDaemon:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="kvbench-kv-")
+        sock = os.path.join(self._dir, "kv.sock")
+        self.address = f"unix:{sock}"
+        self.log_path = os.path.join(self._dir, "daemon.log")
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "serve",
+            "--address",
+            self.address,
+            "--cpu-capacity",
+            str(self.cpu_capacity_bytes),
+            "--cpu-policy",
+            self.policy,
+        ]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=self._dir,
+                env=_env_with_our_kvstore(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        from kvstore.client._common import wait_for_daemon
+        from kvstore.errors import UnavailableError
+
+        assert self.proc is not None
+        try:
+            wait_for_daemon(self.address, self.ready_timeout_s, self.proc)
+        except UnavailableError as exc:
+            raise RuntimeError(f"{exc}:\n{_tail(self.log_path)}") from None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the daemon process (its share of the arena included)."""
+        return _rss_of(self.pid)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            pid = self.proc.pid
+            _stop_process(self.proc, self.grace_s)
+            self.proc = None
+            # A daemon that had to be killed could not unlink its arena: do it for it.
+            for path in glob.glob(f"/dev/shm/kvstore-{pid}-*"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+def _env_with_our_kvstore() -> dict[str, str]:
+    """The environment for a daemon that runs the very ``kvstore`` this process imported
+    (``python -m`` would otherwise prefer whatever package sits in its working directory)."""
+    import kvstore
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvstore.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def redis_server_path() -> str | None:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    return REDIS_SERVER if os.access(REDIS_SERVER, os.X_OK) else None
+
+
+class RedisServer:
+    """A real ``redis-server`` listening only on ``<tmpdir>/redis.sock``: no TCP port, no RDB
+    snapshots, no AOF, no memory limit."""
+
+    def __init__(self, ready_timeout_s: float = 30.0, grace_s: float = 10.0) -> None:
+        path = redis_server_path()
+        if path is None:
+            raise FileNotFoundError("redis-server not found (install the redis-server package)")
+        self.binary = path
+        self.ready_timeout_s = ready_timeout_s
+        self.grace_s = grace_s
+        self._dir: str | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.socket_path = ""
+        self.log_path = ""
+
+    def __enter__(self) -> RedisServer:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="kvbench-redis-")
+        self.socket_path = os.path.join(self._dir, "redis.sock")
+        self.log_path = os.path.join(self._dir, "redis.log")
+        cmd = [
+            self.binary,
+            "--port",
+            "0",
+            "--unixsocket",
+            self.socket_path,
+            "--unixsocketperm",
+            "700",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._dir,
+            "--logfile",
+            self.log_path,
+            "--daemonize",
+            "no",
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"redis-server exited with {self.proc.returncode}:\n{_tail(self.log_path)}"
+                )
+            if self._ping():
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server not ready:\n{_tail(self.log_path)}")
+            time.sleep(0.02)
+
+    def _ping(self) -> bool:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(1.0)
+        try:
+            s.connect(self.socket_path)
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop_process(self.proc, self.grace_s)
+            self.proc = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+# --------------------------------------------------------------------------- in process
+async def maybe_await(value: Any) -> Any:
+    """``await value`` if it is awaitable, else ``value``: store methods that may wait (for
+    room, for a promotion) are coroutines, the others are plain calls."""
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+@contextlib.asynccontextmanager
+async def in_process_store(config: Any) -> AsyncIterator[Any]:
+    """A real ``kvstore.daemon.store.BlockStore`` on the running event loop, started and
+    stopped as the daemon does it (arena unlinked at the end)."""
+    from kvstore.daemon.store import BlockStore
+
+    store = BlockStore(config)
+    try:
+        start = getattr(store, "start", None)
+        if start is not None:
+            await maybe_await(start())
+        yield store
+    finally:
+        stop = getattr(store, "stop", None)
+        if stop is not None:
+            await maybe_await(stop())
+        store.close()
+
+
+def _rss_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process."""
+    return _rss_of(os.getpid())
+
+
+# --------------------------------------------------------------------------- timing
+@dataclass(frozen=True)
+class Timing:
+    """Summary of repeated measurements of one quantity, in seconds."""
+
+    median_s: float
+    p99_s: float
+    min_s: float
+    n: int
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (0..1) by the nearest-rank method."""
+    ordered = sorted(samples)
+    rank = max(1, math.ceil(q * len(ordered)))
+    return ordered[rank - 1]
+
+
+def summarize(samples: Sequence[float]) -> Timing:
+    if not samples:
+        raise ValueError("no samples")
+    return Timing(statistics.median(samples), percentile(samples, 0.99), min(samples), len(samples))
+
+
+def median_time(fn: Callable[[], object], k: int, warmup: int = 1) -> Timing:
+    """Run ``fn`` ``warmup`` times untimed, then ``k`` times timed; summarize the k times."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(k):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return summarize(samples)
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    """Decimal GB/s (1e9 bytes per second), as the machine notes write them."""
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def fmt_size(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+# --------------------------------------------------------------------------- output
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A plain fixed-width table; the first column is left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        parts = [
+            row[i].ljust(widths[i]) if i == 0 else row[i].rjust(widths[i]) for i in range(len(row))
+        ]
+        return "  ".join(parts).rstrip()
+
+    print(f"\n{title}")
+    print(line(cells[0]))
+    print("  ".join("-" * w for w in widths))
+    for row in cells[1:]:
+        print(line(row))
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v != v:  # NaN
+            return "-"
+        if abs(v) >= 100:
+            return f"{v:.0f}"
+        if abs(v) >= 10:
+            return f"{v:.1f}"
+        return f"{v:.2f}"
+    return str(v)
+
+
+def machine_info() -> dict[str, Any]:
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": model,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "loadavg": os.getloadavg(),
+    }
+
+
+def print_header(name: str, args: argparse.Namespace) -> None:
+    info = machine_info()
+    load = ", ".join(f"{x:.2f}" for x in info["loadavg"])
+    mode = "quick" if args.quick else "full"
+    print(f"{name} ({mode})  {info['cpu']}, {info['cpus']} CPUs, load {load}")
+
+
+def emit(result: dict[str, Any], as_json: bool) -> None:
+    """With ``--json`` print the whole result as one JSON document on stdout."""
+    if as_json:
+        result = {**result, "machine": machine_info()}
+        print(json.dumps(result, indent=2, default=_json_default))
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, Timing):
+        return o.to_dict()
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None):
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="a short run (smoke test)")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON document instead of tables"
+    )
+    if extra is not None:
+        extra(parser)
+    return parser.parse_args()
+
+
+class Reporter:
+    """Prints tables unless ``--json``; JSON mode keeps stdout for the one document."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+
+    def table(self, title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        if not self.as_json:
+            print_table(title, headers, rows)
+            sys.stdout.flush()
+
+    def line(self, text: str = "") -> None:
+        if not self.as_json:
+            print(text, flush=True)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_main(main: Callable[[], int]) -> None:
+    """Run ``main`` so that SIGTERM and Ctrl-C unwind through every ``with`` block (stopping
+    daemons, removing temp dirs) before the script exits."""
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print("interrupted; processes and temp dirs cleaned up", file=sys.stderr)
+        code = 130
+    sys.exit(code)

@@ -1,0 +1,166 @@
+"""Latency of ``lookup`` of 128 present keys against an empty unary RPC on the same channel.
+
+A real daemon holds 128 blocks whose keys chain over one 2048-token prompt. Calls alternate
+(empty, lookup, empty, lookup, ...; the order flips every iteration) on one client's gRPC
+channel, so both see the same load. The empty call is the gRPC health ``Check``: a ``Lookup``
+of zero keys never leaves the client, and ``Stats`` carries a reply body.
+
+Also reported, to split the cost: ``lookup`` of one key, the ``Lookup`` RPC on the raw stub with
+the keys packed in advance (no client-side checks), and, in process, the daemon-side
+``BlockStore.lookup`` of 128 keys and the client-side key packing.
+
+Target: median lookup(128) within 1.5x of the median empty call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from _harness import (
+    KVStoreDaemon,
+    Reporter,
+    Timing,
+    emit,
+    in_process_store,
+    maybe_await,
+    median_time,
+    parse_args,
+    print_header,
+    run_main,
+    summarize,
+    verdict,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore import KVLayout, KVStoreClient
+from kvstore.config import CpuTierConfig, DaemonConfig
+from kvstore.keys import Namespace, pack_keys
+from kvstore.v1 import kvstore_pb2 as pb
+
+N_KEYS = 128
+TARGET = 1.5
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16)  # 4 KiB blocks
+
+
+def interleaved(calls: dict[str, Callable[[], object]], n: int, warmup: int) -> dict[str, Timing]:
+    """Time every call ``n`` times, round-robin, the order reversed every other round."""
+    names = list(calls)
+    for _ in range(warmup):
+        for name in names:
+            calls[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(n):
+        for name in names if i % 2 == 0 else reversed(names):
+            fn = calls[name]
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: summarize(s) for name, s in samples.items()}
+
+
+async def in_process_costs(keys: list[bytes], k: int) -> dict[str, Timing]:
+    """Daemon-side lookup and client-side packing of the same keys, without any RPC."""
+    config = DaemonConfig(cpu=CpuTierConfig(capacity_bytes=16 << 20, prefault=False))
+    async with in_process_store(config) as store:
+        record = store.open_namespace(Namespace(model="bench-lookup", layout=LAYOUT))
+        rid, _ = await maybe_await(store.reserve(record.ns_id, keys))
+        store.commit(rid, [0] * len(keys))
+        if store.lookup(record.ns_id, keys) != len(keys):
+            raise RuntimeError("in-process store did not find every key")
+        return {
+            "store": median_time(lambda: store.lookup(record.ns_id, keys), k, warmup=50),
+            "pack": median_time(lambda: pack_keys(keys), k, warmup=50),
+        }
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calls", type=int, default=None, help="timed calls of each kind")
+
+
+def main() -> int:
+    args = parse_args(__doc__.split("\n\n")[0], add_args)
+    n = args.calls or (300 if args.quick else 3000)
+    rep = Reporter(args.json)
+    if not args.json:
+        print_header("bench_lookup", args)
+    with (
+        KVStoreDaemon(16 << 20) as daemon,
+        KVStoreClient(daemon.address, layout=LAYOUT, model="bench-lookup") as kv,
+    ):
+        tokens = torch.arange(N_KEYS * LAYOUT.block_size, dtype=torch.int64)
+        keys = kv.hash_tokens(tokens)
+        blocks = torch.zeros((N_KEYS, *LAYOUT.block_shape), dtype=LAYOUT.dtype)
+        if kv.put(keys, blocks) != N_KEYS or kv.lookup(keys) != N_KEYS:
+            raise RuntimeError(f"could not store {N_KEYS} blocks")
+
+        health = health_pb2_grpc.HealthStub(kv._channel)  # the client's own channel
+        check = health_pb2.HealthCheckRequest()
+        raw = pb.LookupRequest(namespace_id=kv._ns_id, keys=pack_keys(keys))
+        one = keys[:1]
+        calls: dict[str, Callable[[], object]] = {
+            "empty": lambda: health.Check(check, timeout=10),
+            "lookup128": lambda: kv.lookup(keys),
+            "raw128": lambda: kv._stub.Lookup(raw, timeout=10),
+            "lookup1": lambda: kv.lookup(one),
+        }
+        t = interleaved(calls, n, warmup=50)
+        if kv.lookup(keys) != N_KEYS:
+            raise RuntimeError("lookup lost keys during the run")
+    local = asyncio.run(in_process_costs(keys, 10 * n))
+
+    empty = t["empty"]
+    rows = [
+        ("empty unary call (health Check)", empty),
+        (f"kv.lookup({N_KEYS} keys, all present)", t["lookup128"]),
+        (f"Lookup RPC, {N_KEYS} keys packed in advance", t["raw128"]),
+        ("kv.lookup(1 key)", t["lookup1"]),
+        (f"in process: BlockStore.lookup({N_KEYS})", local["store"]),
+        (f"in process: pack_keys({N_KEYS})", local["pack"]),
+    ]
+    rep.table(
+        f"Latency, {n} calls each, interleaved on one channel (us)",
+        ["call", "median", "p99", "min", "median / empty"],
+        [
+            [label, x.median_s * 1e6, x.p99_s * 1e6, x.min_s * 1e6, x.median_s / empty.median_s]
+            for label, x in rows
+        ],
+    )
+    ratio = t["lookup128"].median_s / empty.median_s
+    ratio_p99 = t["lookup128"].p99_s / empty.p99_s
+    status = verdict(ratio <= TARGET)
+    rep.table(
+        "Target",
+        ["target", "value", "needed", "status"],
+        [
+            [f"lookup({N_KEYS}) / empty call, median", ratio, f"<= {TARGET:g}", status],
+            [f"lookup({N_KEYS}) / empty call, p99", ratio_p99, "(info)", ""],
+        ],
+    )
+    rep.line(f"load {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    emit(
+        {
+            "benchmark": "lookup",
+            "keys": N_KEYS,
+            "calls": n,
+            "us": {
+                name: {"median": x.median_s * 1e6, "p99": x.p99_s * 1e6, "min": x.min_s * 1e6}
+                for name, x in {**t, **{f"in_process_{k}": v for k, v in local.items()}}.items()
+            },
+            "ratio_median": ratio,
+            "ratio_p99": ratio_p99,
+            "target": {"max_ratio": TARGET, "status": status},
+        },
+        args.json,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    run_main(main)

@@ -1,0 +1,472 @@
+"""Block transfer throughput of the sidecar, against this machine's memcpy and a real Redis.
+
+For blocks of 64 KiB, 512 KiB and 2 MiB (bf16 layouts: 16 tokens x 8 KV heads x 128 dims per
+layer, with 1, 8 and 32 layers), moved in batches of 32 blocks, one run measures:
+
+1. the shared-memory path of ``KVStoreClient``: ``put`` of new blocks (reserve, copy into the
+   arena, checksum, commit), ``get`` into a preallocated ``out`` tensor and ``get`` into a new
+   tensor (acquire, copy out, verify checksums, release); and, as a diagnostic, put and get
+   with torch limited to one thread;
+2. the bytes path (``transport="grpc"``): the same put and get, bytes streamed over gRPC;
+3. single-thread ``np.copyto`` of each block between preallocated buffers: the limit. Also a copy
+   into a newly allocated buffer, the limit of any get that returns a new tensor;
+4. a real ``redis-server`` on a unix socket driven by redis-py: one SET / GET per block (see
+   ``redis_client`` for the settings, the fastest measured for large values);
+5. an empty gRPC unary call (the health check) on the client's channel, for reference.
+
+Every measurement rotates over a working set far larger than the 32 MiB L3 (512 MiB per block
+size; 128 MiB with ``--quick``), so no block is cache-hot; phases are interleaved round by round
+so that load from other processes hits all of them alike. Puts always store new keys (puts of
+present keys are deduplicated and cost nothing): the keys of a round are deleted before the
+next. A time is the median over every batch of every round; GB/s = 1e9 bytes per second.
+
+Targets, for 2 MiB blocks: shm put and get each >= 50% of memcpy and >= 5x Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from _harness import (
+    KVStoreDaemon,
+    RedisServer,
+    Reporter,
+    Timing,
+    emit,
+    fmt_size,
+    gbps,
+    median_time,
+    parse_args,
+    print_header,
+    redis_server_path,
+    run_main,
+    summarize,
+    verdict,
+)
+
+from kvstore import KVLayout, KVStoreClient
+
+BATCH = 32
+HEADS, HEAD_DIM, TOKENS = 8, 128, 16  # 64 KiB per layer in bf16
+LAYERS = {64 << 10: 1, 512 << 10: 8, 2 << 20: 32}
+TARGET_SIZE = 2 << 20
+TARGET_OF_MEMCPY = 0.5
+TARGET_OF_REDIS = 5.0
+
+# Rows of the throughput table, in print order: (key, label).
+PATHS = [
+    ("memcpy", "memcpy np.copyto, 1 thread (limit)"),
+    ("memcpy_new_np", "memcpy into new np.empty (THP)"),
+    ("memcpy_new_torch", "memcpy into new torch.empty"),
+    ("shm_put", "kvstore shm put"),
+    ("shm_get", "kvstore shm get -> out"),
+    ("shm_get_new", "kvstore shm get -> new tensor"),
+    ("shm1_put", "kvstore shm put, torch 1 thread"),
+    ("shm1_get", "kvstore shm get -> out, torch 1 thread"),
+    ("grpc_put", "kvstore bytes put (grpc)"),
+    ("grpc_get", "kvstore bytes get -> out (grpc)"),
+    ("redis_put", "redis SET"),
+    ("redis_get", "redis GET (-> bytes)"),
+    ("redis_get_out", "redis GET + copy -> out"),
+]
+
+
+@dataclass
+class Case:
+    """One block size: its layout, working set (``src``) and preallocated destination."""
+
+    block_bytes: int
+    layout: KVLayout
+    src: torch.Tensor
+    out: torch.Tensor
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def n_batches(self) -> int:
+        return self.src.shape[0] // BATCH
+
+    @property
+    def batch_bytes(self) -> int:
+        return BATCH * self.block_bytes
+
+    def batch(self, t: torch.Tensor, b: int) -> torch.Tensor:
+        return t[b * BATCH : (b + 1) * BATCH]
+
+    def add(self, path: str, seconds: float) -> None:
+        self.samples.setdefault(path, []).append(seconds)
+
+
+def make_case(block_bytes: int, working_set_bytes: int) -> Case:
+    layout = KVLayout(LAYERS[block_bytes], HEADS, HEAD_DIM, TOKENS, torch.bfloat16)
+    assert layout.block_bytes == block_bytes
+    n_blocks = max(working_set_bytes // block_bytes // BATCH, 1) * BATCH
+    src = torch.empty((n_blocks, *layout.block_shape), dtype=layout.dtype)
+    rows = src.view(torch.uint8).view(n_blocks, block_bytes)
+    # Random bytes, made distinct per block by its index in the first 8 bytes.
+    rows.copy_(torch.randint(0, 256, (block_bytes,), dtype=torch.uint8).expand_as(rows))
+    rows[:, :8].copy_(torch.arange(n_blocks, dtype=torch.int64).view(torch.uint8).view(-1, 8))
+    out = torch.zeros_like(src)  # touched now: a preallocated buffer is a faulted-in buffer
+    return Case(block_bytes, layout, src, out)
+
+
+def new_keys(n: int) -> list[bytes]:
+    return [os.urandom(32) for _ in range(n)]
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- phases
+def run_memcpy(case: Case) -> None:
+    src = case.src.view(torch.uint8).numpy().reshape(-1, case.block_bytes)
+    dst = case.out.view(torch.uint8).numpy().reshape(-1, case.block_bytes)
+    for b in range(case.n_batches):
+        lo = b * BATCH
+
+        def copy(lo: int = lo) -> None:
+            for i in range(lo, lo + BATCH):
+                np.copyto(dst[i], src[i])
+
+        case.add("memcpy", timed(copy))
+    # Copies into newly allocated memory pay first-touch page faults. numpy asks for
+    # transparent huge pages (madvise) on large arrays; torch.empty does not.
+    for b in range(case.n_batches):
+        lo = b * BATCH
+
+        def copy_new_np(lo: int = lo) -> None:
+            fresh = np.empty((BATCH, case.block_bytes), dtype=np.uint8)
+            for i in range(BATCH):
+                np.copyto(fresh[i], src[lo + i])
+
+        case.add("memcpy_new_np", timed(copy_new_np))
+    for b in range(case.n_batches):
+        lo = b * BATCH
+
+        def copy_new_torch(lo: int = lo) -> None:
+            fresh = torch.empty((BATCH, case.block_bytes), dtype=torch.uint8).numpy()
+            for i in range(BATCH):
+                np.copyto(fresh[i], src[lo + i])
+
+        case.add("memcpy_new_torch", timed(copy_new_torch))
+
+
+def run_kvstore(case: Case, kv: KVStoreClient, prefix: str, fresh_get: bool) -> None:
+    keys = new_keys(case.src.shape[0])
+    batches = [keys[b * BATCH : (b + 1) * BATCH] for b in range(case.n_batches)]
+    for b, kb in enumerate(batches):
+        blocks = case.batch(case.src, b)
+        t0 = time.perf_counter()
+        stored = kv.put(kb, blocks)
+        case.add(f"{prefix}_put", time.perf_counter() - t0)
+        if stored != BATCH:
+            raise RuntimeError(f"{prefix} put stored {stored} of {BATCH} new blocks")
+    case.out.zero_()
+    for b, kb in enumerate(batches):
+        dest = case.batch(case.out, b)
+        t0 = time.perf_counter()
+        got = kv.get(kb, out=dest)
+        case.add(f"{prefix}_get", time.perf_counter() - t0)
+        if got.shape[0] != BATCH:
+            raise RuntimeError(f"{prefix} get found {got.shape[0]} of {BATCH} blocks")
+    # Untimed: every block came back intact.
+    if not torch.equal(case.out.view(torch.uint8), case.src.view(torch.uint8)):
+        raise RuntimeError(f"{prefix} get returned other bytes than were put")
+    if fresh_get:
+        for kb in batches:
+            t0 = time.perf_counter()
+            got = kv.get(kb)
+            case.add(f"{prefix}_get_new", time.perf_counter() - t0)
+            if got.shape[0] != BATCH:
+                raise RuntimeError(f"{prefix} get found {got.shape[0]} of {BATCH} blocks")
+            del got
+    deleted = kv.delete(keys)
+    if deleted != len(keys):
+        raise RuntimeError(f"{prefix}: deleted {deleted} of {len(keys)} blocks")
+
+
+def run_kvstore_one_thread(case: Case, kv: KVStoreClient) -> None:
+    """The shm path again with torch limited to one thread in this process. The client copies
+    with ``Tensor.copy_``, which splits large copies over torch's intra-op threads; when
+    another process holds a CPU, the split copy waits for it. A diagnostic, not a target."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_kvstore(case, kv, "shm1", fresh_get=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def redis_client(socket_path: str) -> Any:
+    """redis-py set up for large values (each choice measured faster on this machine):
+
+    * RESP2 with redis-py's pure-Python parser, and its Python command packer: with hiredis
+      installed redis-py would pack with ``hiredis.pack_command``, which copies every value;
+      the Python packer sends a large ``memoryview`` value as is.
+    * ``socket_read_size`` 1 MiB instead of 32 KiB: GET of 2 MiB ran 1.3-2x faster.
+    * one SET / GET per block, no pipeline, no MSET/MGET: MGET of 32 x 2 MiB ran ~4x slower
+      than 32 GETs (pipelining large GETs was slower with every client tried); MSET was no
+      faster than 32 SETs.
+    * values go out as ``memoryview``s of the source tensor (no client-side copy); GET returns
+      ``bytes`` that are not copied further (torch.frombuffer can wrap them): kvstore's get, in
+      contrast, ends with the data in the caller's tensor.
+    """
+    import redis
+    from redis._parsers import _RESP2Parser
+    from redis._parsers.encoders import Encoder
+    from redis.connection import PythonRespSerializer
+
+    encoder = Encoder("utf-8", "strict", False)
+    pool = redis.ConnectionPool(
+        connection_class=redis.UnixDomainSocketConnection,
+        path=socket_path,
+        protocol=2,
+        parser_class=_RESP2Parser,
+        socket_read_size=1 << 20,
+        command_packer=PythonRespSerializer(6000, encoder.encode),
+    )
+    return redis.Redis(connection_pool=pool)
+
+
+def run_redis(case: Case, r: Any, round_no: int) -> None:
+    src = case.src.view(torch.uint8).numpy().reshape(-1, case.block_bytes)
+    keys = [f"bench:{case.block_bytes}:{round_no}:{i}".encode() for i in range(src.shape[0])]
+    for b in range(case.n_batches):
+        lo = b * BATCH
+        t0 = time.perf_counter()
+        for i in range(lo, lo + BATCH):
+            r.set(keys[i], memoryview(src[i]))
+        case.add("redis_put", time.perf_counter() - t0)
+    last = None
+    for b in range(case.n_batches):
+        lo = b * BATCH
+        t0 = time.perf_counter()
+        for i in range(lo, lo + BATCH):
+            last = r.get(keys[i])
+        case.add("redis_get", time.perf_counter() - t0)
+    if last is None or last != src[-1].tobytes():
+        raise RuntimeError("redis GET returned other bytes than were SET")
+    # The same GETs ending where kvstore's get ends: in the caller's tensor.
+    dst = case.out.view(torch.uint8).numpy().reshape(-1, case.block_bytes)
+    for b in range(case.n_batches):
+        lo = b * BATCH
+        t0 = time.perf_counter()
+        for i in range(lo, lo + BATCH):
+            dst[i] = np.frombuffer(r.get(keys[i]), dtype=np.uint8)
+        case.add("redis_get_out", time.perf_counter() - t0)
+    r.flushall()
+
+
+def empty_call_timing(kv: KVStoreClient, k: int) -> Timing:
+    """An empty unary RPC (gRPC health Check) on the client's own channel."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(kv._channel)
+    request = health_pb2.HealthCheckRequest()
+    return median_time(lambda: stub.Check(request, timeout=10), k, warmup=20)
+
+
+# --------------------------------------------------------------------------- run
+def measure_size(
+    block_bytes: int,
+    args: argparse.Namespace,
+    redis: Any,
+    rep: Reporter,
+) -> tuple[Case, Timing]:
+    case = make_case(block_bytes, args.working_set_mib << 20)
+    capacity = case.src.shape[0] * block_bytes + (128 << 20)
+    rep.line(
+        f"  {fmt_size(block_bytes)} blocks: {case.src.shape[0]} blocks "
+        f"({fmt_size(case.src.shape[0] * block_bytes)}) in {case.n_batches} batches of "
+        f"{BATCH}, {args.rounds} rounds, daemon arena {fmt_size(capacity)}"
+    )
+    model = f"bench-transfer-{block_bytes}"
+    with (
+        KVStoreDaemon(capacity) as daemon,
+        KVStoreClient(daemon.address, layout=case.layout, model=model, transport="shm") as shm,
+        KVStoreClient(daemon.address, layout=case.layout, model=model, transport="grpc") as kvg,
+    ):
+        empty = empty_call_timing(shm, 50 if args.quick else 300)
+        for rnd in range(args.rounds):
+            run_memcpy(case)
+            run_kvstore(case, shm, "shm", fresh_get=True)
+            run_kvstore_one_thread(case, shm)
+            run_kvstore(case, kvg, "grpc", fresh_get=False)
+            if redis is not None:
+                run_redis(case, redis, rnd)
+    return case, empty
+
+
+def summarize_case(case: Case) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for path, _ in PATHS:
+        samples = case.samples.get(path)
+        if not samples:
+            continue
+        t = summarize(samples)
+        out[path] = {
+            "gbps": gbps(case.batch_bytes, t.median_s),
+            "median_batch_ms": t.median_s * 1e3,
+            "p99_batch_ms": t.p99_s * 1e3,
+            "batches": t.n,
+        }
+    return out
+
+
+def ratio(res: dict[str, dict[str, float]], a: str, b: str) -> float | None:
+    if a in res and b in res:
+        return res[a]["gbps"] / res[b]["gbps"]
+    return None
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--working-set-mib", type=int, default=None, help="per block size")
+    p.add_argument("--rounds", type=int, default=None, help="passes over the working set")
+    p.add_argument("--no-redis", action="store_true", help="skip the Redis peer")
+
+
+def main() -> int:
+    args = parse_args(__doc__.split("\n\n")[0], add_args)
+    if args.working_set_mib is None:
+        args.working_set_mib = 128 if args.quick else 512
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 3
+    rep = Reporter(args.json)
+    if not args.json:
+        print_header("bench_transfer", args)
+
+    use_redis = not args.no_redis and redis_server_path() is not None
+    if not use_redis:
+        rep.line(
+            "  redis: skipped (" + ("--no-redis" if args.no_redis else "no redis-server") + ")"
+        )
+    results: dict[int, dict[str, dict[str, float]]] = {}
+    empties: list[Timing] = []
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        r = None
+        if use_redis:
+            server = stack.enter_context(RedisServer())
+            r = redis_client(server.socket_path)
+            stack.callback(r.connection_pool.disconnect)
+        for block_bytes in sorted(LAYERS):
+            case, empty = measure_size(block_bytes, args, r, rep)
+            results[block_bytes] = summarize_case(case)
+            empties.append(empty)
+            del case
+    elapsed = time.monotonic() - started
+
+    sizes = sorted(results)
+    heads = ["GB/s (median batch of 32)"] + [fmt_size(s) for s in sizes]
+    rows = [
+        [label] + [results[s].get(path, {}).get("gbps") for s in sizes] for path, label in PATHS
+    ]
+    rep.table("Throughput", heads, rows)
+
+    ratio_defs = [
+        ("shm put / memcpy", "shm_put", "memcpy", TARGET_OF_MEMCPY),
+        ("shm get / memcpy", "shm_get", "memcpy", TARGET_OF_MEMCPY),
+        ("shm put / redis SET", "shm_put", "redis_put", TARGET_OF_REDIS),
+        ("shm get / redis GET", "shm_get", "redis_get", TARGET_OF_REDIS),
+        ("shm get / redis GET + copy", "shm_get", "redis_get_out", None),
+        ("shm put, torch 1 thread / memcpy", "shm1_put", "memcpy", None),
+        ("shm get, torch 1 thread / memcpy", "shm1_get", "memcpy", None),
+        ("shm get new / memcpy new torch", "shm_get_new", "memcpy_new_torch", None),
+        ("bytes put / redis SET", "grpc_put", "redis_put", None),
+        ("bytes get / redis GET", "grpc_get", "redis_get", None),
+    ]
+    ratios: dict[str, dict[int, float | None]] = {}
+    targets: list[dict[str, Any]] = []
+    ratio_rows = []
+    for label, a, b, target in ratio_defs:
+        ratios[label] = {s: ratio(results[s], a, b) for s in sizes}
+        row: list[Any] = [label] + [ratios[label][s] for s in sizes]
+        got = ratios[label].get(TARGET_SIZE)
+        if target is not None:
+            status = verdict(got is not None and got >= target) if got is not None else "n/a"
+            row += [f">= {target:g}", status]
+            targets.append(
+                {
+                    "ratio": label,
+                    "block_bytes": TARGET_SIZE,
+                    "target": target,
+                    "value": got,
+                    "status": status,
+                }
+            )
+        else:
+            row += ["", ""]
+        ratio_rows.append(row)
+    rep.table(
+        "Ratios (x)", ["ratio"] + [fmt_size(s) for s in sizes] + ["target @2 MiB", ""], ratio_rows
+    )
+
+    lat_rows = []
+    for s, e in zip(sizes, empties, strict=True):
+        put_ms = results[s]["shm_put"]["median_batch_ms"]
+        get_ms = results[s]["shm_get"]["median_batch_ms"]
+        lat_rows.append(
+            [
+                fmt_size(s),
+                e.median_s * 1e6,
+                e.p99_s * 1e6,
+                put_ms,
+                get_ms,
+                100 * 2 * e.median_s * 1e3 / put_ms,
+            ]
+        )
+    rep.table(
+        "Latency: empty gRPC unary call (health Check, same channel) vs a 32-block batch",
+        [
+            "daemon for",
+            "empty p50 us",
+            "empty p99 us",
+            "shm put ms",
+            "shm get ms",
+            "2 RPCs % of put",
+        ],
+        lat_rows,
+    )
+    empty_all = statistics.median(e.median_s for e in empties)
+    rep.table(
+        "Targets (2 MiB blocks)",
+        ["target", "value", "needed", "status"],
+        [[t["ratio"], t["value"], f">= {t['target']:g}", t["status"]] for t in targets],
+    )
+    rep.line(f"elapsed {elapsed:.0f}s; load {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+    emit(
+        {
+            "benchmark": "transfer",
+            "batch_blocks": BATCH,
+            "working_set_bytes_per_size": args.working_set_mib << 20,
+            "rounds": args.rounds,
+            "results": {str(s): results[s] for s in sizes},
+            "ratios": {k: {str(s): v for s, v in d.items()} for k, d in ratios.items()},
+            "targets": targets,
+            "empty_call_us": {
+                "median": empty_all * 1e6,
+                "per_daemon": {str(s): e.to_dict() for s, e in zip(sizes, empties, strict=True)},
+            },
+            "elapsed_s": elapsed,
+        },
+        args.json,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    run_main(main)
