@@ -37,6 +37,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     serve.add_argument("--config", help="TOML config file (default: the embedded default)")
     serve.add_argument("--cpu-capacity", type=parse_size, help="size of the CPU tier, e.g. 4GiB")
     serve.add_argument("--cpu-policy", choices=("lru", "priority", "prefix"))
+    serve.add_argument("--nvme-path", help="directory for the NVMe tier's slab files (enables it)")
+    serve.add_argument("--nvme-capacity", type=parse_size, help="size of the NVMe tier, e.g. 64GiB")
+    serve.add_argument("--nvme-codec", choices=("none", "lz4"))
+    serve.add_argument(
+        "--write-through", action="store_true", help="write every put to the NVMe tier at once"
+    )
     serve.add_argument("--log-level", default="WARNING")
 
     stat = sub.add_parser("stat", help="tier occupancy, hits, evictions")
@@ -49,6 +55,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="start a daemon on the default config and drive a synthetic workload through it",
         add_help=False,
     )
+
+    chk = sub.add_parser(
+        "check", help="verify an NVMe tier directory against its records (daemon stopped)"
+    )
+    chk.add_argument("--nvme-path", required=True)
+    chk.add_argument("--nvme-capacity", type=parse_size, required=True)
+    chk.add_argument("--fix", action="store_true", help="free corrupt, torn and orphan records")
+    chk.add_argument("--json", action="store_true")
 
     hsh = sub.add_parser("hash", help="print the block keys of a token sequence")
     hsh.add_argument("--model", required=True)
@@ -79,7 +93,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
             cpu = dataclasses.replace(cpu, capacity_bytes=args.cpu_capacity)
         if args.cpu_policy is not None:
             cpu = dataclasses.replace(cpu, policy=args.cpu_policy)
-        cfg = dataclasses.replace(cfg, cpu=cpu, address=args.address or cfg.address)
+        nvme = cfg.nvme
+        if args.nvme_path is not None:
+            nvme = dataclasses.replace(nvme, path=args.nvme_path)
+        if args.nvme_capacity is not None:
+            nvme = dataclasses.replace(nvme, capacity_bytes=args.nvme_capacity)
+        if args.nvme_codec is not None:
+            nvme = dataclasses.replace(nvme, codec=args.nvme_codec)
+        if args.write_through:
+            nvme = dataclasses.replace(nvme, write_through=True)
+        cfg = dataclasses.replace(cfg, cpu=cpu, nvme=nvme, address=args.address or cfg.address)
     except (OSError, ValueError) as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2
@@ -145,6 +168,22 @@ def stats_to_dict(reply: Any) -> dict[str, Any]:
     }
 
 
+_EXTRA_LABELS = {
+    "clean_bytes": "clean (on disk too)",
+    "compression_ratio": "lz4 ratio",
+    "prefetch_hits": "prefetch hits",
+    "io_errors": "io errors",
+}
+
+
+def _fmt_extra(key: str, value: float) -> str:
+    if key.endswith("_bytes"):
+        return format_size(value)
+    if key.endswith("ratio"):
+        return f"{value:.2f}x"
+    return f"{value:.0f}"
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -166,6 +205,12 @@ def render_stats(d: dict[str, Any]) -> str:
             f"{t['hits']:>9} {t['misses']:>9} {t['evictions']:>9} {t['promotions']:>9} "
             f"{t['demotions']:>9}{state}"
         )
+    for t in d["tiers"]:
+        shown = {k: v for k, v in t["extra"].items() if k in _EXTRA_LABELS}
+        if shown or t["checksum_failures"]:
+            parts = [f"{_EXTRA_LABELS[k]} {_fmt_extra(k, v)}" for k, v in shown.items()]
+            parts.append(f"checksum failures {t['checksum_failures']}")
+            lines.append(f"{'':<6} {t['name']}: " + ", ".join(parts))
     if d["namespaces"]:
         lines += [
             "",
@@ -225,6 +270,32 @@ def cmd_hash(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from kvstore.tiers.nvme import NvmeTier
+
+    async def run() -> Any:
+        tier = NvmeTier(args.nvme_path, args.nvme_capacity, direct_io=False)
+        await tier.open()
+        try:
+            return tier.check(fix=args.fix)
+        finally:
+            await tier.close()
+
+    try:
+        report = asyncio.run(run())
+    except (OSError, ValueError) as exc:
+        print(f"kvstore check: {exc}", file=sys.stderr)
+        return 2
+    data = report if isinstance(report, dict) else dataclasses.asdict(report)
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        for key, value in data.items():
+            print(f"{key:<24} {value}")
+    problems = sum(len(v) if isinstance(v, list) else 0 for v in data.values())
+    return 0 if problems == 0 or args.fix else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
@@ -232,7 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return demo_main(argv[1:])
     args = _parse_args(argv)
-    handler = {"serve": cmd_serve, "stat": cmd_stat, "hash": cmd_hash}[args.command]
+    handler = {"serve": cmd_serve, "stat": cmd_stat, "hash": cmd_hash, "check": cmd_check}[
+        args.command
+    ]
     return handler(args)
 
 

@@ -222,6 +222,8 @@ def empty_blocks(layout: KVLayout, n: int) -> torch.Tensor:
     """A new ``[n, *block_shape]`` tensor. Allocated through numpy, whose large allocations get
     transparent huge pages: first touch of ``torch.empty`` memory faults 4 KiB pages and ran at
     a tenth of the speed here."""
+    if n == 0:
+        return torch.empty((0, *layout.block_shape), dtype=layout.dtype)
     raw = np.empty(n * layout.block_bytes, dtype=np.uint8)
     return torch.from_numpy(raw).view(layout.dtype).view(n, *layout.block_shape)
 

@@ -38,6 +38,7 @@ class Mover:
         self._write_through: deque[int] = deque()
         self._prefetched = bytearray()
         self._wake = asyncio.Event()
+        self._room = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._flusher: asyncio.Task[None] | None = None
 
@@ -119,46 +120,57 @@ class Mover:
                 self.store.nvme_counters.prefetch_hits += 1
 
     # ----------------------------------------------------------------- CPU room
-    async def make_cpu_room(self, block_bytes: int, needed: int) -> None:
-        """Free CPU slots until ``needed`` slots of this size are free: drop clean victims' CPU
-        copies, write dirty ones down first (or drop them when there is no tier below).
-        Raises CapacityError when not enough blocks can go (leased or being written)."""
+    async def alloc_cpu(self, block_bytes: int, n: int, partial: bool = False) -> list[int]:
+        """Allocate ``n`` CPU slots, making room as needed: drop clean victims' CPU copies,
+        write dirty ones down first (or drop them when there is no tier below).
+
+        One caller makes room at a time, so room made by one caller is not taken by another.
+        All or nothing (CapacityError when not enough blocks can go: leased or being written),
+        unless ``partial``, which returns as many slots as could be had.
+        """
         store, index = self.store, self.store.index
         slot_size = store.allocator.slot_bytes_for(block_bytes)
-        for _ in range(4):
-            short = needed - store.allocator.free_slots(block_bytes)
-            if short <= 0:
-                return
 
-            def protected(eid: int) -> bool:
-                return (
-                    bool(index.leases[eid])
-                    or eid in self._flushing
-                    or store.allocator.slot_bytes_for(store.block_bytes_of(eid)) != slot_size
-                )
+        def protected(eid: int) -> bool:
+            return (
+                bool(index.leases[eid])
+                or eid in self._flushing
+                or store.allocator.slot_bytes_for(store.block_bytes_of(eid)) != slot_size
+            )
 
-            victims = store.policy.evict(short, protected)
-            if victims is None:
-                raise CapacityError(
-                    f"cpu tier full: {needed} slots of {block_bytes} bytes needed, "
-                    f"{needed - short} free and fewer than {short} evictable "
-                    "(the rest are leased or being written)"
-                )
-            dirty = [v for v in victims if not index.tier[v] & IN_NVME]
-            if dirty and store.nvme is not None:
-                await asyncio.gather(*(self.flush(v) for v in dirty))
-            for v in victims:
-                if index.state[v] != State.COMMITTED or index.leases[v] or v in self._flushing:
-                    continue  # changed while the writes ran
-                if not index.tier[v] & IN_CPU:
-                    continue
-                if index.tier[v] & IN_NVME:
-                    store.drop_cpu_copy(v)
-                else:
-                    store.forget(v)  # nothing below holds it (no tier, or the write failed)
-                store.cpu.evictions += 1
-        if store.allocator.free_slots(block_bytes) < needed:
-            raise CapacityError(f"cpu tier full: could not free {needed} slots of {block_bytes}")
+        async with self._room:
+            while True:
+                free = store.allocator.free_slots(block_bytes)
+                short = n - free
+                if short <= 0:
+                    return [store.cpu_alloc(block_bytes) for _ in range(n)]
+                victims = store.policy.evict(short, protected)
+                if victims is None and partial:
+                    victims = store.policy.evict(1, protected)
+                if victims is None:
+                    if partial:
+                        return [store.cpu_alloc(block_bytes) for _ in range(free)]
+                    raise CapacityError(
+                        f"cpu tier full: {n} slots of {block_bytes} bytes needed, "
+                        f"{free} free and fewer than {short} evictable "
+                        "(the rest are leased or being written)"
+                    )
+                dirty = [v for v in victims if not index.tier[v] & IN_NVME]
+                if dirty and store.nvme is not None:
+                    await asyncio.gather(*(self.flush(v) for v in dirty))
+                for v in victims:
+                    if (
+                        index.state[v] != State.COMMITTED
+                        or index.leases[v]
+                        or v in self._flushing
+                        or not index.tier[v] & IN_CPU
+                    ):
+                        continue  # changed while the writes ran; the next round picks again
+                    if index.tier[v] & IN_NVME:
+                        store.drop_cpu_copy(v)
+                    else:
+                        store.forget(v)  # nothing below holds it (no tier, or a failed write)
+                    store.cpu.evictions += 1
 
     # ----------------------------------------------------------------- down: write-back
     async def flush(self, eid: int) -> bool:
@@ -289,85 +301,112 @@ class Mover:
     # ----------------------------------------------------------------- up: promotion, prefetch
     async def bring_to_cpu(self, eids: list[int]) -> int:
         """Promote the blocks of a run that are only on disk; returns how many leading blocks
-        of the run are now in the CPU tier."""
+        of the run are now in the CPU tier. A block already being promoted (by another reader
+        or a prefetch) is waited for, not read twice."""
         index = self.store.index
-        need = [e for e in eids if not index.tier[e] & IN_CPU]
-        if need:
-            await asyncio.gather(*(self.promote(e) for e in need))
+        waits: list[asyncio.Future[bool]] = []
+        mine: list[int] = []
+        for eid in eids:
+            if index.tier[eid] & IN_CPU:
+                continue
+            pending = self._promoting.get(eid)
+            if pending is not None:
+                waits.append(pending)
+            else:
+                mine.append(eid)
+        if mine:
+            await self._promote_many(mine)
+        if waits:
+            await asyncio.gather(*(asyncio.shield(w) for w in waits))
         for i, eid in enumerate(eids):
             if index.state[eid] != State.COMMITTED or not index.tier[eid] & IN_CPU:
                 return i
         return len(eids)
 
-    async def promote(self, eid: int) -> bool:
-        pending = self._promoting.get(eid)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._promoting[eid] = future
-        try:
-            ok = await self._promote_one(eid)
-        except BaseException:
-            future.set_result(False)
-            raise
-        finally:
-            del self._promoting[eid]
-        future.set_result(ok)
-        return ok
-
-    async def _promote_one(self, eid: int) -> bool:
+    async def _promote_many(self, eids: list[int]) -> list[bool]:
+        """Read disk-only blocks of one size into new CPU slots, concurrently."""
         store, index, tier = self.store, self.store.index, self.store.nvme
-        if index.state[eid] != State.COMMITTED:
-            return False
-        if index.tier[eid] & IN_CPU:
-            return True
-        if tier is None or not index.tier[eid] & IN_NVME:
-            return False
-        block_bytes = store.block_bytes_of(eid)
-        key, fingerprint = index.key(eid), store.fingerprint_of(eid)
-        checksum = index.checksum[eid]
-        index.add_lease(eid)
+        loop = asyncio.get_running_loop()
+        futures = {}
+        for eid in eids:
+            futures[eid] = self._promoting[eid] = loop.create_future()
+            index.add_lease(eid)  # pins the disk copy for the read
+        results = [False] * len(eids)
         try:
-            try:
-                await self.make_cpu_room(block_bytes, 1)
-            except CapacityError:
-                return False
-            offset = store.cpu_alloc(block_bytes)
-            view = store.arena.view[offset : offset + block_bytes]
-            ok = await tier.read_into(index.disk[eid], key, fingerprint, checksum, view)
-            if index.state[eid] != State.COMMITTED:  # deleted while reading
-                store.cpu_unalloc(offset, block_bytes)
-                return False
-            if not ok:
-                # Corrupt or torn on disk: a miss, counted; the disk slot is freed.
-                store.cpu_unalloc(offset, block_bytes)
-                store.nvme_counters.checksum_failures += 1
-                store.forget(eid)
-                return False
-            store.mark_in_cpu(eid, offset)
-            store.nvme_counters.promotions += 1
-            return True
+            todo = [
+                i
+                for i, e in enumerate(eids)
+                if tier is not None
+                and index.state[e] == State.COMMITTED
+                and index.tier[e] & IN_NVME
+            ]
+            if todo and tier is not None:
+                block_bytes = store.block_bytes_of(eids[todo[0]])
+                offsets = await self.alloc_cpu(block_bytes, len(todo), partial=True)
+                reads = []
+                for i, offset in zip(todo, offsets, strict=False):
+                    e = eids[i]
+                    view = store.arena.view[offset : offset + block_bytes]
+                    reads.append(
+                        tier.read_into(  # type: ignore[union-attr]
+                            index.disk[e],
+                            index.key(e),
+                            store.fingerprint_of(e),
+                            index.checksum[e],
+                            view,
+                        )
+                    )
+                oks = await asyncio.gather(*reads, return_exceptions=True)
+                for i, offset, ok in zip(todo, offsets, oks, strict=False):
+                    e = eids[i]
+                    if index.state[e] != State.COMMITTED:  # deleted while reading
+                        store.cpu_unalloc(offset, block_bytes)
+                    elif ok is not True:
+                        # Corrupt, torn or unreadable on disk: a miss, counted; slot freed.
+                        store.cpu_unalloc(offset, block_bytes)
+                        store.nvme_counters.checksum_failures += 1
+                        store.forget(e)
+                    else:
+                        store.mark_in_cpu(e, offset)
+                        store.nvme_counters.promotions += 1
+                        results[i] = True
         finally:
-            store._drop_one_lease(eid)
+            for i, eid in enumerate(eids):
+                del self._promoting[eid]
+                futures[eid].set_result(results[i])
+                store._drop_one_lease(eid)
+        return results
 
     def prefetch(self, ns_id: int, keys: list[bytes]) -> int:
         """Start promoting the run's disk-only blocks in prefix order; returns how many."""
         store, index = self.store, self.store.index
+        if store.nvme is None:
+            return 0
         run = store.leading_run(ns_id, keys)
-        todo = [e for e in run if not index.tier[e] & IN_CPU]
-        if todo and store.nvme is not None:
+        todo = [e for e in run if not index.tier[e] & IN_CPU and e not in self._promoting]
+        if todo:
             self._spawn(self._prefetch(todo))
-        return len(todo) if store.nvme is not None else 0
+        return len(todo)
 
     async def _prefetch(self, eids: list[int]) -> None:
-        # A window of concurrent reads; the semaphore hands them out in prefix order.
-        window = asyncio.Semaphore(self.config.io_threads)
-
-        async def one(eid: int) -> None:
-            async with window:
-                if await self.promote(eid):
+        # Windows in prefix order: the head of the prefix is ready first.
+        window = 2 * self.config.io_threads
+        for i in range(0, len(eids), window):
+            index = self.store.index
+            batch = [
+                e
+                for e in eids[i : i + window]
+                if index.state[e] == State.COMMITTED
+                and not index.tier[e] & IN_CPU
+                and e not in self._promoting
+            ]
+            if not batch:
+                continue
+            results = await self._promote_many(batch)
+            for eid, ok in zip(batch, results, strict=True):
+                if ok:
                     if eid >= len(self._prefetched):
                         self._prefetched.extend(bytes(eid + 1 - len(self._prefetched) + 1024))
                     self._prefetched[eid] = 1
-
-        await asyncio.gather(*(one(e) for e in eids))
+            if not all(results):
+                return  # the rest of the prefix is unreachable past a miss

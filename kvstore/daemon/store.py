@@ -311,21 +311,25 @@ class BlockStore:
             if len(key) != KEY_BYTES:
                 raise ValueError(f"key {i} is {len(key)} bytes, not {KEY_BYTES}")
         offsets = [-1] * len(keys)
+        slots: list[int] = []
         for _ in range(8):
             todo = self._new_positions(keys)
-            if not todo:
-                return 0, offsets
-            if self.allocator.free_slots(record.block_bytes) >= len(todo):
+            if len(slots) >= len(todo):
                 break
             # Making room may wait for dirty victims to reach the disk; other calls run
-            # meanwhile and may take the room, hence the loop.
-            await self.mover.make_cpu_room(record.block_bytes, len(todo))
+            # meanwhile and may reserve some of these keys, hence the loop.
+            slots += await self.mover.alloc_cpu(record.block_bytes, len(todo) - len(slots))
         else:
-            raise CapacityError(f"cpu tier full: room for {len(todo)} blocks kept being taken")
-        # No await from here on: the slots are ours.
+            for offset in slots:
+                self.cpu_unalloc(offset, record.block_bytes)
+            raise CapacityError("cpu tier full: the keys to reserve kept changing")
+        # No await from here on.
+        for offset in slots[len(todo) :]:
+            self.cpu_unalloc(offset, record.block_bytes)
+        if not todo:
+            return 0, offsets
         eids = []
-        for i in todo:
-            offset = self.cpu_alloc(record.block_bytes)
+        for i, offset in zip(todo, slots, strict=False):
             eids.append(self.index.add(keys[i], ns_id, IN_CPU, offset, priority))
             offsets[i] = offset
         self._reserved_blocks += len(eids)

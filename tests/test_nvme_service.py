@@ -1,0 +1,298 @@
+"""The NVMe tier through a real daemon: real slab files on a real filesystem, real restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SMALL_LAYOUT, random_blocks, same_bytes
+
+from kvstore import AsyncKVStoreClient, KVStoreClient
+
+BLOCK = SMALL_LAYOUT.block_bytes  # 8 KiB
+
+
+def client(daemon, **kw) -> KVStoreClient:
+    return KVStoreClient(daemon.address, layout=SMALL_LAYOUT, model="test-model", **kw)
+
+
+def tokens(n_blocks: int, offset: int = 0) -> list[int]:
+    return list(range(offset, offset + 16 * n_blocks))
+
+
+def tiers(kv: KVStoreClient) -> dict:
+    return {t.name: t for t in kv.stats().tiers}
+
+
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def put_in_batches(
+    kv: KVStoreClient, keys: list[bytes], blocks: torch.Tensor, batch: int = 8
+) -> None:
+    for i in range(0, len(keys), batch):
+        kv.put(keys[i : i + batch], blocks[i : i + batch])
+
+
+@pytest.fixture
+def nvme_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "nvme"
+    d.mkdir()
+    return d
+
+
+def test_demotion_and_promotion_round_trip_bit_exact(daemon_factory, nvme_dir) -> None:
+    d = daemon_factory(
+        cpu_capacity="256KiB", slab="64KiB", nvme_path=nvme_dir, nvme_capacity="4MiB"
+    )
+    n = 120  # almost 4x the CPU tier
+    with client(d) as kv:
+        keys = kv.hash_tokens(tokens(n))
+        blocks = random_blocks(SMALL_LAYOUT, n, seed=3)
+        put_in_batches(kv, keys, blocks)
+        t = tiers(kv)
+        assert t["cpu"].used_bytes <= t["cpu"].capacity_bytes
+        assert t["nvme"].demotions > 0 and t["nvme"].blocks > 0
+        assert kv.lookup(keys) == n  # every block is somewhere
+        for i in range(0, n, 8):  # each batch fits the CPU tier once promoted
+            assert same_bytes(kv.get(keys[i : i + 8]), blocks[i : i + 8]), i
+        t = tiers(kv)
+        assert t["nvme"].promotions > 0 and t["nvme"].checksum_failures == 0
+
+
+def test_capacity_is_never_exceeded_under_churn(daemon_factory, nvme_dir) -> None:
+    d = daemon_factory(
+        cpu_capacity="128KiB", slab="64KiB", nvme_path=nvme_dir, nvme_capacity="512KiB"
+    )
+    with client(d) as kv:
+        keys = kv.hash_tokens(tokens(300))
+        blocks = random_blocks(SMALL_LAYOUT, 300, seed=4)
+        for i in range(0, 300, 10):
+            kv.put(keys[i : i + 10], blocks[i : i + 10])
+            for t in kv.stats().tiers:
+                assert t.used_bytes <= t.capacity_bytes, t
+        on_disk = sum(f.stat().st_blocks * 512 for f in nvme_dir.rglob("*") if f.is_file())
+        t = tiers(kv)
+        assert t["nvme"].capacity_bytes <= 512 * 1024
+        assert on_disk <= 512 * 1024 + 64 * 1024  # the slabs plus the tier's small index
+        assert t["nvme"].evictions > 0
+        # The newest blocks are served exactly; the oldest were evicted from both tiers.
+        assert same_bytes(kv.get(keys[-10:]), blocks[-10:])
+        assert kv.lookup(keys[:10]) == 0
+
+
+def test_restart_serves_what_was_written_down(daemon_factory, nvme_dir) -> None:
+    d = daemon_factory(cpu_capacity="1MiB", slab="64KiB", nvme_path=nvme_dir, nvme_capacity="4MiB")
+    with client(d) as kv:
+        keys = kv.hash_tokens(tokens(40))
+        blocks = random_blocks(SMALL_LAYOUT, 40, seed=5)
+        put_in_batches(kv, keys, blocks)  # fits the CPU tier: all dirty
+    assert d.stop(signal.SIGTERM) == 0  # a graceful stop writes dirty blocks down
+    d.start()
+    with client(d) as kv:
+        assert kv.lookup(keys) == 40  # the cache is not empty after a restart
+        assert same_bytes(kv.get(keys), blocks)
+        assert tiers(kv)["nvme"].promotions == 40
+
+
+WRITER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from conftest import SMALL_LAYOUT, random_blocks
+from kvstore import KVStoreClient
+kv = KVStoreClient({address!r}, layout=SMALL_LAYOUT, model="test-model")
+i = 0
+while i < 400:  # bounded: 4000 blocks fit the disk tier, so nothing is evicted
+    keys = kv.hash_tokens(list(range(10_000_000 + i * 160, 10_000_000 + (i + 1) * 160)))
+    kv.put(keys, random_blocks(SMALL_LAYOUT, 10, seed=1000 + i))
+    i += 1
+"""
+
+
+def test_kill_9_during_heavy_writes_then_restart(daemon_factory, nvme_dir) -> None:
+    d = daemon_factory(
+        cpu_capacity="2MiB",
+        slab="64KiB",
+        nvme_path=nvme_dir,
+        nvme_capacity="128MiB",
+        write_through=True,
+    )
+    with client(d) as kv:
+        keys = kv.hash_tokens(tokens(60))
+        blocks = random_blocks(SMALL_LAYOUT, 60, seed=6)
+        put_in_batches(kv, keys, blocks)
+        wait_for(lambda: tiers(kv)["nvme"].blocks >= 60, what="write-through")
+    code = WRITER.format(tests=os.path.dirname(__file__), address=d.address)
+    writer = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(2.0)  # heavy writes in flight
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+    finally:
+        writer.kill()
+        writer.wait()
+    d.log.close()
+    d.start()
+    with client(d) as kv:
+        # Everything committed to disk before the kill is found, bit-exact.
+        assert kv.lookup(keys) == 60
+        assert same_bytes(kv.get(keys), blocks)
+        # Blocks written during the kill are either whole or missing: never torn.
+        for i in range(0, 400):
+            wkeys = kv.hash_tokens(list(range(10_000_000 + i * 160, 10_000_000 + (i + 1) * 160)))
+            got = kv.get(wkeys)
+            expected = random_blocks(SMALL_LAYOUT, 10, seed=1000 + i)
+            assert same_bytes(got, expected[: got.shape[0]]), i
+        assert tiers(kv)["nvme"].checksum_failures == 0
+
+
+def _flip_payload_byte(nvme_dir: Path, block: torch.Tensor) -> None:
+    needle = block.contiguous().view(torch.uint8).reshape(-1)[:256].numpy().tobytes()
+    for f in sorted(nvme_dir.rglob("*")):
+        if not f.is_file():
+            continue
+        data = f.read_bytes()
+        pos = data.find(needle)
+        if pos >= 0:
+            with open(f, "r+b") as fh:
+                fh.seek(pos + 100)
+                byte = fh.read(1)
+                fh.seek(pos + 100)
+                fh.write(bytes([byte[0] ^ 0xFF]))
+            return
+    raise AssertionError("block not found in the slab files")
+
+
+def test_a_flipped_byte_on_disk_is_a_miss_and_neighbours_are_served(
+    daemon_factory, nvme_dir
+) -> None:
+    d = daemon_factory(cpu_capacity="1MiB", slab="64KiB", nvme_path=nvme_dir, nvme_capacity="4MiB")
+    with client(d) as kv:
+        keys = kv.hash_tokens(tokens(6))
+        blocks = random_blocks(SMALL_LAYOUT, 6, seed=7)
+        kv.put(keys, blocks)
+    assert d.stop() == 0
+    _flip_payload_byte(nvme_dir, blocks[3])
+    d.start()
+    with client(d) as kv:
+        got = kv.get(keys)
+        assert got.shape[0] == 3 and same_bytes(got, blocks[:3])  # the corrupt block ends the run
+        assert kv.get(keys[3:4]).shape[0] == 0  # never served, and now gone
+        assert same_bytes(kv.get(keys[4:]), blocks[4:])  # its neighbours are intact
+        t = tiers(kv)["nvme"]
+        assert t.checksum_failures == 1
+
+
+def test_prefetch_then_get_is_served_from_cpu(daemon_factory, nvme_dir) -> None:
+    d = daemon_factory(
+        cpu_capacity="256KiB", slab="64KiB", nvme_path=nvme_dir, nvme_capacity="4MiB"
+    )
+    with client(d) as kv:
+        keys = kv.hash_tokens(tokens(16))
+        blocks = random_blocks(SMALL_LAYOUT, 16, seed=8)
+        kv.put(keys, blocks)
+        filler = kv.hash_tokens(tokens(64, offset=50_000))
+        put_in_batches(kv, filler, random_blocks(SMALL_LAYOUT, 64, seed=9))
+        assert tiers(kv)["cpu"].hits == 0
+        before = tiers(kv)["nvme"]
+        kv.prefetch(keys)  # returns at once
+        wait_for(lambda: tiers(kv)["nvme"].promotions >= before.promotions + 16, what="prefetch")
+        assert same_bytes(kv.get(keys), blocks)
+        after = tiers(kv)["nvme"]
+        assert after.promotions == before.promotions + 16  # the get read nothing from disk
+        assert after.extra["prefetch_hits"] == 16
+
+
+async def test_concurrent_readers_of_a_promoting_block_read_the_disk_once(
+    daemon_factory, nvme_dir
+) -> None:
+    d = daemon_factory(
+        cpu_capacity="256KiB", slab="64KiB", nvme_path=nvme_dir, nvme_capacity="4MiB"
+    )
+    import asyncio
+
+    async with AsyncKVStoreClient(d.address, layout=SMALL_LAYOUT, model="test-model") as kv:
+        keys = kv.hash_tokens(tokens(8))
+        blocks = random_blocks(SMALL_LAYOUT, 8, seed=10)
+        await kv.put(keys, blocks)
+        filler = kv.hash_tokens(tokens(64, offset=70_000))
+        fill = random_blocks(SMALL_LAYOUT, 64, seed=11)
+        for i in range(0, 64, 8):
+            await kv.put(filler[i : i + 8], fill[i : i + 8])
+        before = {t.name: t for t in (await kv.stats()).tiers}["nvme"].promotions
+        results = await asyncio.gather(*(kv.get(keys) for _ in range(4)))
+        for got in results:
+            assert same_bytes(got, blocks)
+        after = {t.name: t for t in (await kv.stats()).tiers}["nvme"].promotions
+        assert after - before == 8
+
+
+def test_a_full_disk_leaves_the_daemon_serving_from_cpu(daemon_factory, tmp_path) -> None:
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)]).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        d = daemon_factory(
+            cpu_capacity="256KiB", slab="64KiB", nvme_path=mount, nvme_capacity="8MiB"
+        )
+        with client(d) as kv:
+            keys = kv.hash_tokens(tokens(64))
+            blocks = random_blocks(SMALL_LAYOUT, 64, seed=12)
+            put_in_batches(kv, keys, blocks)  # 2x the CPU tier: the disk cannot take it all
+            assert same_bytes(kv.get(keys[-8:]), blocks[-8:])
+            nvme = tiers(kv).get("nvme")
+            assert nvme is None or not nvme.up or nvme.used_bytes <= 256 * 1024
+        assert d.alive()
+        d.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(mount)])
+
+
+def test_stat_shows_the_nvme_tier_and_check_verifies_it(daemon_factory, nvme_dir) -> None:
+    d = daemon_factory(
+        cpu_capacity="256KiB",
+        slab="64KiB",
+        nvme_path=nvme_dir,
+        nvme_capacity="2MiB",
+        nvme_codec="lz4",
+    )
+    with client(d) as kv:
+        keys = kv.hash_tokens(tokens(48))
+        # Low-entropy blocks so lz4 has something to do.
+        blocks = torch.zeros((48, *SMALL_LAYOUT.block_shape), dtype=torch.bfloat16)
+        blocks[:, :, :, :, :, :4] = random_blocks(SMALL_LAYOUT, 48)[:, :, :, :, :, :4]
+        put_in_batches(kv, keys, blocks)
+        assert same_bytes(kv.get(keys[:8]), blocks[:8])
+    cli = [sys.executable, "-m", "kvstore"]
+    table = subprocess.run(
+        [*cli, "stat", "--address", d.address], capture_output=True, text=True, check=True
+    ).stdout
+    assert "nvme" in table and "lz4 ratio" in table
+    data = json.loads(
+        subprocess.run(
+            [*cli, "stat", "--json", "--address", d.address],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    nvme = next(t for t in data["tiers"] if t["name"] == "nvme")
+    assert nvme["extra"]["compression_ratio"] > 1.5
+    assert nvme["demotions"] > 0 and nvme["used_bytes"] <= nvme["capacity_bytes"]
+    assert d.stop() == 0
+    check = [*cli, "check", "--nvme-path", str(nvme_dir), "--nvme-capacity", "2MiB"]
+    ok = subprocess.run(check, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr

@@ -1,0 +1,543 @@
+"""The NVMe tier's mechanism on real files: round trips, capacity, recovery after close and after
+SIGKILL, corruption detection, check(), the free rule, a full disk.
+
+Run as a script (``python tests/test_nvme_tier.py DIR MODE``) this file is also the child
+process that the crash tests kill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import itertools
+import mmap
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.checksum import block_checksum
+from kvstore.tiers.nvme import FILE_NAME, PAGE, NvmeIOError, NvmeTier
+from kvstore.tiers.nvme.alloc import SlotAllocator
+from kvstore.tiers.nvme.ondisk import Geometry
+
+NS = bytes(range(16))
+CHILD_SIZES = (16384, 65536 + 100, 262144)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def block(i: int, n: int, compressible: bool = False) -> bytes:
+    """Deterministic block ``i``: random bytes, or (compressible) runs of a few values."""
+    rng = np.random.default_rng(i)
+    if compressible:
+        return np.repeat(rng.integers(0, 4, n // 64 + 1, dtype=np.uint8), 64)[:n].tobytes()
+    return rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def aligned(n: int) -> memoryview:
+    """A page-aligned writable buffer of n bytes (what a CPU-tier slot looks like)."""
+    return memoryview(mmap.mmap(-1, max(n, 1)))[:n]
+
+
+async def put(tier: NvmeTier, i: int, n: int, compressible: bool = False) -> tuple[int, bytes]:
+    data = block(i, n, compressible)
+    slot = tier.allocate(n)
+    assert slot is not None
+    await tier.write(slot, key(i), NS, data, block_checksum(data))
+    return slot, data
+
+
+async def read(tier: NvmeTier, slot: int, i: int, n: int, checksum: int) -> bytes | None:
+    out = bytearray(n)
+    ok = await tier.read_into(slot, key(i), NS, checksum, out)
+    return bytes(out) if ok else None
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+@pytest.fixture
+async def opened(tmp_path):
+    """Factory for open tiers under tmp_path; closes whatever is still open at the end."""
+    tiers: list[NvmeTier] = []
+
+    async def make(**kw) -> tuple[NvmeTier, list]:
+        kw.setdefault("slab_bytes", 1 << 20)
+        tier = NvmeTier(kw.pop("directory", tmp_path / "nvme"), kw.pop("capacity", 16 << 20), **kw)
+        records = await tier.open()
+        tiers.append(tier)
+        return tier, records
+
+    yield make
+    for tier in tiers:
+        await tier.close()
+
+
+# ---------------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("codec", [None, "lz4"])
+@pytest.mark.parametrize("direct_io", [True, False])
+async def test_round_trip_bit_exact(opened, codec, direct_io):
+    tier, records = await opened(
+        codec=codec, direct_io=direct_io, capacity=24 << 20, slab_bytes=4 << 20
+    )
+    assert records == []
+    if direct_io:
+        assert tier.direct_io, "O_DIRECT should work on ext4 /tmp"
+    sizes = [4096, 16384 + 123, 65536, (2 << 20) - 4096]
+    written = []
+    for i, n in enumerate(sizes * 2):
+        compressible = i % 2 == 1
+        data = block(i, n, compressible)
+        src = aligned(n)  # the zero-copy path takes page-aligned sources
+        src[:] = data
+        slot = tier.allocate(n)
+        await tier.write(slot, key(i), NS, src if i % 3 else data, block_checksum(data))
+        written.append((slot, i, data))
+    for slot, i, data in written:
+        assert await read(tier, slot, i, len(data), block_checksum(data)) == data
+        out = aligned(len(data))
+        assert await tier.read_into(slot, key(i), NS, block_checksum(data), out)
+        assert out == data
+    s = tier.stats()
+    assert s["writes"] == len(written) and s["blocks"] == len(written)
+    assert s["misses"] == 0 and s["reads"] == 2 * len(written)
+    if codec == "lz4":
+        assert s["compression_ratio"] > 1.5
+        assert s["stored_bytes"] < s["used_bytes"] / 1.5
+    else:
+        assert s["compression_ratio"] <= 1.0
+    assert tier.check().ok
+
+
+async def test_concurrent_writes_share_flushes(opened):
+    tier, _ = await opened(capacity=24 << 20)
+    n = 65536
+    slots = [tier.allocate(n) for _ in range(48)]
+    datas = [block(i, n) for i in range(48)]
+    await asyncio.gather(
+        *(
+            tier.write(s, key(i), NS, d, block_checksum(d))
+            for i, (s, d) in enumerate(zip(slots, datas, strict=True))
+        )
+    )
+    reads = await asyncio.gather(
+        *(
+            read(tier, s, i, n, block_checksum(d))
+            for i, (s, d) in enumerate(zip(slots, datas, strict=True))
+        )
+    )
+    assert reads == datas
+    # Two barriers per write one at a time would be 96 fdatasyncs; group commit shares them.
+    assert tier.stats()["flushes"] < 60
+
+
+# ---------------------------------------------------------------------------- capacity
+async def test_capacity_never_exceeded_under_churn(opened, tmp_path):
+    capacity = (12 << 20) + 12345  # not page-aligned on purpose
+    tier, _ = await opened(capacity=capacity, slab_bytes=512 << 10)
+    path = tmp_path / "nvme" / FILE_NAME
+    assert os.stat(path).st_size == capacity
+    assert os.stat(path).st_blocks * 512 <= capacity + PAGE
+    rng = random.Random(7)
+    sizes = [4096, 12288, 65536, 200_000]
+    held: dict[int, int] = {}  # slot -> block size
+
+    def check_layout() -> None:
+        spans = sorted((s, s + NvmeTier.slot_bytes_for(n)) for s, n in held.items())
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            assert end <= start, "slots overlap"
+        assert all(s % PAGE == 0 for s, _ in spans)
+        assert spans[0][0] >= tier.geometry.data_start and spans[-1][1] <= capacity
+
+    full_counts = []
+    for _round in range(3):
+        for n in rng.sample(sizes, len(sizes)):
+            while (slot := tier.allocate(n)) is not None:
+                assert slot not in held
+                held[slot] = n
+        check_layout()
+        total = sum(NvmeTier.slot_bytes_for(n) for n in held.values())
+        assert total <= capacity
+        full_counts.append(len(held))
+        for slot in rng.sample(sorted(held), len(held) // 2):
+            tier.free(slot)
+            del held[slot]
+    assert full_counts[1] == full_counts[2], "freed slots were not all reusable"
+    # Committed records count their whole slot against capacity.
+    for i, slot in enumerate(sorted(held)[:6]):
+        d = block(i, held[slot])
+        await tier.write(slot, key(i), NS, d, block_checksum(d))
+    s = tier.stats()
+    assert s["blocks"] == 6 and s["used_bytes"] <= capacity
+    assert s["used_bytes"] == sum(NvmeTier.slot_bytes_for(held[x]) for x in sorted(held)[:6])
+    assert s["reserved_slots"] == len(held) - 6
+    assert os.stat(path).st_size == capacity
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1, 3, 17, 40]), st.booleans()), max_size=300))
+def test_allocator_slots_disjoint_and_reusable(ops):
+    """Property: under any allocate/free sequence, slots of all classes stay disjoint, inside the
+    data region, and a freed slot comes back before a new slab is carved."""
+    geo = Geometry.plan((2 << 20) + 5 * PAGE, 256 << 10)
+    alloc = SlotAllocator(geo)
+    held: dict[int, int] = {}
+    for pages, do_free in ops:
+        size = pages * PAGE
+        if do_free and held:
+            slot = next(iter(held))
+            del held[slot]
+            alloc.release(slot)
+            carved = alloc.version
+            again = alloc.allocate(alloc.slot_bytes_at(slot))
+            assert again is not None and alloc.version == carved
+            held[again] = alloc.slot_bytes_at(slot)
+            continue
+        got = alloc.allocate(size)
+        if got is not None:
+            held[got] = size
+    spans = sorted((s, s + n) for s, n in held.items())
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    assert all(geo.data_start <= s and e <= geo.capacity_bytes for s, e in spans)
+
+
+# ---------------------------------------------------------------------------- recovery
+@pytest.mark.parametrize("direct_io", [True, False])
+async def test_restart_recovers_every_record_bit_exact(opened, tmp_path, direct_io):
+    tier, _ = await opened(codec="lz4", direct_io=direct_io)
+    written = {}
+    for i in range(40):
+        n = [8192, 30000, 131072][i % 3]
+        slot, data = await put(tier, i, n, compressible=i % 2 == 0)
+        written[i] = (slot, data)
+    await tier.close()
+    tier2, records = await opened(direct_io=direct_io)  # codec off: records say their codec
+    assert [r.seq for r in records] == sorted(r.seq for r in records)
+    by_key = {r.key: r for r in records}
+    assert set(by_key) == {key(i) for i in written}
+    for i, (slot, data) in written.items():
+        r = by_key[key(i)]
+        assert (r.slot, r.namespace, r.length, r.checksum) == (
+            slot,
+            NS,
+            len(data),
+            block_checksum(data),
+        )
+        assert await read(tier2, slot, i, len(data), r.checksum) == data
+        # lz4 keeps what it shrinks by a page or more; random bytes are stored raw.
+        assert (r.stored_length < r.length) == (i % 2 == 0), (i, r.stored_length, r.length)
+    # New writes after recovery get higher sequence numbers than anything recovered.
+    _, _ = await put(tier2, 1000, 4096)
+    assert tier2.stats()["blocks"] == 41
+    assert tier2.check().ok
+
+
+async def test_freed_slots_are_not_recovered(opened):
+    tier, _ = await opened()
+    slots = [(await put(tier, i, 20000))[0] for i in range(10)]
+    for s in slots[::2]:
+        tier.free(s)
+    await tier.close()
+    tier2, records = await opened()
+    assert sorted(r.key for r in records) == [key(i) for i in range(1, 10, 2)]
+    assert tier2.check().ok
+
+
+async def test_newest_copy_of_a_key_wins(opened):
+    tier, _ = await opened()
+    _first, data = await put(tier, 5, 8192)
+    second, _ = await put(tier, 5, 8192)  # the daemon re-demoted the block to another slot
+    await tier.close()
+    tier2, records = await opened()
+    assert [(r.key, r.slot) for r in records] == [(key(5), second)]
+    assert await read(tier2, second, 5, 8192, block_checksum(data)) == data
+    await tier2.drain()
+    assert tier2.check().ok  # the older copy was tombstoned, not left as an orphan
+
+
+async def test_second_open_of_a_directory_is_refused(opened, tmp_path):
+    await opened()
+    with pytest.raises(RuntimeError, match="in use"):
+        await NvmeTier(tmp_path / "nvme", 16 << 20, slab_bytes=1 << 20).open()
+
+
+async def test_geometry_change_reformats(opened, tmp_path):
+    tier, _ = await opened()
+    await put(tier, 1, 8192)
+    await tier.close()
+    _, records = await opened(capacity=8 << 20)
+    assert records == []
+    assert os.stat(tmp_path / "nvme" / FILE_NAME).st_size == 8 << 20
+
+
+# ---------------------------------------------------------------------------- crashes
+async def _child(directory: str, mode: str) -> None:
+    tier = NvmeTier(directory, 16 << 20, slab_bytes=1 << 20)
+    records = await tier.open()
+    if mode == "free":
+        slots = [(await put(tier, i, 20000))[0] for i in range(10)]
+        for s in slots[::2]:
+            tier.free(s)
+        await tier.drain()
+        print("DRAINED", flush=True)
+        await asyncio.sleep(120)
+        return
+    # Churn: keys from int(mode) up; what an earlier run left is evicted oldest first too.
+    live: list[deque[tuple[int, int]]] = [deque() for _ in CHILD_SIZES]
+    for r in records:
+        live[CHILD_SIZES.index(r.length)].append((int.from_bytes(r.key, "big"), r.slot))
+    counter = iter(range(int(mode), 1 << 40))
+
+    async def writer() -> None:
+        while True:
+            i = next(counter)
+            n = CHILD_SIZES[i % len(CHILD_SIZES)]
+            while (slot := tier.allocate(n)) is None:
+                if live[i % len(CHILD_SIZES)]:
+                    j, old = live[i % len(CHILD_SIZES)].popleft()
+                    print(f"F {j}", flush=True)  # before the free: j may or may not come back
+                    tier.free(old)
+                else:
+                    await asyncio.sleep(0.001)
+            data = block(i, n)
+            await tier.write(slot, key(i), NS, data, block_checksum(data))
+            print(f"W {i} {slot}", flush=True)
+            live[i % len(CHILD_SIZES)].append((i, slot))
+
+    await asyncio.gather(*(writer() for _ in range(8)))
+
+
+def _run_and_kill(directory: Path, mode: str, until) -> list[str]:
+    argv = [sys.executable, __file__, str(directory), mode]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    try:
+        assert proc.stdout is not None
+        while not until(lines):
+            line = proc.stdout.readline()
+            assert line, f"child exited early with {proc.wait()}"
+            lines.append(line.strip())
+            assert time.monotonic() < deadline, "child too slow"
+        time.sleep(random.uniform(0, 0.03))  # land the kill anywhere, not at a line boundary
+        proc.send_signal(signal.SIGKILL)
+        lines += proc.stdout.read().splitlines()  # completed writes still in the pipe count too
+    finally:
+        proc.kill()
+        proc.wait()
+    return lines
+
+
+async def test_sigkill_mid_write_recovers_every_acknowledged_block(tmp_path):
+    """Two rounds: a child churns writes and frees (8 in flight) and is SIGKILLed at a random
+    moment; open() must return every block it acknowledged and not freed, each bit-exact, and
+    nothing else that fails to read back. The second child starts from the first's wreckage."""
+    directory = tmp_path / "nvme"
+    written: dict[int, int] = {}
+    freed: set[int] = set()
+    for base in (0, 1 << 20):
+        lines = _run_and_kill(directory, str(base), lambda ls: sum(x[0] == "W" for x in ls) >= 250)
+        for line in lines:
+            op, number, *where = line.split()
+            if op == "W":
+                written[int(number)] = int(where[0])
+            else:
+                freed.add(int(number))
+        assert len(written) >= 250 * (1 + (base > 0)) and freed, "the child should churn"
+        tier = NvmeTier(directory, 16 << 20, slab_bytes=1 << 20)
+        records = await tier.open()
+        try:
+            by_i = {int.from_bytes(r.key, "big"): r for r in records}
+            missing = [i for i in written if i not in freed and i not in by_i]
+            assert not missing, f"acknowledged writes lost: {missing[:10]}"
+            for i, slot in written.items():
+                if i not in freed:
+                    assert by_i[i].slot == slot
+            for i, r in by_i.items():  # every recovered record is whole, printed or not
+                data = block(i, CHILD_SIZES[i % len(CHILD_SIZES)])
+                assert await read(tier, r.slot, i, len(data), r.checksum) == data
+            assert tier.check().ok
+        finally:
+            await tier.close()
+
+
+async def test_sigkill_after_free_does_not_resurrect(opened, tmp_path):
+    directory = tmp_path / "nvme"
+    _run_and_kill(directory, "free", lambda ls: "DRAINED" in ls)
+    _, records = await opened(directory=directory)
+    assert sorted(r.key for r in records) == [key(i) for i in range(1, 10, 2)]
+
+
+# ---------------------------------------------------------------------------- corruption
+@pytest.mark.parametrize("codec", [None, "lz4"])
+async def test_flipped_payload_byte_is_a_miss(opened, tmp_path, codec):
+    tier, _ = await opened(codec=codec)
+    put_ = [await put(tier, i, 65536, compressible=codec is not None) for i in range(5)]
+    await tier.close()
+    flip(tmp_path / "nvme" / FILE_NAME, put_[2][0] + PAGE + 100)
+    tier2, records = await opened(codec=codec)
+    assert len(records) == 5  # the header is intact: only reading finds the damage
+    for i, (slot, data) in enumerate(put_):
+        got = await read(tier2, slot, i, 65536, block_checksum(data))
+        assert got == (None if i == 2 else data)
+    s = tier2.stats()
+    assert s["checksum_failures"] == 1 and s["misses"] == 1
+    tier2.free(put_[2][0])  # what the daemon does with a miss
+    assert tier2.check().ok
+
+
+async def test_flipped_header_byte_drops_the_record_at_recovery(opened, tmp_path):
+    tier, _ = await opened()
+    put_ = [await put(tier, i, 16384) for i in range(5)]
+    await tier.close()
+    flip(tmp_path / "nvme" / FILE_NAME, put_[3][0] + 60)  # inside the key field
+    tier2, records = await opened()
+    assert sorted(r.key for r in records) == [key(i) for i in (0, 1, 2, 4)]
+    # The slot went back to the free pool: filling the tier hands it out again.
+    handed = set()
+    while (s := tier2.allocate(16384)) is not None:
+        handed.add(s)
+    assert put_[3][0] in handed and put_[0][0] not in handed
+
+
+async def test_check_finds_and_fixes_corruption(opened, tmp_path):
+    tier, _ = await opened()
+    path = tmp_path / "nvme" / FILE_NAME
+    put_ = [await put(tier, i, 16384) for i in range(6)]
+    (a, _), (b, _), (c, _) = put_[0], put_[1], put_[2]
+    with open(path, "rb") as f:
+        f.seek(c)
+        c_header = f.read(PAGE)
+    tier.free(c)
+    await tier.drain()  # its tombstone is on disk
+    flip(path, a + PAGE + 7)  # payload
+    flip(path, b + 70)  # header
+    with open(path, "r+b") as f:  # a lost tombstone: c's old header is back
+        f.seek(c)
+        f.write(c_header)
+    report = tier.check()
+    kinds = {p.slot: p.kind for p in report.problems}
+    assert kinds == {a: "corrupt", b: "torn", c: "orphan"}
+    assert report.records_ok == 3 and not report.ok
+    fixed = tier.check(fix=True)
+    assert fixed.fixed and {p.key for p in fixed.problems} == {key(0), key(1), key(2)}
+    assert tier.stats()["blocks"] == 3
+    await tier.drain()
+    assert tier.check().ok
+    await tier.close()
+    _, records = await opened()
+    assert sorted(r.key for r in records) == [key(i) for i in (3, 4, 5)]
+
+
+# ---------------------------------------------------------------------------- failures
+async def test_write_with_a_wrong_checksum_is_refused(opened):
+    tier, _ = await opened()
+    slot = tier.allocate(8192)
+    data = block(1, 8192)
+    with pytest.raises(ValueError, match="checksum"):
+        await tier.write(slot, key(1), NS, data, block_checksum(data) ^ 1)
+    assert tier.stats()["reserved_slots"] == 0
+    with pytest.raises(ValueError):
+        await tier.read_into(slot, key(1), NS, 0, bytearray(8192))
+    assert tier.allocate(8192) == slot
+
+
+async def test_free_or_cancel_during_a_write_frees_after_it(opened):
+    tier, _ = await opened()
+    data = block(1, 65536)
+    slot = tier.allocate(65536)
+    task = asyncio.ensure_future(tier.write(slot, key(1), NS, data, block_checksum(data)))
+    await asyncio.sleep(0)
+    tier.free(slot)
+    await task
+    slot2 = tier.allocate(65536)
+    task2 = asyncio.ensure_future(tier.write(slot2, key(2), NS, data, block_checksum(data)))
+    await asyncio.sleep(0)
+    task2.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task2
+    await tier.drain()
+    s = tier.stats()
+    assert s["blocks"] == 0 and s["reserved_slots"] == 0
+    assert slot2 == slot  # the first slot was freed after its write, and handed out again
+    assert tier.allocate(65536) == slot2  # and so was the cancelled write's
+    # free() and then cancel() of one write: the slot is freed once, not twice.
+    task3 = asyncio.ensure_future(tier.write(slot2, key(3), NS, data, block_checksum(data)))
+    await asyncio.sleep(0)
+    tier.free(slot2)
+    while tier.stats()["reserved_slots"]:  # until the write has committed and freed the slot
+        await asyncio.sleep(0)
+    task3.cancel()  # lands before write() resumes: it sees a finished write
+    with contextlib.suppress(asyncio.CancelledError):
+        await task3
+    await tier.drain()
+    assert tier.stats()["blocks"] == 0 and tier.stats()["reserved_slots"] == 0
+    assert len({tier.allocate(65536) for _ in range(3)}) == 3
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """An 8 MiB tmpfs: a real filesystem that fills up. Needs root (mount)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(mnt)], capture_output=True
+    )
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+async def test_full_disk_raises_and_leaves_the_tier_usable(opened, tiny_fs):
+    n = 256 << 10
+    tier, _ = await opened(directory=tiny_fs, capacity=32 << 20)
+    assert not tier.stats()["preallocated"]  # 32 MiB cannot be reserved on 8 MiB
+    good = []
+    with pytest.raises(NvmeIOError) as info:
+        for i in range(200):
+            slot = tier.allocate(n)
+            assert slot is not None, "ran out of slots before the disk filled"
+            data = block(i, n)
+            await tier.write(slot, key(i), NS, data, block_checksum(data))
+            good.append((i, slot, data))
+    assert info.value.errno == errno.ENOSPC
+    assert len(good) > 10
+    s = tier.stats()
+    assert s["reserved_slots"] == 0 and s["io_errors"] == 1 and s["blocks"] == len(good)
+    assert tier.allocate(n) == slot  # the failed slot is free again
+    tier.free(slot)
+    for i, s_, data in good:
+        assert await read(tier, s_, i, n, block_checksum(data)) == data
+    # Freeing a written record gives back space that is already on disk: writes succeed again.
+    _, s0, _ = good.pop(0)
+    tier.free(s0)
+    reused = tier.allocate(n)
+    new = block(999, n)
+    await tier.write(reused, key(999), NS, new, block_checksum(new))
+    assert await read(tier, reused, 999, n, block_checksum(new)) == new
+    await tier.close()
+    _, records = await opened(directory=tiny_fs, capacity=32 << 20)
+    assert sorted(r.key for r in records) == sorted([key(i) for i, _, _ in good] + [key(999)])
+
+
+if __name__ == "__main__":
+    asyncio.run(_child(sys.argv[1], sys.argv[2]))

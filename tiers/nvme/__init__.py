@@ -1,0 +1,20 @@
+"""The NVMe tier's mechanism: one preallocated slab file of checksummed, crash-safe records.
+
+``tier`` holds ``NvmeTier`` (the daemon's interface and its contract), ``ondisk`` the on-disk
+format, ``alloc`` the slot allocator, ``diskio`` the thread-side IO helpers. Imports only the
+core types (``kvstore.errors``, ``kvstore.keys``).
+"""
+
+from kvstore.tiers.nvme.ondisk import FILE_NAME, PAGE
+from kvstore.tiers.nvme.records import CheckProblem, CheckReport, NvmeRecord
+from kvstore.tiers.nvme.tier import NvmeIOError, NvmeTier
+
+__all__ = [
+    "FILE_NAME",
+    "PAGE",
+    "CheckProblem",
+    "CheckReport",
+    "NvmeIOError",
+    "NvmeRecord",
+    "NvmeTier",
+]
