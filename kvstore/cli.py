@@ -43,6 +43,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     serve.add_argument(
         "--write-through", action="store_true", help="write every put to the NVMe tier at once"
     )
+    serve.add_argument(
+        "--redis-url",
+        help="shared tier: redis://host:port/db, rediss://, unix:///path.sock, redis+cluster://",
+    )
     serve.add_argument("--log-level", default="WARNING")
 
     stat = sub.add_parser("stat", help="tier occupancy, hits, evictions")
@@ -102,7 +106,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             nvme = dataclasses.replace(nvme, codec=args.nvme_codec)
         if args.write_through:
             nvme = dataclasses.replace(nvme, write_through=True)
-        cfg = dataclasses.replace(cfg, cpu=cpu, nvme=nvme, address=args.address or cfg.address)
+        redis = cfg.redis
+        if args.redis_url is not None:
+            redis = dataclasses.replace(redis, url=args.redis_url)
+        cfg = dataclasses.replace(
+            cfg, cpu=cpu, nvme=nvme, redis=redis, address=args.address or cfg.address
+        )
     except (OSError, ValueError) as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2
@@ -173,6 +182,8 @@ _EXTRA_LABELS = {
     "compression_ratio": "lz4 ratio",
     "prefetch_hits": "prefetch hits",
     "io_errors": "io errors",
+    "skipped_while_down": "calls skipped while down",
+    "reconnects": "reconnects",
 }
 
 

@@ -72,6 +72,26 @@ class NvmeTierConfig:
 
 
 @dataclass(frozen=True)
+class RedisTierConfig:
+    """The tier shared by every host's daemon. Off unless ``url`` is set."""
+
+    url: str = ""
+    timeout_s: float = 0.5
+    # True: every put is written to Redis at once (what sharing across hosts needs); False:
+    # blocks reach Redis when they leave the last local tier.
+    write_through: bool = True
+    ttl_s: float = 0.0  # 0: no expiry
+    max_bytes_per_namespace: int = 0  # 0: no per-namespace bound (use Redis's maxmemory)
+    key_prefix: str = "kvs"
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"redis timeout_s must be positive, got {self.timeout_s}")
+        if self.ttl_s < 0 or self.max_bytes_per_namespace < 0:
+            raise ValueError("redis ttl_s and max_bytes_per_namespace must be >= 0")
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     address: str = ""
     lease_ttl_s: float = 30.0
@@ -80,6 +100,7 @@ class DaemonConfig:
     max_message_bytes: int = 256 << 20
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     nvme: NvmeTierConfig = field(default_factory=NvmeTierConfig)
+    redis: RedisTierConfig = field(default_factory=RedisTierConfig)
     # Seconds a graceful stop may spend writing dirty CPU blocks down so a restart finds them.
     drain_timeout_s: float = 30.0
 
@@ -122,6 +143,14 @@ _KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "io_threads": ("io_threads", int),
         "policy": ("policy", str),
     },
+    "redis": {
+        "url": ("url", str),
+        "timeout_s": ("timeout_s", float),
+        "write_through": ("write_through", bool),
+        "ttl_s": ("ttl_s", float),
+        "max_bytes_per_namespace": ("max_bytes_per_namespace", parse_size),
+        "key_prefix": ("key_prefix", str),
+    },
 }
 
 
@@ -143,6 +172,7 @@ def _apply(base: DaemonConfig, data: dict[str, Any], source: str) -> DaemonConfi
         base,
         cpu=dataclasses.replace(base.cpu, **_fields(data, "cpu", source)),
         nvme=dataclasses.replace(base.nvme, **_fields(data, "nvme", source)),
+        redis=dataclasses.replace(base.redis, **_fields(data, "redis", source)),
         **_fields(data, "daemon", source),
     )
 
@@ -164,6 +194,9 @@ def load_config(
     if env.get("KVSTORE_CPU_CAPACITY"):
         cpu = dataclasses.replace(cfg.cpu, capacity_bytes=parse_size(env["KVSTORE_CPU_CAPACITY"]))
         cfg = dataclasses.replace(cfg, cpu=cpu)
+    if env.get("KVSTORE_REDIS_URL"):
+        redis = dataclasses.replace(cfg.redis, url=env["KVSTORE_REDIS_URL"])
+        cfg = dataclasses.replace(cfg, redis=redis)
     if env.get("KVSTORE_NVME_PATH"):
         nvme = dataclasses.replace(cfg.nvme, path=env["KVSTORE_NVME_PATH"])
         cfg = dataclasses.replace(cfg, nvme=nvme)

@@ -34,6 +34,7 @@ class State(IntEnum):
 # (a clean CPU block has both; dropping its CPU copy then costs no write).
 IN_CPU = 1
 IN_NVME = 2
+IN_REDIS = 4  # this host wrote it to the shared tier (Redis is not indexed: other hosts write it)
 
 
 class BlockIndex:

@@ -8,9 +8,11 @@ SIGKILL) and its socket directory removed when the test ends.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +110,7 @@ class DaemonProcess:
 
 def config_toml(
     cpu_capacity: str = "16MiB",
+    redis_url: str | None = None,
     slab: str = "1MiB",
     policy: str = "lru",
     lease_ttl_s: float = 30.0,
@@ -130,6 +133,12 @@ capacity = "{cpu_capacity}"
 slab = "{slab}"
 policy = "{policy}"
 high_watermark = {high_watermark}
+"""
+    if redis_url is not None:
+        text += f"""
+[redis]
+url = "{redis_url}"
+timeout_s = 0.5
 """
     if nvme_path is not None:
         text += f"""
@@ -169,3 +178,70 @@ def _short_tmp(monkeypatch: pytest.MonkeyPatch) -> None:
     # Keep socket paths short and out of the user's runtime dir.
     monkeypatch.delenv("KVSTORE_ADDRESS", raising=False)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+@dataclass
+class RedisProcess:
+    """A real ``redis-server`` on a unix socket (no TCP port, no persistence)."""
+
+    directory: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def socket_path(self) -> Path:
+        return self.directory / "redis.sock"
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    def start(self) -> RedisProcess:
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                "0",
+                "--unixsocket",
+                str(self.socket_path),
+                "--unixsocketperm",
+                "700",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.directory),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(200):
+            if self.socket_path.exists():
+                return self
+            time.sleep(0.025)
+        raise RuntimeError("redis-server did not create its socket")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.socket_path.exists():
+            self.socket_path.unlink()
+
+    def cli(self, *args: str) -> str:
+        out = subprocess.run(
+            ["redis-cli", "-s", str(self.socket_path), *args],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (CI installs it with apt)")
+    server = RedisProcess(Path(tmp_path_factory.mktemp("redis"))).start()
+    yield server
+    server.stop()

@@ -75,12 +75,12 @@ async def test_reserved_blocks_are_invisible_until_commit(store: BlockStore) -> 
     ks = keys(3)
     rid, offsets = await store.reserve(ns, ks)
     assert all(o >= HEADER_BYTES for o in offsets)
-    assert store.lookup(ns, ks) == 0
+    assert await store.lookup(ns, ks) == 0
     # A second writer of the same keys is told not to write them.
     rid2, offsets2 = await store.reserve(ns, ks)
     assert rid2 == 0 and offsets2 == [-1, -1, -1]
     store.commit(rid, [1, 2, 3])
-    assert store.lookup(ns, ks) == 3
+    assert await store.lookup(ns, ks) == 3
     with pytest.raises(LeaseExpiredError):
         store.commit(rid, [1, 2, 3])
 
@@ -105,7 +105,7 @@ async def test_lookup_stops_at_the_first_gap(store: BlockStore) -> None:
     ns = store.open_namespace(NS).ns_id
     ks = keys(5)
     await put(store, ns, [ks[0], ks[1], ks[3], ks[4]])
-    assert store.lookup(ns, ks) == 2
+    assert await store.lookup(ns, ks) == 2
 
 
 async def test_lru_eviction_under_pressure(store: BlockStore) -> None:
@@ -114,8 +114,8 @@ async def test_lru_eviction_under_pressure(store: BlockStore) -> None:
     old = keys(capacity)
     await put(store, ns, old)
     await put(store, ns, keys(2, start=100))
-    assert store.lookup(ns, old[:2]) == 0  # the two oldest are gone
-    assert store.lookup(ns, old[2:]) == capacity - 2
+    assert await store.lookup(ns, old[:2]) == 0  # the two oldest are gone
+    assert await store.lookup(ns, old[2:]) == capacity - 2
     assert store.cpu.evictions == 2
     snap = store.tier_snapshots()[0]
     assert snap.used_bytes <= snap.capacity_bytes and snap.blocks == capacity
@@ -140,7 +140,7 @@ async def test_delete_while_leased_keeps_the_slot_until_release(store: BlockStor
     await put(store, ns, ks, fill=9)
     lease, offsets, _ = await store.acquire(ns, ks)
     assert store.delete(ns, ks) == 2
-    assert store.lookup(ns, ks) == 0
+    assert await store.lookup(ns, ks) == 0
     # The reader's slots are still intact and held.
     assert store.arena.view[offsets[0]] == 9
     used = store.tier_snapshots()[0].used_bytes
@@ -176,9 +176,9 @@ def test_namespace_mismatch_is_refused(store: BlockStore) -> None:
     assert store.open_namespace(NS).ns_id == 1  # joining with the same fingerprint is fine
 
 
-def test_unknown_namespace_id(store: BlockStore) -> None:
+async def test_unknown_namespace_id(store: BlockStore) -> None:
     with pytest.raises(UnknownNamespaceError):
-        store.lookup(42, keys(1))
+        await store.lookup(42, keys(1))
 
 
 async def test_a_key_of_another_namespace_is_a_miss(store: BlockStore) -> None:
@@ -186,7 +186,7 @@ async def test_a_key_of_another_namespace_is_a_miss(store: BlockStore) -> None:
     b = store.open_namespace(Namespace(model="m", layout=LAYOUT, tenant="t2")).ns_id
     ks = keys(2)  # hashed with NS's seed, then (wrongly) presented in tenant t2
     await put(store, a, ks)
-    assert store.lookup(b, ks) == 0
+    assert await store.lookup(b, ks) == 0
     assert await store.acquire(b, ks) == (0, [], [])
 
 
@@ -239,7 +239,7 @@ async def _random_operations(ops: list[tuple[str, int]]) -> None:
             elif op == "d":
                 s.delete(ns, [k])
             elif op == "l":
-                s.lookup(ns, [k])
+                await s.lookup(ns, [k])
             snap = s.tier_snapshots()[0]
             assert 0 <= snap.used_bytes <= snap.capacity_bytes
             assert snap.blocks == len(s.policy)

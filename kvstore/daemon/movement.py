@@ -158,6 +158,8 @@ class Mover:
                 dirty = [v for v in victims if not index.tier[v] & IN_NVME]
                 if dirty and store.nvme is not None:
                     await asyncio.gather(*(self.flush(v) for v in dirty))
+                elif dirty and store.shared.enabled:
+                    await store.shared.demote(dirty)  # the CPU tier is the last local one
                 for v in victims:
                     if (
                         index.state[v] != State.COMMITTED

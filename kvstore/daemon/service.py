@@ -135,7 +135,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Lookup(self, request, context):
-        found = self.store.lookup(request.namespace_id, _keys(request.keys))
+        found = await self.store.lookup(request.namespace_id, _keys(request.keys))
         return pb.LookupResponse(found=found)
 
     @_rpc

@@ -120,6 +120,7 @@ class BlockStore:
         self.nvme_policy: EvictionPolicy = make_policy(config.nvme.policy)
         self.cpu = TierCounters()
         self.nvme_counters = TierCounters()
+        self.redis_counters = TierCounters()
         self.nvme: NvmeTier | None = None  # set by start() when configured
         self._namespaces: dict[int, NamespaceRecord] = {}
         self._by_name: dict[str, NamespaceRecord] = {}
@@ -132,15 +133,20 @@ class BlockStore:
         self._nvme_blocks = 0
         self._reserved_blocks = 0
         from kvstore.daemon.movement import Mover
+        from kvstore.daemon.shared import SharedTier
 
         self.mover = Mover(self)
+        self.shared = SharedTier(self)
 
     async def start(self) -> None:
-        """Open the NVMe tier (recovering what it holds) and start background movement."""
+        """Open the NVMe tier (recovering what it holds), connect the shared tier, and start
+        background movement."""
         await self.mover.start()
+        await self.shared.start()
 
     async def stop(self) -> None:
         """Write dirty blocks down (bounded by ``drain_timeout_s``), close tiers, unlink."""
+        await self.shared.stop()
         await self.mover.stop()
         self.close()
 
@@ -199,6 +205,10 @@ class BlockStore:
             record = self._new_namespace(None, fingerprint, block_bytes, 0)
         return record
 
+    def namespace_record(self, ns_id: int) -> NamespaceRecord:
+        """The record of an entry's namespace (recovered ones included)."""
+        return self._namespaces[ns_id]
+
     def namespace(self, ns_id: int) -> NamespaceRecord:
         record = self._namespaces.get(ns_id)
         if record is None or record.namespace is None:
@@ -231,10 +241,15 @@ class BlockStore:
             eids.append(eid)
         return eids
 
-    def lookup(self, ns_id: int, keys: Sequence[bytes]) -> int:
+    async def lookup(self, ns_id: int, keys: Sequence[bytes]) -> int:
         record = self.namespace(ns_id)
         run = self.leading_run(ns_id, keys)
-        found = len(run)
+        local = len(run)
+        shared = 0
+        if local < len(keys):
+            # One batched call for the rest of the run; 0 when Redis is unreachable.
+            shared = await self.shared.contains(record, list(keys[local:]))
+        found = local + shared
         # Hits and misses are counted per key asked by lookup, the call engines make before
         # every prefill; a get that follows it asks only for what lookup found. A block is a hit
         # of the highest tier that holds it.
@@ -244,23 +259,31 @@ class BlockStore:
         self.cpu.hits += in_cpu
         self.cpu.misses += len(keys) - in_cpu
         if self.nvme is not None:
-            self.nvme_counters.hits += found - in_cpu
-            self.nvme_counters.misses += len(keys) - found
+            self.nvme_counters.hits += local - in_cpu
+            self.nvme_counters.misses += len(keys) - local
+        if self.shared.enabled:
+            self.redis_counters.hits += shared
+            self.redis_counters.misses += len(keys) - found
         return found
 
     async def acquire(self, ns_id: int, keys: Sequence[bytes]) -> tuple[int, list[int], list[int]]:
         """Lease the leading run of present blocks, promoting any that are only on disk:
         (lease id or 0, offsets, checksums)."""
-        self.namespace(ns_id)
+        record = self.namespace(ns_id)
         eids = self.leading_run(ns_id, keys)
-        if not eids:
-            return 0, [], []
         for eid in eids:  # pin the whole run before anything awaits
             self.index.add_lease(eid)
+        local_run = len(eids)
         ready = await self.mover.bring_to_cpu(eids)
         for eid in eids[ready:]:
             self._drop_one_lease(eid)
         eids = eids[:ready]
+        if ready == local_run < len(keys) and self.shared.enabled:
+            # The local run ended at a missing block: the shared tier may hold the rest.
+            fetched = await self.shared.fetch(record, list(keys[ready:]))
+            for eid in fetched:  # committed just now, no await since: lease them at once
+                self.index.add_lease(eid)
+            eids = eids + fetched
         if not eids:
             return 0, [], []
         self.mover.note_read(eids)
@@ -367,7 +390,23 @@ class BlockStore:
         self._reserved_blocks -= len(reservation.eids)
         record.blocks += len(reservation.eids)
         self.mover.note_committed(reservation.eids)
+        self.shared.note_committed(reservation.eids)
         return len(reservation.eids)
+
+    def note_reserved(self, n: int) -> None:
+        """``n`` RESERVED entries were added outside ``reserve`` (a fetch from Redis)."""
+        self._reserved_blocks += n
+
+    def discard_reserved(self, eid: int) -> None:
+        self._free_entry(eid)
+
+    def commit_fetched(self, eid: int, checksum: int) -> None:
+        """Make a block fetched from the shared tier into a RESERVED entry visible."""
+        self.index.commit(eid, checksum)
+        self.policy.insert(eid, self.index.priority[eid])
+        self._reserved_blocks -= 1
+        self._namespaces[self.index.ns[eid]].blocks += 1
+        self.mover.note_committed([eid])
 
     def abort(self, reservation_id: int) -> None:
         reservation = self._reservations.pop(reservation_id, None)
@@ -548,6 +587,31 @@ class BlockStore:
                     int(stats["used_bytes"]),
                     self._nvme_blocks,
                     self.nvme_counters,
+                    extra=extra,
+                )
+            )
+        if self.shared.enabled:
+            stats = self.shared.stats()
+            c = self.redis_counters
+            c.promotions = self.shared.promotions
+            c.demotions = self.shared.demotions
+            c.checksum_failures = int(stats.get("checksum_failures", 0))
+            c.evictions = int(stats.get("evictions", 0))
+            extra = {
+                k: float(v)
+                for k, v in stats.items()
+                if k in ("bytes_written", "bytes_read", "errors", "reconnects", "unavailable")
+            }
+            extra["skipped_while_down"] = float(self.shared.skipped)
+            bound = self.config.redis.max_bytes_per_namespace
+            snaps.append(
+                TierSnapshot(
+                    "redis",
+                    bound,
+                    int(stats.get("bytes_written", 0)),
+                    int(stats.get("puts", 0)),
+                    c,
+                    up=bool(stats.get("up", False)),
                     extra=extra,
                 )
             )

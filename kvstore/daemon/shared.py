@@ -1,0 +1,213 @@
+"""The daemon's side of the shared Redis tier: lookups past the local run, fetches into the CPU
+tier, write-through and demotion to Redis.
+
+Redis is shared by every host's daemon, so this host does not index it: ``contains`` asks it,
+in one batched call, only for the keys after the local leading run. A fetched block becomes an
+ordinary local block (CPU tier, then NVMe by write-back), so the next read is local.
+
+``SharedTier`` owns the ``RedisTier`` object and the write-through queue. Every Redis call has a
+deadline; when Redis is down, slow or restarting the tier is skipped (a lookup counts only local
+blocks, a put is not queued), and it recovers by itself. Event-loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from kvstore.checksum import block_checksum
+from kvstore.index import IN_CPU, IN_REDIS, State
+
+if TYPE_CHECKING:
+    from kvstore.daemon.store import BlockStore, NamespaceRecord
+
+log = logging.getLogger(__name__)
+
+PUT_BATCH = 32
+
+
+class SharedTier:
+    """See the module docstring. Created by the store; ``start``/``stop`` bracket its life."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+        self.config = store.config.redis
+        self.tier: Any = None  # kvstore.tiers.redis.RedisTier once started
+        self._queue: deque[int] = deque()
+        self._wake = asyncio.Event()
+        self._putter: asyncio.Task[None] | None = None
+        self.promotions = 0
+        self.demotions = 0
+        self.skipped = 0  # calls skipped because the tier was down
+
+    @property
+    def enabled(self) -> bool:
+        return self.tier is not None
+
+    async def start(self) -> None:
+        if not self.config.url:
+            return
+        from kvstore.tiers.redis import RedisTier
+
+        self.tier = RedisTier(
+            self.config.url,
+            timeout_s=self.config.timeout_s,
+            ttl_s=self.config.ttl_s or None,
+            max_bytes_per_namespace=self.config.max_bytes_per_namespace or None,
+            key_prefix=self.config.key_prefix,
+        )
+        await self.tier.start()  # a Redis that is down now is not fatal: it reconnects
+        self._putter = asyncio.create_task(self._put_loop())
+
+    async def stop(self) -> None:
+        if self.tier is None:
+            return
+        if self._putter is not None:
+            self._putter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._putter
+        await self.tier.close()
+
+    # ----------------------------------------------------------------- lookups and fetches
+    async def contains(self, record: NamespaceRecord, keys: list[bytes]) -> int:
+        """Leading keys present in Redis; 0 when it is unreachable (never a hit from a tier
+        that cannot serve it)."""
+        from kvstore.tiers.redis import RedisTierUnavailable
+
+        if self.tier is None or not keys or not self.tier.up:
+            return 0
+        try:
+            return int(await self.tier.contains(record.fingerprint, keys))
+        except RedisTierUnavailable:
+            self.skipped += 1
+            return 0
+
+    async def fetch(self, record: NamespaceRecord, keys: list[bytes]) -> list[int]:
+        """Copy the leading run of ``keys`` found in Redis into new CPU-tier entries; returns
+        the entry ids of the leading blocks now committed locally (in key order)."""
+        from kvstore.tiers.redis import RedisTierUnavailable
+
+        store, index = self.store, self.store.index
+        n = await self.contains(record, keys)
+        claim = [k for k in keys[:n]]
+        for i, key in enumerate(claim):
+            if index.get(key) is not None:  # indexed meanwhile (a put, or another fetch)
+                claim = claim[:i]
+                break
+        if not claim:
+            return []
+        bb = record.block_bytes
+        slots = await store.mover.alloc_cpu(bb, len(claim), partial=True)
+        # Claim entries (RESERVED: invisible, and a concurrent fetch of a key skips it) before
+        # the next await; stop at a key someone indexed while room was being made.
+        eids: list[int] = []
+        for key, offset in zip(claim, slots, strict=False):
+            if index.get(key) is not None:
+                break
+            eids.append(index.add(key, record.ns_id, IN_CPU, offset, record.priority))
+        for offset in slots[len(eids) :]:
+            store.cpu_unalloc(offset, bb)
+        store.note_reserved(len(eids))
+        views = [store.arena.view[index.offset[e] : index.offset[e] + bb] for e in eids]
+        try:
+            oks = await self.tier.get_into(
+                record.fingerprint,
+                [(index.key(e), None, view) for e, view in zip(eids, views, strict=True)],
+            )
+        except RedisTierUnavailable:
+            self.skipped += 1
+            oks = [False] * len(eids)
+        run: list[int] = []
+        leading = True
+        for eid, view, ok in zip(eids, views, oks, strict=True):
+            if not ok:
+                store.discard_reserved(eid)
+                leading = False
+                continue
+            # The tier verified the payload against the checksum in its header; this is the
+            # checksum every local tier keeps for it from now on.
+            store.commit_fetched(eid, block_checksum(view))
+            index.tier[eid] |= IN_REDIS
+            self.promotions += 1
+            if leading:
+                run.append(eid)
+        return run
+
+    # ----------------------------------------------------------------- down: write-through
+    def note_committed(self, eids: list[int]) -> None:
+        if self.tier is None or not self.config.write_through:
+            return
+        if not self.tier.up:
+            self.skipped += 1
+            return
+        self._queue.extend(eids)
+        self._wake.set()
+
+    async def demote(self, eids: list[int]) -> None:
+        """Write CPU blocks that are about to leave the last local tier to Redis first."""
+        todo = [e for e in eids if not self.store.index.tier[e] & IN_REDIS]
+        for i in range(0, len(todo), PUT_BATCH):
+            await self._put(todo[i : i + PUT_BATCH])
+
+    async def _put_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                batch = [self._queue.popleft() for _ in range(min(PUT_BATCH, len(self._queue)))]
+                await self._put(batch)
+
+    async def _put(self, eids: list[int]) -> None:
+        from kvstore.tiers.redis import RedisTierUnavailable
+
+        store, index = self.store, self.store.index
+        live = [
+            e
+            for e in eids
+            if index.state[e] == State.COMMITTED
+            and index.tier[e] & IN_CPU
+            and not index.tier[e] & IN_REDIS
+        ]
+        if not live or self.tier is None:
+            return
+        by_ns: dict[int, list[int]] = {}
+        for e in live:
+            by_ns.setdefault(index.ns[e], []).append(e)
+        for e in live:
+            index.add_lease(e)  # the slots stay put while Redis reads them
+        try:
+            for ns_id, group in by_ns.items():
+                record = store.namespace_record(ns_id)
+                bb = record.block_bytes
+                blocks = [
+                    (
+                        index.key(e),
+                        store.arena.view[index.offset[e] : index.offset[e] + bb],
+                        index.checksum[e],
+                    )
+                    for e in group
+                ]
+                try:
+                    await self.tier.put(record.fingerprint, blocks)
+                except RedisTierUnavailable:
+                    self.skipped += 1
+                    return
+                except ValueError as exc:  # a CPU copy that no longer matches its checksum
+                    log.warning("not sent to redis: %s", exc)
+                    store.cpu.checksum_failures += 1
+                    return
+                for e in group:
+                    if index.state[e] == State.COMMITTED:
+                        index.tier[e] |= IN_REDIS
+                self.demotions += len(group)
+        finally:
+            for e in live:
+                store._drop_one_lease(e)
+
+    def stats(self) -> dict[str, Any]:
+        if self.tier is None:
+            return {}
+        return dict(self.tier.stats())

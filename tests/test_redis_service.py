@@ -1,0 +1,141 @@
+"""The shared Redis tier through real daemons: two hosts' sidecars sharing one real redis-server."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import SMALL_LAYOUT, random_blocks, same_bytes
+
+from kvstore import KVStoreClient
+
+
+def client(daemon, **kw) -> KVStoreClient:
+    return KVStoreClient(daemon.address, layout=SMALL_LAYOUT, model="test-model", **kw)
+
+
+def tiers(kv: KVStoreClient) -> dict:
+    return {t.name: t for t in kv.stats().tiers}
+
+
+def wait_for(predicate, timeout_s: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def tokens(n_blocks: int, offset: int = 0) -> list[int]:
+    return list(range(offset, offset + 16 * n_blocks))
+
+
+@pytest.fixture
+def two_hosts(daemon_factory, redis_server, tmp_path):
+    (tmp_path / "nvme_b").mkdir()
+    a = daemon_factory(redis_url=redis_server.url)
+    b = daemon_factory(
+        redis_url=redis_server.url, nvme_path=tmp_path / "nvme_b", nvme_capacity="4MiB"
+    )
+    return a, b
+
+
+def test_a_block_put_on_one_host_is_served_on_another(two_hosts) -> None:
+    a, b = two_hosts
+    blocks = random_blocks(SMALL_LAYOUT, 8, seed=1)
+    with client(a) as kv_a, client(b) as kv_b:
+        keys = kv_a.hash_tokens(tokens(8))
+        assert kv_a.put(keys, blocks) == 8
+        wait_for(lambda: tiers(kv_a)["redis"].demotions >= 8, what="write-through to redis")
+        assert kv_b.lookup(keys) == 8  # found in the shared tier
+        assert tiers(kv_b)["cpu"].blocks == 0
+        assert same_bytes(kv_b.get(keys), blocks)  # fetched bit-exact
+        assert tiers(kv_b)["redis"].promotions == 8
+        assert tiers(kv_b)["cpu"].blocks == 8
+        assert same_bytes(kv_b.get(keys), blocks)  # now served from b's own CPU tier
+        assert tiers(kv_b)["redis"].promotions == 8
+        # A prefix extended locally on b continues past what Redis holds.
+        more = kv_b.hash_tokens(tokens(10))
+        kv_b.put(more[8:], random_blocks(SMALL_LAYOUT, 2, seed=2))
+        assert kv_b.lookup(more) == 10
+
+
+def test_lookup_mixes_local_and_shared_blocks(two_hosts) -> None:
+    a, b = two_hosts
+    blocks = random_blocks(SMALL_LAYOUT, 6, seed=3)
+    with client(a) as kv_a, client(b) as kv_b:
+        keys = kv_a.hash_tokens(tokens(6))
+        kv_b.put(keys[:2], blocks[:2])  # b computed the head itself
+        kv_a.put(keys, blocks)  # a computed all of it
+        wait_for(lambda: tiers(kv_a)["redis"].demotions >= 6, what="write-through")
+        assert kv_b.lookup(keys) == 6
+        assert same_bytes(kv_b.get(keys), blocks)
+        assert tiers(kv_b)["redis"].promotions == 4
+
+
+def test_redis_down_keeps_both_hosts_serving_then_recovers(two_hosts, redis_server) -> None:
+    a, b = two_hosts
+    blocks = random_blocks(SMALL_LAYOUT, 4, seed=4)
+    with client(a) as kv_a, client(b) as kv_b:
+        keys = kv_a.hash_tokens(tokens(4))
+        kv_a.put(keys, blocks)
+        wait_for(lambda: tiers(kv_a)["redis"].demotions >= 4, what="write-through")
+        redis_server.stop()
+        for kv in (kv_a, kv_b):
+            t0 = time.monotonic()
+            kv.lookup(keys)
+            kv.get(keys)
+            assert time.monotonic() - t0 < 3.0  # deadlines, no hung call
+        wait_for(lambda: not tiers(kv_b)["redis"].up, what="redis marked down")
+        assert kv_a.lookup(keys) == 4 and same_bytes(kv_a.get(keys), blocks)  # local tiers
+        assert kv_b.lookup(keys) == 0  # only in Redis: not a hit while unreachable
+        assert kv_b.get(keys).shape[0] == 0
+        local = kv_b.hash_tokens(tokens(3, offset=9000))
+        assert kv_b.put(local, random_blocks(SMALL_LAYOUT, 3, seed=5)) == 3
+        # Redis comes back (empty: it had no persistence) and the tier recovers.
+        redis_server.start()
+        wait_for(lambda: tiers(kv_b)["redis"].up, what="redis back up")
+        again = kv_a.hash_tokens(tokens(4, offset=5000))
+        more = random_blocks(SMALL_LAYOUT, 4, seed=6)
+        kv_a.put(again, more)
+        wait_for(lambda: kv_b.lookup(again) == 4, what="sharing again")
+        assert same_bytes(kv_b.get(again), more)
+
+
+def test_a_tampered_value_in_redis_is_a_miss(two_hosts, redis_server) -> None:
+    a, b = two_hosts
+    blocks = random_blocks(SMALL_LAYOUT, 3, seed=7)
+    with client(a) as kv_a, client(b) as kv_b:
+        keys = kv_a.hash_tokens(tokens(3))
+        kv_a.put(keys, blocks)
+        wait_for(lambda: tiers(kv_a)["redis"].demotions >= 3, what="write-through")
+        fp = kv_a.namespace.fingerprint.hex()
+        name = f"kvs:{fp}:{keys[1].hex()}"
+        value_len = int(redis_server.cli("STRLEN", name).strip())
+        assert value_len > SMALL_LAYOUT.block_bytes
+        redis_server.cli("SETRANGE", name, str(value_len - 100), "X")
+        got = kv_b.get(keys)
+        assert got.shape[0] == 1 and same_bytes(got, blocks[:1])  # the run ends at the bad one
+        assert kv_b.get(keys[1:2]).shape[0] == 0  # never served as data
+        assert tiers(kv_b)["redis"].checksum_failures >= 1
+        assert same_bytes(kv_b.get(keys[2:]), blocks[2:])  # its neighbour is fine
+
+
+def test_stat_shows_the_redis_tier(two_hosts) -> None:
+    import json
+    import subprocess
+    import sys
+
+    a, _ = two_hosts
+    with client(a) as kv:
+        keys = kv.hash_tokens(tokens(2))
+        kv.put(keys, random_blocks(SMALL_LAYOUT, 2, seed=8))
+        wait_for(lambda: tiers(kv)["redis"].demotions >= 2, what="write-through")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore", "stat", "--json", "--address", a.address],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    redis = next(t for t in json.loads(out)["tiers"] if t["name"] == "redis")
+    assert redis["up"] and redis["demotions"] == 2

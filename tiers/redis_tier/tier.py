@@ -1,0 +1,425 @@
+"""``RedisTier``: the Redis shared tier's mechanism as the daemon drives it (see the class)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.exceptions
+
+from kvstore.checksum import block_checksum
+from kvstore.errors import KVStoreError
+from kvstore.tiers.redis_tier import value as fmt
+from kvstore.tiers.redis_tier.drivers import Driver, make_driver
+from kvstore.tiers.redis_tier.resp import Command
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+BACKOFF_FIRST_S = 0.05
+BACKOFF_MAX_S = 1.0
+"""Reconnection attempts: 50 ms, doubling, at most 1 s apart (with +-25% jitter so that the
+daemons of many hosts do not knock on a restarted Redis in step)."""
+
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    EOFError,
+    redis.exceptions.RedisError,
+    redis.exceptions.RedisClusterException,
+)
+"""Failures that mean Redis cannot serve now: connection refused/reset/closed, a timeout (both
+the builtin TimeoutError and redis-py's), LOADING, cluster down. A bad argument (ValueError,
+TypeError) is the caller's bug and propagates as itself."""
+
+
+class RedisTierUnavailable(KVStoreError):
+    """Redis is down, slow past the deadline, or restarting; the tier is reconnecting."""
+
+
+class RedisTier:
+    """The bytes of the shared Redis tier: blocks of many hosts in one Redis or Redis Cluster.
+
+    Owns its connections to Redis, the value format (``value``: an 80-byte header naming key,
+    namespace fingerprint, length and xxh3-64 of the block, then the raw block), the per-namespace
+    capacity bound and the up/down state. It keeps no index: other hosts write this Redis, so
+    the daemon asks in batches. It knows nothing of eviction policy beyond the bound below.
+
+    URLs: ``redis://[[user]:password@]host[:port][/db]``, ``unix://[[user]:password@]/path
+    [?db=N]``, ``rediss://...`` (TLS), and Redis Cluster as ``redis+cluster://host:port`` or
+    ``rediss+cluster://host:port`` (any one node; the rest are discovered). ``driver``:
+    ``"auto"`` uses the tier's own RESP client for redis:// and unix:// (payloads go from and to
+    the caller's buffers with no copy in Python) and redis-py for TLS and Cluster (one copy per
+    value each way); ``"redis-py"`` forces redis-py everywhere.
+
+    Names in Redis: block ``<key_prefix>:<namespace hex>:<key hex>`` (no hash tag, so in a
+    cluster the blocks of one namespace spread over every slot); the namespace's age index (a
+    sorted set, only when bounded) ``<key_prefix>:<namespace hex>:age``.
+
+    Concurrency contract. Every method is called on the daemon's event loop thread; ``up`` and
+    ``stats`` are sync and O(1); the rest are coroutines, each one batch in one round trip (per
+    node) unless stated, and any number may run at once (each takes its own connection, at most
+    ``max_connections``; more wait within their deadline). Each call finishes within
+    ``timeout_s`` (connecting and waiting for a connection included) or raises
+    ``RedisTierUnavailable``; it never hangs. A call that fails to reach Redis or times out
+    marks the tier down: ``up`` turns False, every call raises ``RedisTierUnavailable`` at once
+    (no round trip), and a background task PINGs Redis with exponential backoff (50 ms to 1 s)
+    on fresh connections; ``up`` is True again after the first PING that succeeds. A Redis
+    that is down at ``start`` is not an error. Error replies to single commands (e.g. OOM under
+    ``maxmemory`` with ``noeviction``) do not mark the tier down: they count in ``errors`` and
+    read as "absent" / "not stored". A cancelled call closes the connection it was using. In a
+    cluster, ``up`` means every node answered PING, and a batch that meets a failed node fails
+    as a whole. A batch must fit its deadline: at the default 0.5 s, 128 blocks of 2 MiB take
+    ~75 ms (get) and ~175 ms (put) on the RESP path here, but ~0.15 s and ~0.7 s through
+    redis-py (TLS, Cluster): split larger batches or raise ``timeout_s``.
+
+    Blocks are immutable: ``put`` is SET NX (a present key keeps its bytes) and verifies each
+    block against its checksum before sending it (``ValueError`` on a mismatch, nothing sent).
+    ``get_into`` verifies the header (key, namespace, length, codec, its own checksum; the
+    caller's checksum when given) and the payload's xxh3-64; a missing value is a miss, a
+    present but wrong one (other length, any changed byte) a miss counted in
+    ``checksum_failures``. It returns True only for verified bytes. It writes payloads straight
+    into ``out``, so after a False, a raise or a cancellation ``out`` holds unspecified bytes;
+    nothing is written to it after the call ends.
+
+    Capacity. ``ttl_s``: every SET carries an expiry (PX); reads do not refresh it.
+    ``max_bytes_per_namespace``: a bound on the value bytes (header + block) of each namespace,
+    kept with the age index: a put adds its keys (ZADD NX, scored by time in microseconds, the
+    first block of a batch newest so a prefix's head outlives its tail), reads the count in the
+    same round trip and, when over, pops the oldest (ZPOPMIN) and deletes them (a second and
+    third round trip, within the same deadline). The bound assumes one block size per
+    namespace (true of kvstore namespaces) and the same settings on every host. Keys the index
+    does not know (a put cut off between SET and ZADD) are bounded only by ``ttl_s`` and Redis's
+    own limit: run Redis with ``maxmemory`` and ``maxmemory-policy allkeys-lru`` as the global
+    bound; the per-namespace bound keeps one model or tenant from taking all of it.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 0.5,
+        ttl_s: float | None = None,
+        max_bytes_per_namespace: int | None = None,
+        key_prefix: str = "kvs",
+        driver: str = "auto",
+        max_connections: int = 8,
+    ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if ttl_s is not None and not ttl_s >= 0.001:
+            raise ValueError(f"ttl_s must be at least 1 ms, got {ttl_s}")
+        if max_bytes_per_namespace is not None and max_bytes_per_namespace <= 0:
+            raise ValueError(f"max_bytes_per_namespace must be positive: {max_bytes_per_namespace}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be positive, got {max_connections}")
+        self.url = _redacted(url)  # for logs and stats pages: never the password
+        self.timeout_s = timeout_s
+        self.ttl_s = ttl_s
+        self.max_bytes_per_namespace = max_bytes_per_namespace
+        self.key_prefix = fmt.check_key_prefix(key_prefix)
+        self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        self._driver: Driver = make_driver(
+            url, driver=driver, timeout_s=timeout_s, max_connections=max_connections
+        )
+        self.driver = self._driver.name
+        self._up = False
+        self._state = "new"
+        self._reconnect_task: asyncio.Task[None] | None = None
+        self._counters = dict.fromkeys(
+            (
+                "hits",
+                "misses",
+                "puts",
+                "bytes_written",
+                "bytes_read",
+                "checksum_failures",
+                "errors",
+                "reconnects",
+                "evictions",
+                "deletes",
+                "unavailable",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------------ life cycle
+    async def start(self) -> None:
+        """Connect and PING. If Redis does not answer, ``up`` stays False and the tier keeps
+        trying in the background."""
+        if self._state != "new":
+            raise RuntimeError(f"start of a tier that is {self._state}")
+        self._state = "open"
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self._driver.ping()
+        except _UNAVAILABLE as exc:
+            log.warning("redis tier %s not reachable at start (%s); retrying", self.url, exc)
+            self._start_reconnecting()
+            return
+        self._up = True
+
+    async def close(self) -> None:
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        self._up = False
+        task, self._reconnect_task = self._reconnect_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        # Closing sockets does not wait on Redis, but redis-py's close is a coroutine: bound it.
+        with contextlib.suppress(TimeoutError, *_UNAVAILABLE):
+            async with asyncio.timeout(self.timeout_s):
+                await self._driver.close()
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    def stats(self) -> dict[str, Any]:
+        return {"up": self._up, **self._counters}
+
+    # ------------------------------------------------------------------ up / down
+    async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        if not self._up:
+            self._counters["unavailable"] += 1
+            state = {"new": "not started", "closed": "closed"}.get(self._state, "down")
+            raise RedisTierUnavailable(f"redis tier {self.url} is {state}")
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await fn()
+        except _UNAVAILABLE as exc:
+            self._counters["errors"] += 1
+            self._counters["unavailable"] += 1
+            what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc!r}"
+            self._mark_down(what)
+            raise RedisTierUnavailable(f"redis tier {self.url}: call {what}") from exc
+
+    def _check_replies(self, replies: list[Any]) -> None:
+        # LOADING (a restarted Redis reading its data) or a cluster node down, answered per
+        # command: Redis is not serving, so the batch fails as a whole.
+        for reply in replies:
+            if isinstance(reply, redis.exceptions.ConnectionError | redis.exceptions.ClusterError):
+                raise reply
+
+    def _mark_down(self, why: str) -> None:
+        if self._up:
+            log.warning("redis tier %s down (%s); reconnecting", self.url, why)
+        self._up = False
+        self._start_reconnecting()
+
+    def _start_reconnecting(self) -> None:
+        if self._state == "open" and (self._reconnect_task is None or self._reconnect_task.done()):
+            self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        delay = BACKOFF_FIRST_S
+        while self._state == "open":
+            await asyncio.sleep(delay * random.uniform(0.75, 1.25))
+            delay = min(delay * 2, BACKOFF_MAX_S)
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await self._driver.reset()
+                    await self._driver.ping()
+            except _UNAVAILABLE as exc:
+                log.debug("redis tier %s: reconnect failed: %r", self.url, exc)
+                continue
+            self._up = True
+            self._counters["reconnects"] += 1
+            log.warning("redis tier %s is up again", self.url)
+            return
+
+    # ------------------------------------------------------------------ calls
+    async def contains(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        """How many leading keys are present (one EXISTS each, one round trip). A key with an
+        error reply ends the run, as an absent one does."""
+        prefix = fmt.namespace_prefix(self.key_prefix, fmt.check_namespace(namespace))
+        names = [fmt.block_name(prefix, fmt.check_key(k)) for k in keys]
+        if not names:
+            return 0
+        replies = await self._call(lambda: self._run([("EXISTS", n) for n in names]))
+        found = 0
+        for reply in replies:
+            if isinstance(reply, Exception):
+                self._counters["errors"] += 1
+            if reply != 1:
+                break
+            found += 1
+        return found
+
+    async def put(self, namespace: bytes, blocks: Sequence[tuple[bytes, Any, int]]) -> int:
+        """Store ``(key, block bytes, xxh3-64 checksum)`` blocks; returns how many were newly
+        stored (a present key is left as it is; a batch larger than the namespace's bound counts
+        the tail blocks it stored and at once evicted). Raises ValueError, before sending
+        anything, if a block does not match its checksum."""
+        prefix = fmt.namespace_prefix(self.key_prefix, fmt.check_namespace(namespace))
+        cmds: list[Command] = []
+        keys: list[bytes] = []
+        sizes: list[int] = []
+        for key, data, checksum in blocks:
+            fmt.check_key(key)
+            view = _flat(data, writable=False)
+            if block_checksum(view) != checksum:
+                self._counters["checksum_failures"] += 1
+                raise ValueError(f"block {key.hex()} does not match its checksum")
+            head = fmt.pack_header(key, namespace, len(view), checksum)
+            cmd: Command = ("SET", fmt.block_name(prefix, key), [head, view], "NX")
+            cmds.append(cmd if self._ttl_ms is None else (*cmd, "PX", self._ttl_ms))
+            keys.append(key)
+            sizes.append(len(view))
+        if not cmds:
+            return 0
+        n_sets = len(cmds)
+        index = fmt.index_name(prefix)
+        if self.max_bytes_per_namespace is not None:
+            now_us = time.time_ns() // 1000
+            if self._ttl_ms is not None:
+                # Entries older than the TTL name expired blocks: drop them so they are not
+                # counted against the bound.
+                cutoff = now_us - self._ttl_ms * 1000
+                cmds.append(("ZREMRANGEBYSCORE", index, "-inf", f"({cutoff}"))
+            pairs: list[Any] = []
+            for i, key in enumerate(keys):
+                pairs += [now_us - i, key]
+            cmds.append(("ZADD", index, "NX", *pairs))
+            cmds.append(("ZCARD", index))
+            if self._ttl_ms is not None:
+                cmds.append(("PEXPIRE", index, self._ttl_ms))
+
+        async def run() -> list[Any]:
+            replies = await self._run(cmds)
+            if self.max_bytes_per_namespace is not None:
+                count_at = n_sets + (2 if self._ttl_ms is not None else 1)
+                await self._enforce_bound(prefix, index, replies[count_at], max(sizes))
+            return replies
+
+        replies = await self._call(run)
+        stored = written = 0
+        for size, reply in zip(sizes, replies[:n_sets], strict=True):
+            if isinstance(reply, Exception):
+                self._counters["errors"] += 1
+            elif reply is not None and reply is not False:
+                stored += 1
+                written += size
+        self._counters["puts"] += stored
+        self._counters["bytes_written"] += written
+        return stored
+
+    async def _enforce_bound(self, prefix: bytes, index: bytes, count: Any, block: int) -> None:
+        assert self.max_bytes_per_namespace is not None
+        if not isinstance(count, int):
+            if isinstance(count, Exception):
+                self._counters["errors"] += 1
+            return
+        excess = count - self.max_bytes_per_namespace // (fmt.HEADER_BYTES + block)
+        if excess <= 0:
+            return
+        (popped,) = await self._run([("ZPOPMIN", index, excess)])
+        members = _zpop_members(popped)
+        if members:
+            await self._run([("DEL", fmt.block_name(prefix, m)) for m in members])
+            self._counters["evictions"] += len(members)
+
+    async def get_into(
+        self, namespace: bytes, items: Sequence[tuple[bytes, int | None, Any]]
+    ) -> list[bool]:
+        """Read ``(key, expected checksum, out)`` items, ``out`` a writable buffer of the
+        block's length; True where ``out`` now holds the verified block. ``expected`` None
+        trusts the checksum in the value's header (still verified against the payload): for
+        blocks another host wrote, whose checksum this host has not seen."""
+        prefix = fmt.namespace_prefix(self.key_prefix, fmt.check_namespace(namespace))
+        names, outs = [], []
+        for key, _, out in items:
+            names.append(fmt.block_name(prefix, fmt.check_key(key)))
+            outs.append(_flat(out, writable=True))
+        if not names:
+            return []
+        heads_buf = bytearray(fmt.HEADER_BYTES * len(names))
+        heads = [
+            memoryview(heads_buf)[i * fmt.HEADER_BYTES : (i + 1) * fmt.HEADER_BYTES]
+            for i in range(len(names))
+        ]
+
+        async def run() -> list[Any]:
+            results = await self._driver.get_into(names, heads, outs)
+            self._check_replies(results)
+            return results
+
+        results = await self._call(run)
+        oks: list[bool] = []
+        for (key, expected, _), head, out, result in zip(items, heads, outs, results, strict=True):
+            ok = False
+            if result is True:
+                stated = fmt.header_checksum(head, key, namespace, len(out), expected)
+                ok = stated is not None and block_checksum(out) == stated
+            if ok:
+                self._counters["hits"] += 1
+                self._counters["bytes_read"] += len(out)
+            else:
+                self._counters["misses"] += 1
+                if isinstance(result, Exception):
+                    self._counters["errors"] += 1
+                elif result is not None:
+                    self._counters["checksum_failures"] += 1
+                    log.warning("redis tier: block %s failed verification (a miss)", key.hex())
+            oks.append(ok)
+        return oks
+
+    async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        """Delete blocks (and their age-index entries); returns how many were present."""
+        prefix = fmt.namespace_prefix(self.key_prefix, fmt.check_namespace(namespace))
+        keys = [fmt.check_key(k) for k in keys]
+        if not keys:
+            return 0
+        # Always ZREM: another host may bound this namespace even if this one does not.
+        cmds: list[Command] = [("DEL", fmt.block_name(prefix, k)) for k in keys]
+        cmds.append(("ZREM", fmt.index_name(prefix), *keys))
+        replies = await self._call(lambda: self._run(cmds))
+        deleted = sum(1 for r in replies[: len(keys)] if r == 1)
+        self._counters["errors"] += sum(isinstance(r, Exception) for r in replies)
+        self._counters["deletes"] += deleted
+        return deleted
+
+    async def _run(self, cmds: list[Command]) -> list[Any]:
+        replies = await self._driver.run(cmds)
+        self._check_replies(replies)
+        return replies
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password, for logs and messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _flat(buf: Any, *, writable: bool) -> memoryview:
+    view = memoryview(buf)
+    if writable and view.readonly:
+        raise ValueError("out buffers must be writable")
+    if not view.c_contiguous:
+        raise ValueError("block buffers must be C-contiguous")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if not len(view):
+        raise ValueError("blocks must not be empty")
+    return view
+
+
+def _zpop_members(reply: Any) -> list[bytes]:
+    """Members of a ZPOPMIN reply: a flat [member, score, ...] (RESP2) or [[member, score],
+    ...] (redis-py's RESP3 / callbacks)."""
+    if not isinstance(reply, list) or not reply:
+        return []
+    if isinstance(reply[0], list | tuple):
+        return [bytes(pair[0]) for pair in reply]
+    return [bytes(m) for m in reply[0::2]]
