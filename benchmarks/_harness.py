@@ -76,9 +76,11 @@ class KVStoreDaemon:
         policy: str = "lru",
         ready_timeout_s: float = 60.0,
         grace_s: float = 10.0,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.cpu_capacity_bytes = cpu_capacity_bytes
         self.policy = policy
+        self.extra_args = list(extra_args)  # appended to the serve command line
         self.ready_timeout_s = ready_timeout_s
         self.grace_s = grace_s
         self._dir: str | None = None
@@ -113,6 +115,7 @@ class KVStoreDaemon:
             str(self.cpu_capacity_bytes),
             "--cpu-policy",
             self.policy,
+            *self.extra_args,
         ]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(

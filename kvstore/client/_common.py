@@ -267,7 +267,9 @@ def wait_for_daemon(
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    # Short reconnect backoff: the socket may not exist yet on the first tries.
+    options = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.max_reconnect_backoff_ms", 100)]
+    with grpc.insecure_channel(address, options=options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if proc is not None and proc.poll() is not None:

@@ -132,10 +132,10 @@ class Mover:
         slot_size = store.allocator.slot_bytes_for(block_bytes)
 
         def protected(eid: int) -> bool:
-            return (
-                bool(index.leases[eid])
-                or eid in self._flushing
-                or store.allocator.slot_bytes_for(store.block_bytes_of(eid)) != slot_size
+            # A block being written down is still a fine victim: its write is awaited below
+            # (flush() joins the write in flight) and then only its CPU copy is dropped.
+            return bool(index.leases[eid]) or (
+                store.allocator.slot_bytes_for(store.block_bytes_of(eid)) != slot_size
             )
 
         async with self._room:
@@ -274,7 +274,8 @@ class Mover:
 
     def _next_flush_batch(self) -> list[int]:
         store, index = self.store, self.store.index
-        limit = 2 * self.config.io_threads
+        # Large enough that the tier can group many writes under one pair of fdatasyncs.
+        limit = max(2 * self.config.io_threads, 32)
         batch: list[int] = []
         if self.config.write_through:
             while self._write_through and len(batch) < limit:
