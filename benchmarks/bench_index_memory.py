@@ -96,7 +96,7 @@ async def fill_store(store: Any, n: int) -> None:
             raise RuntimeError("reserve did not reserve every new key")
         store.commit(rid, [int.from_bytes(rand(8), "little") for _ in range(k)])
         done += k
-    if len(store.index) != n or store.lookup(ns, keys) != len(keys):
+    if len(store.index) != n or await maybe_await(store.lookup(ns, keys)) != len(keys):
         raise RuntimeError(f"store holds {len(store.index)} entries, expected {n}")
 
 

@@ -50,6 +50,24 @@ def wait_healthy(
     wait_for_daemon(address, timeout_s, proc)
 
 
+def tokens(n_blocks: int, offset: int = 0, block_size: int = 16) -> list[int]:
+    """Token ids of ``n_blocks`` full blocks starting at ``offset``."""
+    return list(range(offset, offset + n_blocks * block_size))
+
+
+def tiers(kv) -> dict:
+    """The daemon's tier stats by name."""
+    return {t.name: t for t in kv.stats().tiers}
+
+
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
 @dataclass
 class DaemonProcess:
     """A real ``kvstore serve`` process owned by a test."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL_LAYOUT, random_blocks, same_bytes
+from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tiers, tokens, wait_for
 
 from kvstore import AsyncKVStoreClient, KVStoreClient
 
@@ -21,22 +21,6 @@ BLOCK = SMALL_LAYOUT.block_bytes  # 8 KiB
 
 def client(daemon, **kw) -> KVStoreClient:
     return KVStoreClient(daemon.address, layout=SMALL_LAYOUT, model="test-model", **kw)
-
-
-def tokens(n_blocks: int, offset: int = 0) -> list[int]:
-    return list(range(offset, offset + 16 * n_blocks))
-
-
-def tiers(kv: KVStoreClient) -> dict:
-    return {t.name: t for t in kv.stats().tiers}
-
-
-def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def put_in_batches(

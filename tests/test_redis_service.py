@@ -5,29 +5,13 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import SMALL_LAYOUT, random_blocks, same_bytes
+from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tiers, tokens, wait_for
 
 from kvstore import KVStoreClient
 
 
 def client(daemon, **kw) -> KVStoreClient:
     return KVStoreClient(daemon.address, layout=SMALL_LAYOUT, model="test-model", **kw)
-
-
-def tiers(kv: KVStoreClient) -> dict:
-    return {t.name: t for t in kv.stats().tiers}
-
-
-def wait_for(predicate, timeout_s: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def tokens(n_blocks: int, offset: int = 0) -> list[int]:
-    return list(range(offset, offset + 16 * n_blocks))
 
 
 @pytest.fixture

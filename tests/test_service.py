@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 import torch
-from conftest import SMALL_LAYOUT, random_blocks, same_bytes, wait_healthy
+from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tokens, wait_healthy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -32,10 +32,6 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 def client(daemon, layout: KVLayout = SMALL_LAYOUT, **kw) -> KVStoreClient:
     kw.setdefault("model", "test-model")
     return KVStoreClient(daemon.address, layout=layout, **kw)
-
-
-def tokens(n_blocks: int, offset: int = 0, block_size: int = 16) -> list[int]:
-    return list(range(offset, offset + n_blocks * block_size))
 
 
 @pytest.mark.parametrize(
