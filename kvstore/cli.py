@@ -56,7 +56,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
     sub.add_parser(
         "demo",
-        help="start a daemon on the default config and drive a synthetic workload through it",
+        help="start a daemon and serve a multi-tenant chat workload with a real model through it"
+        " (--synthetic: a model-free workload)",
         add_help=False,
     )
 
@@ -310,7 +311,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
-        from kvstore.demo import main as demo_main
+        from kvstore.chat_demo import main as demo_main
 
         return demo_main(argv[1:])
     args = _parse_args(argv)
