@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -209,7 +210,14 @@ def write_plot(path: Path, base: RunResult, store: RunResult) -> bool:
     return True
 
 
-def report(base: RunResult, store: RunResult, stats: Any, elapsed_s: float) -> None:
+def report(
+    base: RunResult,
+    store: RunResult,
+    stats: Any,
+    elapsed_s: float,
+    rounds: int,
+    restarted: bool,
+) -> None:
     med_b, med_s = statistics.median(base.ttft_s), statistics.median(store.ttft_s)
     p90_b, p90_s = _pct(base.ttft_s, 0.9), _pct(store.ttft_s, 0.9)
     prompt = sum(store.prompt_tokens)
@@ -229,6 +237,16 @@ def report(base: RunResult, store: RunResult, stats: Any, elapsed_s: float) -> N
     )
     same = base.answers == store.answers
     print(f"{'identical answers':28}{'yes' if same else 'NO':>24}")
+    per_round = len(store.ttft_s) // max(1, rounds)
+    for r in range(rounds):
+        sl = slice(r * per_round, (r + 1) * per_round)
+        b, s = statistics.median(base.ttft_s[sl]), statistics.median(store.ttft_s[sl])
+        share = sum(store.cached_tokens[sl]) / max(1, sum(store.prompt_tokens[sl]))
+        note = "  (after a daemon restart: from NVMe)" if r == rounds - 1 and restarted else ""
+        print(
+            f"{f'  round {r + 1} TTFT median':28}{b * 1e3:>10.0f}ms{s * 1e3:>10.0f}ms"
+            f"{b / s:>9.1f}x  {100 * share:3.0f}% cached{note}"
+        )
     d = stats_to_dict(stats)
     rates = ", ".join(f"{t['name']} {100 * (t['hit_rate'] or 0):.0f}%" for t in d["tiers"])
     print(f"{'hit rate per tier (lookups)':28}  {rates}")
@@ -277,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(args.workdir)
     nvme = workdir / "demo-nvme"
+    # Start empty, so every hit is one this run earned (the restart inside the run shows what
+    # survives a restart).
+    shutil.rmtree(nvme, ignore_errors=True)
     nvme.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as tmp:
@@ -351,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
                     restart_before_last,
                 )
                 stats = kv.stats()
-            report(base, store, stats, time.monotonic() - started)
+            restarted = not args.no_restart and args.turns > 1
+            report(base, store, stats, time.monotonic() - started, args.turns, restarted)
             plot = workdir / "demo.png"
             if write_plot(plot, base, store):
                 print(f"\nplot: {plot.resolve()}")

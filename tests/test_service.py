@@ -411,8 +411,14 @@ def test_restarted_daemon_is_rejoined_transparently(daemon_factory) -> None:
         kv.put(keys, random_blocks(SMALL_LAYOUT, 2))
         d.stop()
         d.start()  # same socket, new arena, empty CPU tier
-        assert kv.lookup(keys) == 0
-        assert kv.put(keys, random_blocks(SMALL_LAYOUT, 2)) == 2
+        # Another client opens the namespace first, so the daemon reuses the namespace id the
+        # old client holds: only the epoch tells the old client its arena mapping is stale.
+        with client(d) as other:
+            blocks = random_blocks(SMALL_LAYOUT, 2, seed=11)
+            assert other.put(keys, blocks) == 2
+        assert kv.lookup(keys) == 2
+        assert same_bytes(kv.get(keys), blocks)  # read from the new arena, not the stale one
+        assert kv.put(kv.hash_tokens(tokens(3))[2:], random_blocks(SMALL_LAYOUT, 1)) == 1
     finally:
         kv.close()
 

@@ -85,6 +85,7 @@ class AsyncKVStoreClient:
         self._stub: Any = None
         self._arena: MappedArena | None = None
         self._ns_id = 0
+        self._epoch = 0
         self._pending: set[asyncio.Task[Any]] = set()
 
     @classmethod
@@ -107,6 +108,7 @@ class AsyncKVStoreClient:
             raise translate_error(err) from None
         check_open_reply(self.namespace, reply)
         self._ns_id = reply.namespace_id
+        self._epoch = reply.epoch
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -262,8 +264,8 @@ class AsyncKVStoreClient:
                 await asyncio.to_thread(kernels.gather_blocks, kv_caches, cids, blocks)
                 stored += await self.put(ck, blocks, priority)
                 continue
-            paged_io.ensure_pinned(self._arena, kv_caches)
             reservation = await self.reserve(ck, priority)
+            paged_io.ensure_pinned(reservation.arena, kv_caches)
             try:
                 await asyncio.to_thread(
                     paged_io.gather_into_views,
@@ -292,9 +294,9 @@ class AsyncKVStoreClient:
                 )
                 n = got.shape[0]
             else:
-                arena = self._arena
-                paged_io.ensure_pinned(arena, kv_caches)
                 lease = await self.acquire(ck)
+                arena = lease.arena
+                paged_io.ensure_pinned(arena, kv_caches)
                 try:
                     await asyncio.to_thread(
                         paged_io.scatter_from_views, lease.views, kv_caches, cids[: len(lease)]
@@ -313,11 +315,15 @@ class AsyncKVStoreClient:
     ) -> AsyncWriteReservation:
         packed = check_keys(keys) if _packed is None else _packed
         prio = check_priority(priority)
-        arena = self._require_arena("reserve")
+        self._require_arena("reserve")
         reply = await self._call(
             self._stub.Reserve,
-            lambda: pb.ReserveRequest(namespace_id=self._ns_id, keys=packed, priority=prio),
+            lambda: pb.ReserveRequest(
+                namespace_id=self._ns_id, keys=packed, priority=prio, epoch=self._epoch
+            ),
         )
+        # Fetched after the call: a daemon restart makes the call reopen and remap the arena.
+        arena = self._require_arena("reserve")
 
         async def commit(checksums: list[int]) -> int:
             req = pb.CommitRequest(reservation_id=reply.reservation_id, checksums=checksums)
@@ -335,10 +341,12 @@ class AsyncKVStoreClient:
         self, keys: Sequence[bytes], *, _packed: bytes | None = None
     ) -> AsyncReadLease:
         packed = check_keys(keys) if _packed is None else _packed
-        arena = self._require_arena("acquire")
+        self._require_arena("acquire")
         reply = await self._call(
-            self._stub.Acquire, lambda: pb.AcquireRequest(namespace_id=self._ns_id, keys=packed)
+            self._stub.Acquire,
+            lambda: pb.AcquireRequest(namespace_id=self._ns_id, keys=packed, epoch=self._epoch),
         )
+        arena = self._require_arena("acquire")
 
         async def release() -> None:
             if reply.lease_id:

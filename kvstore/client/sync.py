@@ -90,6 +90,7 @@ class KVStoreClient:
         self._arena: MappedArena | None = None
         self._pending: list[grpc.Future] = []
         self._ns_id = 0
+        self._epoch = 0
         try:
             self._open()
         except BaseException:
@@ -108,6 +109,7 @@ class KVStoreClient:
             raise translate_error(err) from None
         check_open_reply(self.namespace, reply)
         self._ns_id = reply.namespace_id
+        self._epoch = reply.epoch
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -255,8 +257,8 @@ class KVStoreClient:
                 kernels.gather_blocks(kv_caches, cids, blocks)
                 stored += self.put(ck, blocks, priority)
                 continue
-            paged_io.ensure_pinned(self._arena, kv_caches)
             with self.reserve(ck, priority) as reservation:
+                paged_io.ensure_pinned(reservation.arena, kv_caches)
                 paged_io.gather_into_views(
                     kv_caches, [cids[i] for i in reservation.indices], reservation.views
                 )
@@ -277,12 +279,12 @@ class KVStoreClient:
                 kernels.scatter_blocks(got, kv_caches, cids[: got.shape[0]])
                 n = got.shape[0]
             else:
-                paged_io.ensure_pinned(self._arena, kv_caches)
                 with self.acquire(ck) as lease:
+                    paged_io.ensure_pinned(lease.arena, kv_caches)
                     paged_io.scatter_from_views(lease.views, kv_caches, cids[: len(lease)])
                     # Checked after the copy: a slot that changed under us fails here, and the
                     # caller recomputes from that block on.
-                    n = self._arena.intact(lease.offsets, lease.checksums, self.layout.block_bytes)
+                    n = lease.arena.intact(lease.offsets, lease.checksums, self.layout.block_bytes)
             loaded += n
             if n < len(ck):
                 break
@@ -298,11 +300,15 @@ class KVStoreClient:
         Blocks become visible to readers only at commit."""
         packed = check_keys(keys) if _packed is None else _packed
         prio = check_priority(priority)
-        arena = self._require_arena("reserve")
+        self._require_arena("reserve")
         reply = self._call(
             self._stub.Reserve,
-            lambda: pb.ReserveRequest(namespace_id=self._ns_id, keys=packed, priority=prio),
+            lambda: pb.ReserveRequest(
+                namespace_id=self._ns_id, keys=packed, priority=prio, epoch=self._epoch
+            ),
         )
+        # Fetched after the call: a daemon restart makes the call reopen and remap the arena.
+        arena = self._require_arena("reserve")
 
         def commit(checksums: list[int]) -> int:
             req = pb.CommitRequest(reservation_id=reply.reservation_id, checksums=checksums)
@@ -320,10 +326,12 @@ class KVStoreClient:
         """Lease the leading run of stored blocks: ``lease.views[i]`` reads block i in place
         (verify with ``lease.verify(i)`` after copying); ``release()`` when done."""
         packed = check_keys(keys) if _packed is None else _packed
-        arena = self._require_arena("acquire")
+        self._require_arena("acquire")
         reply = self._call(
-            self._stub.Acquire, lambda: pb.AcquireRequest(namespace_id=self._ns_id, keys=packed)
+            self._stub.Acquire,
+            lambda: pb.AcquireRequest(namespace_id=self._ns_id, keys=packed, epoch=self._epoch),
         )
+        arena = self._require_arena("acquire")
 
         def release() -> None:
             # Blocking: a future waited on by the next call measured slower (p50 523 vs 331 us).

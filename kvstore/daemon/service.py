@@ -130,6 +130,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             seed=record.namespace.seed if record.namespace else b"",
             block_bytes=record.block_bytes,
             fingerprint=record.fingerprint,
+            epoch=self.store.epoch,
             arena=pb.ArenaInfo(path=arena.path, size_bytes=arena.size_bytes, token=arena.token),
         )
 
@@ -140,6 +141,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Reserve(self, request, context):
+        self.store.check_epoch(request.epoch)
         reservation_id, offsets = await self.store.reserve(
             request.namespace_id, _keys(request.keys), request.priority
         )
@@ -161,6 +163,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Acquire(self, request, context):
+        self.store.check_epoch(request.epoch)
         lease_id, offsets, checksums = await self.store.acquire(
             request.namespace_id, _keys(request.keys)
         )

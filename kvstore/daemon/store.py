@@ -25,6 +25,7 @@ up is dropped and counted: a miss, never wrong data.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -128,6 +129,7 @@ class BlockStore:
         self._reservations: dict[int, _Reservation] = {}
         self._leases: dict[int, _Lease] = {}
         self._ids = itertools.count(1)
+        self.epoch = secrets.randbits(63) | 1  # never 0, which means "not checked"
         self._cpu_used = 0
         self._cpu_clean = 0  # bytes of CPU blocks that also have a disk copy
         self._nvme_blocks = 0
@@ -208,6 +210,11 @@ class BlockStore:
     def namespace_record(self, ns_id: int) -> NamespaceRecord:
         """The record of an entry's namespace (recovered ones included)."""
         return self._namespaces[ns_id]
+
+    def check_epoch(self, epoch: int) -> None:
+        """Refuse arena offsets to a client that mapped another daemon's arena."""
+        if epoch and epoch != self.epoch:
+            raise UnknownNamespaceError("the daemon restarted: open the namespace again")
 
     def namespace(self, ns_id: int) -> NamespaceRecord:
         record = self._namespaces.get(ns_id)

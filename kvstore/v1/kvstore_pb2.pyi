@@ -41,18 +41,20 @@ class OpenNamespaceRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., tenant: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class OpenNamespaceResponse(_message.Message):
-    __slots__ = ("namespace_id", "seed", "block_bytes", "arena", "fingerprint")
+    __slots__ = ("namespace_id", "seed", "block_bytes", "arena", "fingerprint", "epoch")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     seed: bytes
     block_bytes: int
     arena: ArenaInfo
     fingerprint: bytes
-    def __init__(self, namespace_id: _Optional[int] = ..., seed: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., fingerprint: _Optional[bytes] = ...) -> None: ...
+    epoch: int
+    def __init__(self, namespace_id: _Optional[int] = ..., seed: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., fingerprint: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ArenaInfo(_message.Message):
     __slots__ = ("path", "size_bytes", "token")
@@ -79,14 +81,16 @@ class LookupResponse(_message.Message):
     def __init__(self, found: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "priority")
+    __slots__ = ("namespace_id", "keys", "priority", "epoch")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: bytes
     priority: int
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., priority: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., priority: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "offsets", "expires_in_s")
@@ -123,12 +127,14 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys")
+    __slots__ = ("namespace_id", "keys", "epoch")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: bytes
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    epoch: int
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "offsets", "checksums", "expires_in_s")
