@@ -76,6 +76,10 @@ def test_redis_down_keeps_both_hosts_serving_then_recovers(two_hosts, redis_serv
         assert kv_b.get(keys).shape[0] == 0
         local = kv_b.hash_tokens(tokens(3, offset=9000))
         assert kv_b.put(local, random_blocks(SMALL_LAYOUT, 3, seed=5)) == 3
+        # A writes during the outage: its write-through waits for Redis instead of dropping.
+        during = kv_a.hash_tokens(tokens(3, offset=7000))
+        during_blocks = random_blocks(SMALL_LAYOUT, 3, seed=13)
+        assert kv_a.put(during, during_blocks) == 3
         # Redis comes back (empty: it had no persistence) and the tier recovers.
         redis_server.start()
         wait_for(lambda: tiers(kv_b)["redis"].up, what="redis back up")
@@ -84,6 +88,8 @@ def test_redis_down_keeps_both_hosts_serving_then_recovers(two_hosts, redis_serv
         kv_a.put(again, more)
         wait_for(lambda: kv_b.lookup(again) == 4, what="sharing again")
         assert same_bytes(kv_b.get(again), more)
+        wait_for(lambda: kv_b.lookup(during) == 3, what="blocks written during the outage")
+        assert same_bytes(kv_b.get(during), during_blocks)
 
 
 def test_a_tampered_value_in_redis_is_a_miss(two_hosts, redis_server) -> None:

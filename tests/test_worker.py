@@ -251,3 +251,42 @@ def test_random_llama_matches_transformers() -> None:
     for rid, prompt, ref in zip(ids, prompts, reference, strict=True):
         assert results[rid].tokens == ref, (len(prompt), results[rid].tokens, ref)
     assert sum(r.resident_tokens for r in results.values()) > 0
+
+
+def test_identical_after_a_restart_served_from_nvme(
+    smollm2, prompts, reference, daemon_factory, tmp_path
+) -> None:
+    model, _ = smollm2
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    d = daemon_factory(cpu_capacity="64MiB", slab="8MiB", nvme_path=nvme, nvme_capacity="64MiB")
+    layout = layout_for(model.config, torch.float32)
+    with KVStoreClient(d.address, layout=layout, model="smollm2-135m-test") as client:
+        with Worker(model, num_blocks=64, client=client) as worker:
+            _serve(worker, prompts, BATCH)
+        d.stop()  # a graceful stop writes the CPU tier's blocks to NVMe
+        d.start()  # a new daemon, an empty CPU tier: the prefixes are on disk only
+        with Worker(model, num_blocks=64, client=client) as worker:
+            warm = _serve(worker, prompts, BATCH)
+        tiers = {t.name: t for t in client.stats().tiers}
+    for name in BATCH:
+        assert warm[name].tokens == reference[name], name
+        assert warm[name].cached_tokens == _reusable(prompts[name]), name
+    assert tiers["nvme"].promotions > 0 and tiers["nvme"].checksum_failures == 0
+
+
+def test_a_tenant_never_hits_another_tenants_prefix(
+    smollm2, prompts, reference, daemon_factory
+) -> None:
+    model, _ = smollm2
+    d = daemon_factory(cpu_capacity="64MiB", slab="8MiB")
+    layout = layout_for(model.config, torch.float32)
+    kw = {"layout": layout, "model": "smollm2-135m-test"}
+    acme = KVStoreClient(d.address, tenant="acme", **kw)
+    with acme, Worker(model, num_blocks=64, client=acme) as worker:
+        _serve(worker, prompts, ("long",))
+    globex = KVStoreClient(d.address, tenant="globex", **kw)
+    with globex, Worker(model, num_blocks=64, client=globex) as worker:
+        other = _serve(worker, prompts, ("long",))["long"]
+    assert other.tokens == reference["long"]
+    assert other.cached_tokens == 0  # same prompt, other tenant: computed, never shared

@@ -11,6 +11,7 @@ offsets. The daemon's store decides which block lives in which slot and which on
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -27,6 +28,32 @@ def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
+def remove_stale_arenas(directory: str = "/dev/shm") -> int:
+    """Unlink arenas left by daemons of this user that died without cleaning up (kill -9):
+    their name carries the pid, and a pid that no longer runs cannot be using it."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "kvstore" or not parts[1].isdigit():
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            continue
+    return removed
+
+
 class SharedMemoryArena:
     """Owns one shared-memory file and its mapping for the daemon's lifetime.
 
@@ -40,6 +67,7 @@ class SharedMemoryArena:
         if size_bytes <= HEADER_BYTES:
             raise ValueError(f"arena size {size_bytes} too small (header alone is {HEADER_BYTES})")
         self.size_bytes = _round_up(size_bytes, SLOT_ALIGN)
+        remove_stale_arenas(directory)
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.path = os.path.join(directory, f"kvstore-{os.getpid()}-{secrets.token_hex(6)}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

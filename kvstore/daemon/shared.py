@@ -26,7 +26,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PUT_BATCH = 32
+# Blocks per Redis call: each call must fit its deadline (a 64 MiB put measured ~0.15-0.7 s).
+BATCH_BYTES = 16 << 20
+MAX_PENDING = 4096  # write-through blocks queued while Redis is down; the oldest go first
+
+
+def _batches(eids: list[int], block_bytes: int) -> list[list[int]]:
+    per_call = max(1, BATCH_BYTES // max(1, block_bytes))
+    return [eids[i : i + per_call] for i in range(0, len(eids), per_call)]
 
 
 class SharedTier:
@@ -112,14 +119,16 @@ class SharedTier:
             store.cpu_unalloc(offset, bb)
         store.note_reserved(len(eids))
         views = [store.arena.view[index.offset[e] : index.offset[e] + bb] for e in eids]
-        try:
-            oks = await self.tier.get_into(
-                record.fingerprint,
-                [(index.key(e), None, view) for e, view in zip(eids, views, strict=True)],
-            )
-        except RedisTierUnavailable:
-            self.skipped += 1
-            oks = [False] * len(eids)
+        oks: list[bool] = []
+        for part in _batches(list(range(len(eids))), bb):
+            try:
+                oks += await self.tier.get_into(
+                    record.fingerprint, [(index.key(eids[i]), None, views[i]) for i in part]
+                )
+            except RedisTierUnavailable:
+                self.skipped += 1
+                oks += [False] * (len(eids) - len(oks))
+                break
         run: list[int] = []
         leading = True
         for eid, view, ok in zip(eids, views, oks, strict=True):
@@ -140,27 +149,39 @@ class SharedTier:
     def note_committed(self, eids: list[int]) -> None:
         if self.tier is None or not self.config.write_through:
             return
-        if not self.tier.up:
-            self.skipped += 1
-            return
+        # Queued even while Redis is down: the put loop waits for it to come back, so a block
+        # committed during an outage still reaches the other hosts afterwards (bounded).
         self._queue.extend(eids)
+        while len(self._queue) > MAX_PENDING:
+            self._queue.popleft()
+            self.skipped += 1
         self._wake.set()
 
     async def demote(self, eids: list[int]) -> None:
         """Write CPU blocks that are about to leave the last local tier to Redis first."""
         todo = [e for e in eids if not self.store.index.tier[e] & IN_REDIS]
-        for i in range(0, len(todo), PUT_BATCH):
-            await self._put(todo[i : i + PUT_BATCH])
+        if todo:
+            for part in _batches(todo, self.store.block_bytes_of(todo[0])):
+                if not await self._put(part):
+                    return
 
     async def _put_loop(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
-                batch = [self._queue.popleft() for _ in range(min(PUT_BATCH, len(self._queue)))]
-                await self._put(batch)
+                if self.tier is not None and not self.tier.up:
+                    await asyncio.sleep(0.2)  # the tier reconnects by itself; keep the queue
+                    continue
+                bb = self.store.block_bytes_of(self._queue[0])
+                n = max(1, min(len(self._queue), BATCH_BYTES // max(1, bb)))
+                batch = [self._queue.popleft() for _ in range(n)]
+                if not await self._put(batch):
+                    self._queue.extendleft(reversed(batch))  # retried once Redis is back
 
-    async def _put(self, eids: list[int]) -> None:
+    async def _put(self, eids: list[int]) -> bool:
+        """Write CPU blocks to Redis; False when Redis was unreachable (nothing is lost: the
+        caller may retry)."""
         from kvstore.tiers.redis import RedisTierUnavailable
 
         store, index = self.store, self.store.index
@@ -172,7 +193,7 @@ class SharedTier:
             and not index.tier[e] & IN_REDIS
         ]
         if not live or self.tier is None:
-            return
+            return True
         by_ns: dict[int, list[int]] = {}
         for e in live:
             by_ns.setdefault(index.ns[e], []).append(e)
@@ -194,11 +215,11 @@ class SharedTier:
                     await self.tier.put(record.fingerprint, blocks)
                 except RedisTierUnavailable:
                     self.skipped += 1
-                    return
+                    return False
                 except ValueError as exc:  # a CPU copy that no longer matches its checksum
                     log.warning("not sent to redis: %s", exc)
                     store.cpu.checksum_failures += 1
-                    return
+                    return True
                 for e in group:
                     if index.state[e] == State.COMMITTED:
                         index.tier[e] |= IN_REDIS
@@ -206,6 +227,7 @@ class SharedTier:
         finally:
             for e in live:
                 store._drop_one_lease(e)
+        return True
 
     def stats(self) -> dict[str, Any]:
         if self.tier is None:
