@@ -6,6 +6,7 @@ import time
 
 import pytest
 from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tiers, tokens, wait_for
+from test_redis_tier import cluster  # noqa: F401  (the three-node Redis Cluster fixture)
 
 from kvstore import KVStoreClient
 
@@ -129,3 +130,17 @@ def test_stat_shows_the_redis_tier(two_hosts) -> None:
     ).stdout
     redis = next(t for t in json.loads(out)["tiers"] if t["name"] == "redis")
     assert redis["up"] and redis["demotions"] == 2
+
+
+def test_two_hosts_share_through_a_redis_cluster(daemon_factory, cluster) -> None:  # noqa: F811
+    url = f"redis+cluster://127.0.0.1:{cluster[0]}"
+    a = daemon_factory(redis_url=url)
+    b = daemon_factory(redis_url=url)
+    blocks = random_blocks(SMALL_LAYOUT, 12, seed=21)
+    with client(a) as kv_a, client(b) as kv_b:
+        keys = kv_a.hash_tokens(tokens(12))
+        assert kv_a.put(keys, blocks) == 12
+        wait_for(lambda: tiers(kv_a)["redis"].demotions >= 12, what="write-through to the cluster")
+        assert kv_b.lookup(keys) == 12
+        assert same_bytes(kv_b.get(keys), blocks)
+        assert tiers(kv_b)["redis"].promotions == 12
