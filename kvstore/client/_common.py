@@ -18,7 +18,7 @@ import torch
 
 from kvstore.checksum import block_checksum
 from kvstore.errors import ERRORS_BY_NAME, KVStoreError, UnavailableError
-from kvstore.keys import BlockKey, Namespace, pack_keys
+from kvstore.keys import Namespace, pack_keys
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -226,10 +226,6 @@ def empty_blocks(layout: KVLayout, n: int) -> torch.Tensor:
         return torch.empty((0, *layout.block_shape), dtype=layout.dtype)
     raw = np.empty(n * layout.block_bytes, dtype=np.uint8)
     return torch.from_numpy(raw).view(layout.dtype).view(n, *layout.block_shape)
-
-
-def key_list(keys: Sequence[bytes]) -> list[BlockKey]:
-    return [BlockKey(bytes(k)) for k in keys]
 
 
 def blocks_from_stream(
