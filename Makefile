@@ -38,10 +38,11 @@ pytest: setup
 proto: setup
 	PYTHON=$(PY) scripts/gen_proto.sh
 
+# Every benchmark, one after the other (~20 minutes; each prints its own table).
 bench: setup
-	$(PY) benchmarks/bench_transfer.py
-	$(PY) benchmarks/bench_lookup.py
-	$(PY) benchmarks/bench_index_memory.py
+	for b in transfer lookup index_memory nvme prefetch kv_compression redis_tier shared paged ttft; do \
+		$(PY) benchmarks/bench_$$b.py || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
