@@ -187,10 +187,13 @@ class AsyncKVStoreClient:
         return int(reply.found)
 
     async def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Hint that ``keys`` will be read soon; returns once the daemon has queued it."""
         packed = check_keys(keys)
         if keys:
-            request = pb.PrefetchRequest(namespace_id=self._ns_id, keys=packed)
-            self._background(self._stub.Prefetch(request, timeout=self.timeout_s))
+            await self._call(
+                self._stub.Prefetch,
+                lambda: pb.PrefetchRequest(namespace_id=self._ns_id, keys=packed),
+            )
 
     async def put(
         self, keys: Sequence[bytes], blocks: torch.Tensor, priority: int | None = None

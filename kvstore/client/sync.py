@@ -88,7 +88,6 @@ class KVStoreClient:
         self._channel = grpc.insecure_channel(self.address, options=channel_options())
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._arena: MappedArena | None = None
-        self._pending: list[grpc.Future] = []
         self._ns_id = 0
         self._epoch = 0
         try:
@@ -120,19 +119,9 @@ class KVStoreClient:
                 if self.transport == "shm":
                     raise KVStoreError(f"cannot map the daemon's arena: {exc}") from exc
 
-    def _flush(self) -> None:
-        """Wait for fire-and-forget calls (release, prefetch) so calls stay in order."""
-        pending, self._pending = self._pending, []
-        for future in pending:
-            try:
-                future.result()
-            except grpc.RpcError:
-                pass  # a lease that expired first, or a prefetch hint: nothing to undo
-
     def _call(self, method: Callable[..., R], build: Callable[[], Any]) -> R:
         """Call ``method(build())``; if the daemon restarted and forgot our namespace, open it
         again and retry once. gRPC errors become kvstore exceptions."""
-        self._flush()
         for attempt in range(2):
             try:
                 return method(build(), timeout=self.timeout_s)
@@ -149,7 +138,6 @@ class KVStoreClient:
         return self._arena is not None
 
     def close(self) -> None:
-        self._flush()
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -181,12 +169,15 @@ class KVStoreClient:
         return int(reply.found)
 
     def prefetch(self, keys: Sequence[bytes]) -> None:
-        """Hint that ``keys`` will be read soon; returns without waiting for the daemon."""
+        """Hint that ``keys`` will be read soon. Returns as soon as the daemon has queued the
+        promotion (one small RPC; no data moves in it): the blocks come up in the background."""
         packed = check_keys(keys)
         if keys:
-            self._flush()
-            request = pb.PrefetchRequest(namespace_id=self._ns_id, keys=packed)
-            self._pending.append(self._stub.Prefetch.future(request, timeout=self.timeout_s))
+            # Through _call, so a daemon that restarted is rejoined and still gets the hint.
+            self._call(
+                self._stub.Prefetch,
+                lambda: pb.PrefetchRequest(namespace_id=self._ns_id, keys=packed),
+            )
 
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor, priority: int | None = None) -> int:
         """Store ``blocks[i]`` under ``keys[i]``; returns how many were newly stored (present keys
