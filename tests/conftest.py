@@ -263,3 +263,45 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc
     server = RedisProcess(Path(tmp_path_factory.mktemp("redis"))).start()
     yield server
     server.stop()
+
+
+def smollm2_missing() -> str | None:
+    """Why SmolLM2-135M cannot be loaded here, or None."""
+    import importlib.util
+
+    for module in ("transformers", "gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            return (
+                f"the package {module!r} is not installed "
+                "(make setup installs it: pip install -e '.[model]')"
+            )
+    from kvstore.models import find_smollm2
+
+    try:
+        find_smollm2()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32() -> tuple:
+    """(model, tokenizer) of SmolLM2-135M-Instruct in float32, loaded once per test session
+    (loading takes 15-30 s here); tests only read it."""
+    missing = smollm2_missing()
+    if missing is not None:
+        pytest.skip(f"needs SmolLM2-135M: {missing}")
+    from kvstore.models import load_smollm2
+
+    return load_smollm2(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Run a module's model code on one torch thread. Two OpenMP threads spin-waiting against
+    the daemon and other processes on these 2-core VMs made small forward passes 5-15x slower
+    (measured); results are compared within one process, so they are identical either way."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

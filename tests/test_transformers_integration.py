@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -37,7 +37,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from kvstore import KVLayout, KVStoreClient  # noqa: E402
 from kvstore.integrations.transformers import KVCacheConnector  # noqa: E402
-from kvstore.models import layout_for, load_smollm2, random_llama  # noqa: E402
+from kvstore.models import layout_for, random_llama  # noqa: E402
 
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 NEW_TOKENS = 10
@@ -58,20 +58,12 @@ QUESTION_A = (
 QUESTION_B = "I need to hang a heavy shelf on a brick wall. What screws and plugs should I use?"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    # The daemon and other processes share this machine's few cores with torch; two OpenMP
-    # threads spin-waiting on a busy 2-core VM made a 10-token generate 4-14 s instead of
-    # 0.6-1.2 s with one thread. Results are compared within one process, so identical either way.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def smollm() -> tuple[Any, Any]:
-    return load_smollm2(torch.float32)
+def smollm(smollm2_fp32: tuple[Any, Any]) -> tuple[Any, Any]:
+    return smollm2_fp32
 
 
 @pytest.fixture(scope="module")

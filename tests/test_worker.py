@@ -9,54 +9,30 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 from kvstore import KVStoreClient
-from kvstore.models import find_smollm2, layout_for, random_llama
+from kvstore.models import layout_for, random_llama
 from kvstore.worker import Worker
 
 MAX_NEW = 8
 
 
-def _smollm2_missing() -> str | None:
-    for module in ("gguf", "accelerate"):
-        if importlib.util.find_spec(module) is None:
-            return f"the package {module!r} is not installed"
-    try:
-        find_smollm2()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
-
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None,
-    reason="needs transformers (pip install 'transformers==5.24.0')",
-)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    # The test machine's 2 cores are shared: with 2 intra-op threads, OpenMP workers spinning
-    # against other processes made these small matmuls ~10x slower than with one (measured).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("transformers") is None,
+        reason="needs transformers (pip install 'transformers==5.24.0')",
+    ),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> tuple[Any, Any]:
-    missing = _smollm2_missing()
-    if missing is not None:
-        pytest.skip(f"needs SmolLM2-135M: {missing}")
-    from kvstore.models import load_smollm2
-
-    return load_smollm2(torch.float32)
+def smollm2(smollm2_fp32: tuple[Any, Any]) -> tuple[Any, Any]:
+    return smollm2_fp32
 
 
 @pytest.fixture(scope="module")
