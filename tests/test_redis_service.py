@@ -34,7 +34,9 @@ def test_a_block_put_on_one_host_is_served_on_another(two_hosts) -> None:
         wait_for(lambda: tiers(kv_a)["redis"].demotions >= 8, what="write-through to redis")
         assert kv_b.lookup(keys) == 8  # found in the shared tier
         assert tiers(kv_b)["cpu"].blocks == 0
-        assert same_bytes(kv_b.get(keys), blocks)  # fetched bit-exact
+        # Fetched bit-exact, under the right checksums: b keeps the xxh3-64 its Redis tier
+        # verified (it does not hash again), and the client checks every block against it.
+        assert same_bytes(kv_b.get(keys), blocks)
         assert tiers(kv_b)["redis"].promotions == 8
         assert tiers(kv_b)["cpu"].blocks == 8
         assert same_bytes(kv_b.get(keys), blocks)  # now served from b's own CPU tier

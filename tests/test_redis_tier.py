@@ -168,10 +168,13 @@ async def test_round_trip_bit_exact(server: RedisProc, drv: str) -> None:
         assert await tier.get_into(NS, items) == [True] * len(sizes)
         for (_, data, _), out in zip(blocks, outs, strict=True):
             assert out == data
-        # Without the expected checksum the header's is used, still checked against the bytes.
+        # Without the expected checksum the header's is used, still checked against the bytes;
+        # get_into_checked returns it: block_checksum of the block, so the daemon keeps it as is.
         outs2 = [bytearray(size) for size in sizes]
         items2 = [(k, None, memoryview(o)) for (k, _, _), o in zip(blocks, outs2, strict=True)]
-        assert await tier.get_into(NS, items2) == [True] * len(sizes)
+        sums = await tier.get_into_checked(NS, items2)
+        assert sums == [block_checksum(data) for _, data, _ in blocks]
+        assert sums == [block_checksum(o) for o in outs2]
         assert outs2 == outs
         stats = tier.stats()
         assert stats["hits"] == 2 * len(sizes) and stats["checksum_failures"] == 0
@@ -191,6 +194,10 @@ async def test_numpy_and_memoryview_buffers(server: RedisProc) -> None:
         dst = np.zeros_like(src)
         assert await tier.get_into(NS, [(key(1), block_checksum(src), dst)]) == [True]
         assert np.array_equal(src, dst)
+        dst[:] = 0
+        # The checksum of the bytes whatever the buffer's dtype and shape: what the daemon keeps.
+        assert await tier.get_into_checked(NS, [(key(1), None, dst)]) == [block_checksum(src)]
+        assert np.array_equal(src, dst)
         with pytest.raises(ValueError, match="writable"):
             await tier.get_into(NS, [(key(1), None, b"x" * src.nbytes)])
 
@@ -206,6 +213,7 @@ async def test_contains_is_the_leading_run(server: RedisProc, drv: str) -> None:
         assert await tier.contains(NS, keys[4:]) == 2
         assert await tier.contains(NS, []) == 0
         assert await tier.get_into(NS, []) == []
+        assert await tier.get_into_checked(NS, []) == []
 
 
 @pytest.mark.parametrize("drv", DRIVERS)
@@ -238,7 +246,8 @@ async def test_put_refuses_a_block_that_does_not_match_its_checksum(server: Redi
 @pytest.mark.parametrize("drv", DRIVERS)
 async def test_every_tampered_byte_is_a_counted_miss(server: RedisProc, drv: str) -> None:
     """Flip each byte of the stored value in turn (every header byte, payload bytes at both
-    ends and in the middle): each read is a miss counted as a checksum failure."""
+    ends and in the middle): each read is a miss counted as a checksum failure, and
+    ``get_into_checked`` returns no checksum for it."""
     size = 300
     k, data, c = entry(3, size)
     r = server.client()
@@ -254,11 +263,17 @@ async def test_every_tampered_byte_is_a_counted_miss(server: RedisProc, drv: str
             for expected in (c, None):
                 out = bytearray(size)
                 assert await tier.get_into(NS, [(k, expected, memoryview(out))]) == [False], pos
-            assert tier.stats()["checksum_failures"] == 2 * n
+                got = await tier.get_into_checked(NS, [(k, expected, memoryview(out))])
+                assert got == [None], pos
+            assert tier.stats()["checksum_failures"] == 4 * n
+            assert tier.stats()["hits"] == 0
             r.set(name, original)
         out = bytearray(size)
         assert await tier.get_into(NS, [(k, c, memoryview(out))]) == [True]
         assert out == data
+        out = bytearray(size)
+        assert await tier.get_into_checked(NS, [(k, None, memoryview(out))]) == [c]
+        assert out == data and c == block_checksum(data)
 
 
 @pytest.mark.parametrize("drv", DRIVERS)
@@ -283,6 +298,11 @@ async def test_wrong_length_garbage_and_wrong_checksum_are_misses(
         assert await tier.get_into(NS, items) == [False] * 7
         stats = tier.stats()
         assert stats["checksum_failures"] == 6 and stats["misses"] == 7 and stats["hits"] == 0
+        # The same with the checksums: none for any of them, and the good one is next.
+        items.append((k, None, memoryview(bytearray(4096))))
+        assert await tier.get_into_checked(NS, items) == [None] * 7 + [c]
+        stats = tier.stats()
+        assert stats["checksum_failures"] == 12 and stats["misses"] == 14 and stats["hits"] == 1
         # The stream stays in step after skipped values: the next read is right.
         out = bytearray(4096)
         assert await tier.get_into(NS, [(k, c, memoryview(out))]) == [True] and out == data
@@ -302,7 +322,7 @@ async def test_namespaces_are_isolated(server: RedisProc, drv: str) -> None:
         r.copy(redis_name(k), redis_name(k, OTHER_NS))
         assert await tier.contains(OTHER_NS, [k]) == 1
         assert await tier.get_into(OTHER_NS, [(k, c, memoryview(out))]) == [False]
-        assert await tier.get_into(OTHER_NS, [(k, None, memoryview(out))]) == [False]
+        assert await tier.get_into_checked(OTHER_NS, [(k, None, memoryview(out))]) == [None]
         assert tier.stats()["checksum_failures"] == 2
         # ... and so is a value renamed under another key of the same namespace.
         r.copy(redis_name(k), redis_name(key(9)))
@@ -638,6 +658,8 @@ async def test_cluster_spreads_a_namespace_over_nodes(cluster: list[int]) -> Non
         items = [(k, c, memoryview(o)) for (k, _, c), o in zip(kept, outs, strict=True)]
         assert await tier.get_into(NS, items) == [True] * 40
         assert all(o == d for (_, d, _), o in zip(kept, outs, strict=True))
+        items = [(k, None, memoryview(o)) for (k, _, _), o in zip(kept, outs, strict=True)]
+        assert await tier.get_into_checked(NS, items) == [block_checksum(d) for _, d, _ in kept]
         assert tier.stats()["evictions"] == 8
         # Every node holds some of the namespace's blocks: no hash tag pinned them to a slot.
         counts = [redis_py.Redis(port=p).dbsize() for p in cluster]

@@ -18,7 +18,6 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from kvstore.checksum import block_checksum
 from kvstore.index import IN_CPU, IN_REDIS, State
 
 if TYPE_CHECKING:
@@ -119,26 +118,26 @@ class SharedTier:
             store.cpu_unalloc(offset, bb)
         store.note_reserved(len(eids))
         views = [store.arena.view[index.offset[e] : index.offset[e] + bb] for e in eids]
-        oks: list[bool] = []
+        sums: list[int | None] = []
         for part in _batches(list(range(len(eids))), bb):
             try:
-                oks += await self.tier.get_into(
+                sums += await self.tier.get_into_checked(
                     record.fingerprint, [(index.key(eids[i]), None, views[i]) for i in part]
                 )
             except RedisTierUnavailable:
                 self.skipped += 1
-                oks += [False] * (len(eids) - len(oks))
+                sums += [None] * (len(eids) - len(sums))
                 break
         run: list[int] = []
         leading = True
-        for eid, view, ok in zip(eids, views, oks, strict=True):
-            if not ok:
+        for eid, checksum in zip(eids, sums, strict=True):
+            if checksum is None:  # absent, or failed verification
                 store.discard_reserved(eid)
                 leading = False
                 continue
-            # The tier verified the payload against the checksum in its header; this is the
-            # checksum every local tier keeps for it from now on.
-            store.commit_fetched(eid, block_checksum(view))
+            # The xxh3-64 the tier just verified the slot's bytes against (block_checksum of
+            # them, not hashed again): the checksum every local tier keeps from now on.
+            store.commit_fetched(eid, checksum)
             index.tier[eid] |= IN_REDIS
             self.promotions += 1
             if leading:

@@ -84,8 +84,11 @@ class RedisTier:
     ``get_into`` verifies the header (key, namespace, length, codec, its own checksum; the
     caller's checksum when given) and the payload's xxh3-64; a missing value is a miss, a
     present but wrong one (other length, any changed byte) a miss counted in
-    ``checksum_failures``. It returns True only for verified bytes. It writes payloads straight
-    into ``out``, so after a False, a raise or a cancellation ``out`` holds unspecified bytes;
+    ``checksum_failures``. It returns True only for verified bytes. ``get_into_checked`` is the
+    same read returning, for verified bytes, the checksum they matched (None for a miss): the
+    xxh3-64 of the raw block, i.e. ``block_checksum`` of ``out`` (codec none is the only one
+    read), so the caller keeps it without hashing the block again. Both write payloads straight
+    into ``out``, so after a miss, a raise or a cancellation ``out`` holds unspecified bytes;
     nothing is written to it after the call ends.
 
     Capacity. ``ttl_s``: every SET carries an expiry (PX); reads do not refresh it.
@@ -334,6 +337,14 @@ class RedisTier:
         block's length; True where ``out`` now holds the verified block. ``expected`` None
         trusts the checksum in the value's header (still verified against the payload): for
         blocks another host wrote, whose checksum this host has not seen."""
+        return [c is not None for c in await self.get_into_checked(namespace, items)]
+
+    async def get_into_checked(
+        self, namespace: bytes, items: Sequence[tuple[bytes, int | None, Any]]
+    ) -> list[int | None]:
+        """``get_into``, returning for each item the xxh3-64 that ``out``'s bytes were verified
+        against (equal to ``block_checksum(out)``), or None for a miss. Test ``is None``: a
+        checksum may be 0."""
         prefix = fmt.namespace_prefix(self.key_prefix, fmt.check_namespace(namespace))
         names, outs = [], []
         for key, _, out in items:
@@ -353,13 +364,14 @@ class RedisTier:
             return results
 
         results = await self._call(run)
-        oks: list[bool] = []
+        sums: list[int | None] = []
         for (key, expected, _), head, out, result in zip(items, heads, outs, results, strict=True):
-            ok = False
+            verified = None
             if result is True:
                 stated = fmt.header_checksum(head, key, namespace, len(out), expected)
-                ok = stated is not None and block_checksum(out) == stated
-            if ok:
+                if stated is not None and block_checksum(out) == stated:
+                    verified = stated
+            if verified is not None:
                 self._counters["hits"] += 1
                 self._counters["bytes_read"] += len(out)
             else:
@@ -369,8 +381,8 @@ class RedisTier:
                 elif result is not None:
                     self._counters["checksum_failures"] += 1
                     log.warning("redis tier: block %s failed verification (a miss)", key.hex())
-            oks.append(ok)
-        return oks
+            sums.append(verified)
+        return sums
 
     async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         """Delete blocks (and their age-index entries); returns how many were present."""
