@@ -1,4 +1,5 @@
-"""Paged KV-cache kernels: gather, scatter, block copy and decode paged attention.
+"""Paged KV-cache kernels: gather, scatter, block copy, decode paged attention and a device
+checksum of whole blocks.
 
 Engine layout (per layer, as vLLM keeps it): ``kv_caches[l]`` is ``[2, num_blocks, block_size,
 num_kv_heads, head_dim]`` (K then V); each block's ``[block_size, H, D]`` must be contiguous, the
@@ -28,11 +29,19 @@ from ._validate import (
     check_attention,
     check_blocks,
     check_caches,
+    check_checksum_blocks,
     check_id_range,
     check_unique,
 )
 
-__all__ = ["copy_blocks", "gather_blocks", "paged_attention", "reference", "scatter_blocks"]
+__all__ = [
+    "copy_blocks",
+    "device_checksums",
+    "gather_blocks",
+    "paged_attention",
+    "reference",
+    "scatter_blocks",
+]
 
 
 def gather_blocks(
@@ -141,3 +150,25 @@ def paged_attention(
 
         return cuda.paged_attention(shape, query, kv_cache_layer, block_tables, seq_lens, scale)
     return reference.paged_attention(query, kv_cache_layer, block_tables, seq_lens, float(scale))
+
+
+def device_checksums(blocks: Sequence[torch.Tensor] | torch.Tensor) -> list[int]:
+    """A 64-bit checksum of each block's bytes, one int in ``[0, 2**64)`` per block, computed
+    where the blocks live: for KV blocks in a GPU memory pool (xxh3, used for host copies, is
+    sequential and unfit for a GPU).
+
+    ``blocks`` is one tensor ``[n, ...]`` (each row a contiguous block) or n contiguous tensors
+    (e.g. views into slots of a pool), on one device, each of the same byte size, a positive
+    multiple of 8, at an 8-byte aligned address; any dtype, only the bytes count. On CUDA, one
+    kernel launch on torch's current stream and one copy of n integers to the host; elsewhere
+    the numpy reference. The definition (bit for bit the same on both paths) is in
+    ``block_checksum.cu``. The checksum detects changes, it is no cryptographic hash.
+    """
+    spec = check_checksum_blocks(blocks)
+    if spec.n == 0 or spec.device is None:
+        return []
+    if spec.device.type == "cuda":
+        from . import cuda
+
+        return cuda.device_checksums(blocks, spec)
+    return reference.device_checksums(blocks)

@@ -7,6 +7,7 @@ device sync, which is why callers on a hot path may turn it off.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -245,3 +246,76 @@ def check_attention(
                 f"block_tables[{i}, {j}] = {int(block_tables[i, j])} out of range [0, {nb})"
             )
     return AttentionShape(s, hq, d, nb, bs, hkv, max_blocks)
+
+
+@dataclass(frozen=True)
+class ChecksumBlocks:
+    """What the device checksum needs to know about its blocks; ``device`` is None when n == 0."""
+
+    n: int
+    nbytes: int
+    device: torch.device | None
+
+
+def _check_block_bytes(nbytes: int, what: str) -> None:
+    # The checksum reads whole 64-bit words.
+    if nbytes <= 0 or nbytes % 8:
+        raise ValueError(f"{what} holds {nbytes} bytes per block; need a positive multiple of 8")
+
+
+def _check_aligned(address: int, what: str) -> None:
+    # The kernel loads 8-byte words, which must be 8-byte aligned; the CPU reference does not
+    # care, but refusing everywhere keeps a CPU test from passing what a GPU then rejects.
+    if address % 8:
+        raise ValueError(f"{what} is at an address that is not a multiple of 8 (8-byte words)")
+
+
+def check_checksum_blocks(blocks: BlocksLike) -> ChecksumBlocks:
+    """``blocks`` is ``[n, ...]`` (each row one contiguous block) or n contiguous tensors, on one
+    device, each of the same byte size, a positive multiple of 8, at an 8-byte aligned address.
+    Dtypes and shapes are free: only the bytes count."""
+    if isinstance(blocks, torch.Tensor):
+        if blocks.layout != torch.strided:
+            raise ValueError(f"blocks must be a dense (strided) tensor, got {blocks.layout}")
+        if blocks.dim() == 0:
+            raise ValueError("blocks is a 0-d tensor; expected [n, ...], one row per block")
+        n = blocks.shape[0]
+        nbytes = math.prod(blocks.shape[1:]) * blocks.element_size()
+        _check_block_bytes(nbytes, "blocks")
+        if n > 0:
+            if not blocks[0].is_contiguous():
+                raise ValueError(
+                    f"blocks has strides {blocks.stride()}: each block blocks[i] must be contiguous"
+                )
+            _check_aligned(blocks.data_ptr(), "blocks")
+        if n > 1:
+            _check_aligned(
+                blocks.data_ptr() + blocks.stride(0) * blocks.element_size(), "blocks[1]"
+            )
+        return ChecksumBlocks(n, nbytes, blocks.device if n else None)
+    if not isinstance(blocks, Sequence) or isinstance(blocks, str | bytes):
+        raise ValueError("blocks must be a tensor [n, ...] or a sequence of per-block tensors")
+    if len(blocks) == 0:
+        return ChecksumBlocks(0, 0, None)
+    first_bytes = 0
+    device = None
+    for i, b in enumerate(blocks):
+        what = f"blocks[{i}]"
+        if not isinstance(b, torch.Tensor):
+            raise ValueError(f"{what} must be a torch.Tensor, got {type(b).__name__}")
+        if b.layout != torch.strided:
+            raise ValueError(f"{what} must be a dense (strided) tensor, got {b.layout}")
+        if not b.is_contiguous():
+            raise ValueError(f"{what} has strides {b.stride()}: it must be contiguous")
+        nbytes = b.numel() * b.element_size()
+        _check_block_bytes(nbytes, what)
+        if i == 0:
+            first_bytes, device = nbytes, b.device
+        elif nbytes != first_bytes:
+            raise ValueError(
+                f"{what} holds {nbytes} bytes, blocks[0] {first_bytes}; blocks must be one size"
+            )
+        elif b.device != device:
+            raise ValueError(f"{what} is on {b.device}, blocks[0] on {device}")
+        _check_aligned(b.data_ptr(), what)
+    return ChecksumBlocks(len(blocks), first_bytes, device)

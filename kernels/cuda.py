@@ -1,4 +1,4 @@
-"""CuPy launchers for ``paged_copy.cu`` and ``paged_attention.cu``.
+"""CuPy launchers for ``paged_copy.cu``, ``paged_attention.cu`` and ``block_checksum.cu``.
 
 Imported by the package only when a CUDA tensor is given. Importing it without CuPy works;
 calling a launcher then raises RuntimeError pointing at the ``kvstore[cuda]`` extra.
@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._validate import AttentionShape, BlocksLike, CacheGeometry
+from . import reference
+from ._validate import AttentionShape, BlocksLike, CacheGeometry, ChecksumBlocks
 
 try:
     import cupy
@@ -35,6 +36,15 @@ except ImportError:  # the optional kvstore[cuda] extra
 _SOURCES = pathlib.Path(__file__).resolve().parent
 _COPY_SOURCE = "paged_copy.cu"
 _ATTENTION_SOURCE = "paged_attention.cu"
+_CHECKSUM_SOURCE = "block_checksum.cu"
+_CHECKSUM_KERNEL = "block_checksum_partial"
+_CHECKSUM_THREADS = 256  # a multiple of 32: the kernel reduces whole warps
+# CTAs per block: a 2 MiB block (256 Ki words) gets 64 CTAs of 256 threads, 16 words a thread,
+# so a handful of blocks fill a large GPU; small blocks get fewer CTAs, each thread at least
+# _CHECKSUM_MIN_WORDS words, so the atomics and reductions stay small next to the loads.
+_CHECKSUM_MAX_CHUNKS = 64
+_CHECKSUM_MIN_WORDS = 8
+_MAX_GRID_Y = 65535  # the checksum kernel grid-strides over blocks past this
 _COPY_THREADS = 256
 _MAX_GRID = 1 << 16  # the copy kernels grid-stride past this
 _ATTENTION_THREADS = 8 * 32  # KVSTORE_ATTENTION_WARPS * 32 in paged_attention.cu
@@ -54,6 +64,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         for w in _COPY_WIDTHS
     ),
     _ATTENTION_SOURCE: tuple(_ATTENTION_KERNELS.values()),
+    _CHECKSUM_SOURCE: (_CHECKSUM_KERNEL,),
 }
 # cudaMemoryType values returned by cudaPointerGetAttributes.
 _MEMORY_UNREGISTERED, _MEMORY_HOST, _MEMORY_DEVICE, _MEMORY_MANAGED = 0, 1, 2, 3
@@ -315,3 +326,35 @@ def paged_attention(
     name = _ATTENTION_KERNELS[query.dtype]
     _launch(query.device, _ATTENTION_SOURCE, name, grid, (_ATTENTION_THREADS,), args)
     return out
+
+
+def device_checksums(blocks: BlocksLike, spec: ChecksumBlocks) -> list[int]:
+    """One launch for all n blocks, one copy of their n word sums to the host; the last mixing
+    step of each checksum runs here in Python (n integers, not worth a second kernel)."""
+    assert spec.device is not None
+    device = spec.device
+    words = spec.nbytes // 8
+    ptr_array: torch.Tensor | None = None
+    if isinstance(blocks, torch.Tensor):
+        base, stride = blocks.data_ptr(), blocks.stride(0) * blocks.element_size()
+    else:
+        ptr_array = _u64_array([b.data_ptr() for b in blocks], device)
+        base, stride = 0, 0
+    # Zeroed on the current stream, as the kernel will run: CTAs atomically add into it.
+    partials = torch.zeros(spec.n, dtype=torch.int64, device=device)
+    per_cta = _CHECKSUM_THREADS * _CHECKSUM_MIN_WORDS
+    chunks = max(1, min(_CHECKSUM_MAX_CHUNKS, -(-words // per_cta)))
+    grid = (chunks, min(spec.n, _MAX_GRID_Y))
+    args = (
+        np.uint64(ptr_array.data_ptr() if ptr_array is not None else 0),
+        np.uint64(base),
+        np.int64(stride),
+        np.int64(spec.n),
+        np.int64(words),
+        np.uint64(partials.data_ptr()),
+    )
+    _launch(device, _CHECKSUM_SOURCE, _CHECKSUM_KERNEL, grid, (_CHECKSUM_THREADS,), args)
+    # .cpu() copies on the same current stream and waits for it, so the sums are final (and the
+    # pointer array is no longer read when it is freed).
+    sums = partials.cpu().numpy().view(np.uint64)
+    return [reference.checksum_finish(int(s), spec.nbytes) for s in sums]

@@ -3,13 +3,16 @@ API and the oracle the CUDA kernels are tested against.
 
 Inputs are assumed validated by the public entry points in ``__init__``. Copies move bytes: each
 tensor is viewed as the integer type of its element size, so every dtype (float8 included, NaN
-payloads included) round-trips bit for bit.
+payloads included) round-trips bit for bit. The device checksum runs in numpy uint64, whose
+arithmetic wraps mod 2^64 exactly as the kernel's does.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -106,3 +109,81 @@ def paged_attention(
         probs = torch.softmax(scores, dim=-1)
         out[i] = torch.einsum("hn,nhd->hd", probs, v).to(query.dtype)
     return out
+
+
+# -- device checksum (block_checksum.cu) -------------------------------------------------------
+#
+# A block is m little-endian uint64 words w_i; its checksum is
+#     mix64((sum_i mix64(w_i ^ i * WORD_KEY)) ^ nbytes * LEN_KEY)      (all mod 2^64)
+# with mix64 the splitmix64 finalizer. The sum is order-free, so a GPU reduces it in any order.
+
+MASK64 = (1 << 64) - 1
+CHECKSUM_WORD_KEY = 0x9E3779B97F4A7C15
+CHECKSUM_LEN_KEY = 0xD6E8FEB86659FD93
+MIX64_MUL1 = 0xBF58476D1CE4E5B9
+MIX64_MUL2 = 0x94D049BB133111EB
+# Words per numpy pass over a batch of rows: bounds the temporaries (a few of 8 MiB each).
+_BATCH_WORDS = 1 << 20
+_LE_U64 = np.dtype("<u8")
+
+
+def mix64(x: int) -> int:
+    """splitmix64 finalizer on a Python int in [0, 2^64)."""
+    x ^= x >> 30
+    x = (x * MIX64_MUL1) & MASK64
+    x ^= x >> 27
+    x = (x * MIX64_MUL2) & MASK64
+    return x ^ (x >> 31)
+
+
+def checksum_finish(word_sum: int, nbytes: int) -> int:
+    """The checksum from a block's word sum: the last step, shared with the CUDA launcher."""
+    return mix64((word_sum ^ (nbytes * CHECKSUM_LEN_KEY)) & MASK64)
+
+
+@functools.lru_cache(maxsize=4)
+def _word_keys(m: int) -> np.ndarray:
+    # The same block size comes back on every call (one pool, one block shape): keep its keys.
+    keys = np.arange(m, dtype=np.uint64) * np.uint64(CHECKSUM_WORD_KEY)
+    keys.flags.writeable = False
+    return keys
+
+
+def _word_sums(words: np.ndarray) -> np.ndarray:
+    """Per-row ``sum_i mix64(w_i ^ i * WORD_KEY)`` of a ``[k, m]`` uint64 array, mod 2^64.
+
+    Array arithmetic on uint64 wraps silently (numpy warns only for scalars)."""
+    x = np.bitwise_xor(words, _word_keys(words.shape[1]), dtype=np.uint64)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(MIX64_MUL1)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(MIX64_MUL2)
+    x ^= x >> np.uint64(31)
+    return x.sum(axis=1, dtype=np.uint64)
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous tensor's bytes as a 1-D numpy uint8 array; no copy for CPU tensors."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def device_checksums(blocks: torch.Tensor | Sequence[torch.Tensor]) -> list[int]:
+    """The checksum of each block's bytes (see block_checksum.cu). Precondition: every block is
+    contiguous and holds the same positive multiple of 8 bytes."""
+    if isinstance(blocks, torch.Tensor) and blocks.is_contiguous() and blocks.numel() > 0:
+        n = blocks.shape[0]
+        words = _as_bytes(blocks).view(_LE_U64).reshape(n, -1)
+        rows = max(1, _BATCH_WORDS // words.shape[1])
+        sums = [_word_sums(words[i : i + rows]) for i in range(0, n, rows)]
+        nbytes = words.shape[1] * 8
+    else:
+        # Separate buffers, or rows of a tensor with gaps between them: one row at a time.
+        parts = [_as_bytes(b) for b in blocks]
+        if not parts:
+            return []
+        sums = [_word_sums(p.view(_LE_U64)[None, :]) for p in parts]
+        nbytes = parts[0].size
+    return [checksum_finish(int(s), nbytes) for part in sums for s in part]

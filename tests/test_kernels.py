@@ -1,6 +1,7 @@
 """kvstore.kernels: gather/scatter/copy are bit-exact moves, paged attention equals dense
-attention, bad inputs raise ValueError. CPU tests run the torch reference; tests marked ``cuda``
-run the CuPy kernels against it and skip without a GPU and CuPy."""
+attention, the device checksum follows its definition, bad inputs raise ValueError. CPU tests
+run the torch (and numpy) reference; tests marked ``cuda`` run the CuPy kernels against it and
+skip without a GPU and CuPy."""
 
 from __future__ import annotations
 
@@ -346,6 +347,197 @@ def test_check_false_skips_only_value_checks() -> None:
         kernels.paged_attention(q, cache, tables.long(), lens, 1.0, check=False)
 
 
+# -- device checksum (CPU reference path) ------------------------------------------------------
+
+MASK64 = (1 << 64) - 1
+
+
+def oracle_checksum(data: bytes) -> int:
+    """The definition in plain Python ints, word by word: what the numpy reference and the CUDA
+    kernel must both reproduce."""
+
+    def mix(x: int) -> int:
+        x ^= x >> 30
+        x = (x * 0xBF58476D1CE4E5B9) & MASK64
+        x ^= x >> 27
+        x = (x * 0x94D049BB133111EB) & MASK64
+        return x ^ (x >> 31)
+
+    total = 0
+    for i in range(len(data) // 8):
+        word = int.from_bytes(data[8 * i : 8 * i + 8], "little")
+        total = (total + mix(word ^ ((i * 0x9E3779B97F4A7C15) & MASK64))) & MASK64
+    return mix(total ^ ((len(data) * 0xD6E8FEB86659FD93) & MASK64))
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_checksum_known_answers() -> None:
+    # Pinned: stored checksums must stay comparable across versions. Derived from the oracle.
+    cases = [
+        (bytes(8), 0x5E16F63D867F5800),
+        (bytes(range(64)), 0x98C73EE58883127E),
+        (b"kvstore!" * 4, 0x6D4D5B7524CA36EA),
+    ]
+    for data, want in cases:
+        assert oracle_checksum(data) == want
+        block = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        assert kernels.device_checksums([block]) == [want]
+
+
+@pytest.mark.parametrize("nbytes", [8, 16, 24, 56, 200, 1032])
+def test_checksum_reference_equals_python_oracle(nbytes: int) -> None:
+    gen = torch.Generator().manual_seed(nbytes)
+    blocks = torch.randint(0, 256, (5, nbytes), dtype=torch.uint8, generator=gen)
+    got = kernels.device_checksums(blocks)
+    assert got == [oracle_checksum(tensor_bytes(b)) for b in blocks]
+    assert all(isinstance(v, int) and 0 <= v < 2**64 for v in got)
+
+
+@pytest.mark.parametrize("dtype", [*COPY_DTYPES, torch.int64, torch.bool])
+def test_checksum_counts_bytes_not_values(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    if dtype == torch.bool:  # only 0 and 1 are valid bool bytes
+        data = torch.randint(0, 2, (3, 4, 16), generator=gen).bool()
+    else:  # every bit pattern, NaN payloads included
+        data = random_bytes((3, 4, 16), dtype, gen)
+    as_bytes = [tensor_bytes(b) for b in data]
+    assert kernels.device_checksums(data) == [oracle_checksum(b) for b in as_bytes]
+
+
+def test_checksum_one_flipped_bit_changes_it() -> None:
+    gen = torch.Generator().manual_seed(4)
+    block = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen)
+    base = kernels.device_checksums([block])[0]
+    # Every bit of the first and last word, and bits scattered over the rest.
+    positions = [*range(64), *range(4096 * 8 - 64, 4096 * 8)]
+    positions += torch.randint(0, 4096 * 8, (200,), generator=gen).tolist()
+    flipped = block.repeat(len(positions), 1)
+    for row, bit in enumerate(positions):
+        flipped[row, bit // 8] ^= 1 << (bit % 8)
+    sums = kernels.device_checksums(flipped)
+    assert base not in sums
+
+
+def test_checksum_swapping_two_words_changes_it() -> None:
+    gen = torch.Generator().manual_seed(5)
+    words = torch.randint(-(2**62), 2**62, (64,), dtype=torch.int64, generator=gen)
+    base = kernels.device_checksums([words])[0]
+    for i, j in [(0, 1), (0, 63), (10, 40), (62, 63)]:
+        swapped = words.clone()
+        swapped[i], swapped[j] = words[j], words[i]
+        assert kernels.device_checksums([swapped])[0] != base, (i, j)
+
+
+def test_checksum_identical_blocks_give_identical_sums() -> None:
+    gen = torch.Generator().manual_seed(6)
+    block = torch.randint(0, 256, (512,), dtype=torch.uint8, generator=gen)
+    batch = torch.stack([block, block.clone(), torch.zeros_like(block), block])
+    sums = kernels.device_checksums(batch)
+    assert sums[0] == sums[1] == sums[3] != sums[2]
+    # The same bytes under another dtype and shape, in a separate call.
+    assert kernels.device_checksums([block.view(torch.float16).view(16, 16)]) == [sums[0]]
+
+
+def test_checksum_zero_blocks_of_different_lengths_differ() -> None:
+    sums = [
+        kernels.device_checksums([torch.zeros(n, dtype=torch.uint8)])[0] for n in range(8, 2056, 8)
+    ]
+    assert len(set(sums)) == len(sums)
+
+
+def test_checksum_batch_forms_agree() -> None:
+    gen = torch.Generator().manual_seed(7)
+    n, nbytes = 6, 264
+    whole = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen)
+    want = [oracle_checksum(tensor_bytes(b)) for b in whole]
+    assert kernels.device_checksums(whole) == want
+    assert kernels.device_checksums(list(whole)) == want
+    assert kernels.device_checksums(tuple(whole.view(torch.int32))) == want
+    assert kernels.device_checksums(whole.view(n, 3, 11, 2, 4)) == want
+    # Slots of a pool at 8-aligned offsets (not 16-aligned), gaps between them.
+    pool = torch.zeros(8 + n * (nbytes + 24), dtype=torch.uint8)
+    slots = [pool[8 + i * (nbytes + 24) :][:nbytes] for i in range(n)]
+    for slot, b in zip(slots, whole, strict=True):
+        slot.copy_(b)
+    assert kernels.device_checksums(slots) == want
+    # Rows of a tensor with gaps between them: each row contiguous, the tensor not.
+    padded = torch.zeros(n, nbytes + 16, dtype=torch.uint8)
+    padded[:, :nbytes] = whole
+    assert kernels.device_checksums(padded[:, :nbytes]) == want
+    # Many rows in one call go through the reference in batches: order must hold.
+    many = torch.randint(0, 256, (3000, 512), dtype=torch.uint8, generator=gen)
+    got = kernels.device_checksums(many)
+    assert [got[i] for i in (0, 1234, 2999)] == [
+        oracle_checksum(tensor_bytes(many[i])) for i in (0, 1234, 2999)
+    ]
+
+
+def test_checksum_reference_batches_rows_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Force several rows per numpy pass and a ragged last pass.
+    monkeypatch.setattr(reference, "_BATCH_WORDS", 3 * 5)
+    gen = torch.Generator().manual_seed(8)
+    blocks = torch.randint(0, 256, (11, 40), dtype=torch.uint8, generator=gen)
+    assert kernels.device_checksums(blocks) == [oracle_checksum(tensor_bytes(b)) for b in blocks]
+
+
+def test_checksum_of_nothing_is_an_empty_list() -> None:
+    assert kernels.device_checksums([]) == []
+    assert kernels.device_checksums(torch.empty(0, 16, dtype=torch.uint8)) == []
+
+
+def test_checksum_leaves_the_blocks_alone() -> None:
+    block = torch.arange(32, dtype=torch.float32, requires_grad=True)
+    before = block.detach().clone()
+    assert kernels.device_checksums([block]) == [oracle_checksum(tensor_bytes(before))]
+    assert torch.equal(block.detach(), before)
+
+
+def test_kernel_source_has_the_reference_constants() -> None:
+    # The CUDA kernel runs only where a GPU is; its constants at least are checked everywhere.
+    source = (pathlib.Path(kernels.__file__).resolve().parent / "block_checksum.cu").read_text()
+    for value in (reference.CHECKSUM_WORD_KEY, reference.MIX64_MUL1, reference.MIX64_MUL2):
+        assert f"0x{value:016X}ULL" in source
+    for shift in (30, 27, 31):
+        assert f"x >> {shift};" in source
+
+
+def _bad_checksum_calls() -> list[tuple[str, object, str]]:
+    cs = kernels.device_checksums
+    b = torch.zeros(4, 16, dtype=torch.uint8)
+    pool = torch.zeros(64, dtype=torch.uint8)
+    return [
+        ("odd byte count", lambda: cs(torch.zeros(2, 12, dtype=torch.uint8)), "multiple of 8"),
+        ("odd byte count in list", lambda: cs([b[0], b[1, :12]]), r"blocks\[1\].*multiple of 8"),
+        ("empty rows", lambda: cs(torch.zeros(3, 0)), "multiple of 8"),
+        ("0-d tensor", lambda: cs(torch.tensor(1.0)), "0-d"),
+        ("sizes differ", lambda: cs([b[0], torch.zeros(24, dtype=torch.uint8)]), "one size"),
+        ("non-contiguous rows", lambda: cs(b.view(4, 2, 8).transpose(1, 2)), "contiguous"),
+        ("non-contiguous block", lambda: cs([b[0], b[:, :2].t()]), r"blocks\[1\].*contiguous"),
+        ("misaligned slot", lambda: cs([pool[4:20]]), "multiple of 8"),
+        ("misaligned row stride", lambda: cs(pool[:60].view(5, 12)[:, :8]), "multiple of 8"),
+        (
+            "meta device mixed in",
+            lambda: cs([b[0], torch.zeros(16, dtype=torch.uint8, device="meta")]),
+            "is on meta",
+        ),
+        ("not tensors", lambda: cs([b[0], b"x" * 16]), "torch.Tensor"),  # type: ignore[list-item]
+        ("bytes", lambda: cs(b"x" * 16), "tensor"),  # type: ignore[arg-type]
+        ("sparse", lambda: cs(b.to_sparse()), "dense"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("case", "call", "match"), _bad_checksum_calls(), ids=lambda x: x if isinstance(x, str) else ""
+)
+def test_bad_checksum_inputs_raise_value_error(case: str, call: object, match: str) -> None:
+    assert callable(call)
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
 # -- layering and optional CuPy ----------------------------------------------------------------
 
 
@@ -370,7 +562,11 @@ def test_cuda_module_imports_without_cupy_and_says_what_is_missing() -> None:
 
 def test_cuda_sources_ship_with_the_package() -> None:
     folder = pathlib.Path(kernels.__file__).resolve().parent
-    assert {p.name for p in folder.glob("*.cu")} == {"paged_copy.cu", "paged_attention.cu"}
+    assert {p.name for p in folder.glob("*.cu")} == {
+        "paged_copy.cu",
+        "paged_attention.cu",
+        "block_checksum.cu",
+    }
 
 
 # -- CUDA kernels against the reference --------------------------------------------------------
@@ -454,3 +650,73 @@ def test_cuda_paged_attention_matches_reference(
     got = kernels.paged_attention(query.cuda(), cache.cuda(), tables.cuda(), lens.cuda(), scale)
     tol = ATTN_TOL[dtype]
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("nbytes", [8, 24, 4104, 65536 + 8, 2 << 20])
+def test_cuda_checksums_match_reference(nbytes: int) -> None:
+    # Odd word counts (1, 3, 513, 8193) leave partial strides; 2 MiB spreads over 64 CTAs.
+    n = 40 if nbytes < (1 << 20) else 6
+    gen = torch.Generator().manual_seed(nbytes)
+    host = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen)
+    want = reference.device_checksums(host)
+    dev = host.cuda()
+    assert kernels.device_checksums(dev) == want
+    assert kernels.device_checksums(list(dev)) == want
+    assert kernels.device_checksums(dev.view(torch.float16)) == want
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("nbytes", [40, 2 << 20])
+def test_cuda_checksums_of_pool_slots_at_8_byte_offsets(nbytes: int) -> None:
+    n = 7
+    # Slots a multiple of 16 apart from an offset of 8: every block is 8-aligned, none 16-aligned.
+    slot = -(-(nbytes + 8) // 16) * 16
+    gen = torch.Generator().manual_seed(31)
+    host = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen)
+    want = reference.device_checksums(host)
+    pool = torch.zeros(8 + n * slot, dtype=torch.uint8, device="cuda")
+    views = [pool[8 + i * slot :][:nbytes] for i in range(n)]
+    for v, h in zip(views, host, strict=True):
+        v.copy_(h)
+    assert all(v.data_ptr() % 16 == 8 for v in views)
+    assert kernels.device_checksums(views) == want
+    # The same slots as one strided tensor (each row contiguous, gaps between rows).
+    rows = pool[8:].view(n, slot)[:, :nbytes]
+    assert kernels.device_checksums(rows) == want
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_checksums_past_the_grid_y_limit() -> None:
+    # More blocks than gridDim.y allows (65535): the kernel strides over blocks.
+    host = torch.randint(0, 256, (70_001, 16), dtype=torch.uint8, generator=torch.Generator())
+    want = reference.device_checksums(host)
+    assert kernels.device_checksums(host.cuda()) == want
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_checksums_run_on_the_current_stream() -> None:
+    host = torch.randint(0, 256, (8, 1 << 20), dtype=torch.uint8, generator=torch.Generator())
+    want = reference.device_checksums(host)
+    src = host.cuda()
+    dev = torch.zeros_like(src)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        # The copy waits behind a spin of tens of milliseconds on `side`: a kernel queued on any
+        # other stream would read the zeros.
+        torch.cuda._sleep(50_000_000)
+        dev.copy_(src)
+        got = kernels.device_checksums(dev)
+    assert got == want
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_checksums_refuse_mixed_devices() -> None:
+    with pytest.raises(ValueError, match="is on"):
+        kernels.device_checksums([torch.zeros(16, device="cuda"), torch.zeros(16)])
