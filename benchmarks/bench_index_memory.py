@@ -91,7 +91,7 @@ async def fill_store(store: Any, n: int) -> None:
     while done < n:
         k = min(BATCH, n - done)
         keys = unpack_keys(rand(32 * k))  # what the servicer hands the store
-        rid, offsets = await maybe_await(store.reserve(ns, keys))
+        rid, offsets, _ = await maybe_await(store.reserve(ns, keys))
         if not rid or min(offsets) < 0:
             raise RuntimeError("reserve did not reserve every new key")
         store.commit(rid, [int.from_bytes(rand(8), "little") for _ in range(k)])

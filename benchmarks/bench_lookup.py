@@ -69,7 +69,7 @@ async def in_process_costs(keys: list[bytes], k: int) -> dict[str, Timing]:
     config = DaemonConfig(cpu=CpuTierConfig(capacity_bytes=16 << 20, prefault=False))
     async with in_process_store(config) as store:
         record = store.open_namespace(Namespace(model="bench-lookup", layout=LAYOUT))
-        rid, _ = await maybe_await(store.reserve(record.ns_id, keys))
+        rid, _, _ = await maybe_await(store.reserve(record.ns_id, keys))
         store.commit(rid, [0] * len(keys))
         if await maybe_await(store.lookup(record.ns_id, keys)) != len(keys):
             raise RuntimeError("in-process store did not find every key")

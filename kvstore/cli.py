@@ -47,6 +47,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--redis-url",
         help="shared tier: redis://host:port/db, rediss://, unix:///path.sock, redis+cluster://",
     )
+    serve.add_argument(
+        "--gpu",
+        choices=("auto", "on", "off"),
+        help="GPU tier: auto (on where CUDA and CuPy are), on (refuse to start without), off",
+    )
+    serve.add_argument("--gpu-capacity", type=parse_size, help="size of the GPU tier, e.g. 8GiB")
+    serve.add_argument("--gpu-device", type=int, help="CUDA device of the GPU tier")
     serve.add_argument("--log-level", default="WARNING")
 
     stat = sub.add_parser("stat", help="tier occupancy, hits, evictions")
@@ -110,8 +117,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         redis = cfg.redis
         if args.redis_url is not None:
             redis = dataclasses.replace(redis, url=args.redis_url)
+        gpu = cfg.gpu
+        if args.gpu is not None:
+            gpu = dataclasses.replace(gpu, enabled=args.gpu)
+        if args.gpu_capacity is not None:
+            gpu = dataclasses.replace(gpu, capacity_bytes=args.gpu_capacity)
+        if args.gpu_device is not None:
+            gpu = dataclasses.replace(gpu, device=args.gpu_device)
         cfg = dataclasses.replace(
-            cfg, cpu=cpu, nvme=nvme, redis=redis, address=args.address or cfg.address
+            cfg, gpu=gpu, cpu=cpu, nvme=nvme, redis=redis, address=args.address or cfg.address
         )
     except (OSError, ValueError) as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
@@ -180,6 +194,8 @@ def stats_to_dict(reply: Any) -> dict[str, Any]:
 
 _EXTRA_LABELS = {
     "clean_bytes": "clean (on disk too)",
+    "clean_below_bytes": "clean (in a tier below too)",
+    "device": "cuda device",
     "compression_ratio": "lz4 ratio",
     "prefetch_hits": "prefetch hits",
     "io_errors": "io errors",

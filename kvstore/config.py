@@ -91,6 +91,41 @@ class RedisTierConfig:
             raise ValueError("redis ttl_s and max_bytes_per_namespace must be >= 0")
 
 
+GPU_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class GpuTierConfig:
+    """The device-memory tier, shared with workers on the same GPU through CUDA IPC.
+
+    ``enabled``: "auto" turns it on where torch sees a CUDA device and CuPy is installed (and
+    off elsewhere, silently); "on" makes a daemon without them refuse to start; "off" never.
+    """
+
+    enabled: str = "auto"
+    device: int = 0
+    capacity_bytes: int = 4 << 30
+    slab_bytes: int = 256 << 20
+    policy: str = "lru"
+    # Background write-back keeps at least (1 - high_watermark) of the pool free or clean
+    # (already in the CPU tier or below), so a worker's offload rarely waits for PCIe.
+    high_watermark: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.enabled not in GPU_MODES:
+            raise ValueError(f"gpu enabled {self.enabled!r} unknown; choose one of {GPU_MODES}")
+        if self.device < 0:
+            raise ValueError(f"gpu device must be >= 0, got {self.device}")
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"gpu capacity must be positive, got {self.capacity_bytes}")
+        if self.slab_bytes <= 0:
+            raise ValueError(f"gpu slab size must be positive, got {self.slab_bytes}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"gpu policy {self.policy!r} unknown; choose one of {POLICIES}")
+        if not 0.0 < self.high_watermark <= 1.0:
+            raise ValueError(f"gpu high_watermark must be in (0, 1], got {self.high_watermark}")
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     address: str = ""
@@ -98,6 +133,7 @@ class DaemonConfig:
     reservation_ttl_s: float = 30.0
     reaper_interval_s: float = 0.5
     max_message_bytes: int = 256 << 20
+    gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     nvme: NvmeTierConfig = field(default_factory=NvmeTierConfig)
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
@@ -108,6 +144,13 @@ class DaemonConfig:
         for name in ("lease_ttl_s", "reservation_ttl_s", "reaper_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+def _gpu_mode(value: Any) -> str:
+    """``enabled`` accepts auto/on/off and TOML booleans (true = on)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value).strip().lower()
 
 
 def _section(data: dict[str, Any], name: str) -> dict[str, Any]:
@@ -126,6 +169,14 @@ _KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "reaper_interval_s": ("reaper_interval_s", float),
         "max_message_bytes": ("max_message_bytes", parse_size),
         "drain_timeout_s": ("drain_timeout_s", float),
+    },
+    "gpu": {
+        "enabled": ("enabled", _gpu_mode),
+        "device": ("device", int),
+        "capacity": ("capacity_bytes", parse_size),
+        "slab": ("slab_bytes", parse_size),
+        "policy": ("policy", str),
+        "high_watermark": ("high_watermark", float),
     },
     "cpu": {
         "capacity": ("capacity_bytes", parse_size),
@@ -170,6 +221,7 @@ def _apply(base: DaemonConfig, data: dict[str, Any], source: str) -> DaemonConfi
         raise ValueError(f"{source}: unknown config sections {sorted(unknown)}")
     return dataclasses.replace(
         base,
+        gpu=dataclasses.replace(base.gpu, **_fields(data, "gpu", source)),
         cpu=dataclasses.replace(base.cpu, **_fields(data, "cpu", source)),
         nvme=dataclasses.replace(base.nvme, **_fields(data, "nvme", source)),
         redis=dataclasses.replace(base.redis, **_fields(data, "redis", source)),
@@ -194,6 +246,9 @@ def load_config(
     if env.get("KVSTORE_CPU_CAPACITY"):
         cpu = dataclasses.replace(cfg.cpu, capacity_bytes=parse_size(env["KVSTORE_CPU_CAPACITY"]))
         cfg = dataclasses.replace(cfg, cpu=cpu)
+    if env.get("KVSTORE_GPU"):
+        gpu = dataclasses.replace(cfg.gpu, enabled=_gpu_mode(env["KVSTORE_GPU"]))
+        cfg = dataclasses.replace(cfg, gpu=gpu)
     if env.get("KVSTORE_REDIS_URL"):
         redis = dataclasses.replace(cfg.redis, url=env["KVSTORE_REDIS_URL"])
         cfg = dataclasses.replace(cfg, redis=redis)

@@ -35,6 +35,11 @@ class State(IntEnum):
 IN_CPU = 1
 IN_NVME = 2
 IN_REDIS = 4  # this host wrote it to the shared tier (Redis is not indexed: other hosts write it)
+# In the GPU tier's device pool. Its slot and device checksum live with that tier (few blocks
+# are there at once), not in these arrays, so the index stays small at millions of blocks.
+IN_GPU = 8
+# A copy in a tier below the GPU: a GPU block with one is clean (dropping it costs no copy).
+BELOW_GPU = IN_CPU | IN_NVME
 
 
 class BlockIndex:

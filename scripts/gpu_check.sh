@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One prepared check for a GPU host, well under 5 minutes: installs CuPy (and the test tools) if
-# missing, runs the CUDA tests of the kernels and the paged cache, then the GPU benchmark.
-# Prints everything; exits non-zero if anything fails or if the CUDA tests were skipped.
+# missing, runs the CUDA tests (kernels, paged cache, the daemon's GPU tier over CUDA IPC), then
+# the GPU benchmarks. Prints everything; exits non-zero if anything fails or if the CUDA tests
+# were skipped.
 #
 #   scripts/gpu_check.sh
 #   KVSTORE_WHEELS=/path/to/wheels scripts/gpu_check.sh   # offline host: install from wheels
+#                                                         # (scripts/gpu_wheels.sh makes them)
 #   KVSTORE_CUPY='cupy-cuda13x[ctk]' scripts/gpu_check.sh # another CuPy build
 set -euo pipefail
 
@@ -37,8 +39,9 @@ PY
 
 section "python packages"
 # `import kvstore` loads the client too (grpc, ...): install the project's dependencies if they
-# are missing, except torch, which stays the host's own CUDA build.
-if ! "$PYTHON" -c 'import kvstore' 2>/dev/null; then
+# are missing (or, given wheels, older than the project needs), except torch, which stays the
+# host's own CUDA build.
+if [[ -n "${KVSTORE_WHEELS:-}" ]] || ! "$PYTHON" -c 'import kvstore' 2>/dev/null; then
   mapfile -t deps < <("$PYTHON" - <<'PY'
 import tomllib
 
@@ -49,7 +52,8 @@ PY
   )
   install "${deps[@]}"
 fi
-"$PYTHON" -c 'import pytest, hypothesis' 2>/dev/null || install pytest hypothesis
+"$PYTHON" -c 'import pytest, hypothesis, pytest_asyncio, pytest_timeout' 2>/dev/null ||
+  install pytest hypothesis pytest-asyncio pytest-timeout
 # [ctk] brings NVRTC from PyPI: RawModule compiles the .cu sources at run time.
 "$PYTHON" -c 'import cupy' 2>/dev/null || install "${KVSTORE_CUPY:-cupy-cuda12x[ctk]>=13}"
 "$PYTHON" - <<'PY'
@@ -62,13 +66,20 @@ section "CUDA tests"
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider -rs -m cuda \
-  tests/test_kernels.py tests/test_paged.py 2>&1 | tee "$log"
+  tests/test_kernels.py tests/test_paged.py tests/test_gpu_service.py \
+  2>&1 | tee "$log"
 if grep -qi "skipped" "$log"; then
   echo "gpu_check: CUDA tests were skipped; this host should run them all" >&2
   exit 1
 fi
 
-section "benchmark"
-timeout 150 "$PYTHON" benchmarks/bench_paged.py --cuda
+section "GPU tier logic (no CUDA needed, run here too)"
+timeout 60 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_gpu_tier.py
+
+section "benchmark: kernels"
+timeout 120 "$PYTHON" benchmarks/bench_paged.py --cuda
+
+section "benchmark: GPU tier and transfers through the daemon"
+timeout 120 "$PYTHON" benchmarks/bench_gpu_tier.py
 
 section "done in $((SECONDS - start))s"

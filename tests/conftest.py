@@ -139,12 +139,23 @@ def config_toml(
     nvme_capacity: str = "1MiB",
     nvme_codec: str = "none",
     write_through: bool = False,
+    gpu: str = "off",
+    gpu_capacity: str = "64MiB",
+    gpu_high_watermark: float = 0.8,
 ) -> str:
+    # The GPU tier is off unless a test asks for it: on a CUDA host every other daemon of the
+    # suite would otherwise make a device pool (and a CUDA context) it does not use.
     text = f"""
 [daemon]
 lease_ttl_s = {lease_ttl_s}
 reservation_ttl_s = {reservation_ttl_s}
 reaper_interval_s = {reaper_interval_s}
+
+[gpu]
+enabled = "{gpu}"
+capacity = "{gpu_capacity}"
+slab = "{slab}"
+high_watermark = {gpu_high_watermark}
 
 [cpu]
 capacity = "{cpu_capacity}"

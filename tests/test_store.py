@@ -60,7 +60,7 @@ def keys(n: int, start: int = 0) -> list[bytes]:
 
 
 async def put(store: BlockStore, ns_id: int, ks: list[bytes], fill: int = 1) -> int:
-    rid, offsets = await store.reserve(ns_id, ks)
+    rid, offsets, _ = await store.reserve(ns_id, ks)
     sums = []
     for off in offsets:
         if off >= 0:
@@ -73,11 +73,11 @@ async def put(store: BlockStore, ns_id: int, ks: list[bytes], fill: int = 1) -> 
 async def test_reserved_blocks_are_invisible_until_commit(store: BlockStore) -> None:
     ns = store.open_namespace(NS).ns_id
     ks = keys(3)
-    rid, offsets = await store.reserve(ns, ks)
+    rid, offsets, _ = await store.reserve(ns, ks)
     assert all(o >= HEADER_BYTES for o in offsets)
     assert await store.lookup(ns, ks) == 0
     # A second writer of the same keys is told not to write them.
-    rid2, offsets2 = await store.reserve(ns, ks)
+    rid2, offsets2, _ = await store.reserve(ns, ks)
     assert rid2 == 0 and offsets2 == [-1, -1, -1]
     store.commit(rid, [1, 2, 3])
     assert await store.lookup(ns, ks) == 3
@@ -87,7 +87,7 @@ async def test_reserved_blocks_are_invisible_until_commit(store: BlockStore) -> 
 
 async def test_commit_needs_one_checksum_per_block(store: BlockStore) -> None:
     ns = store.open_namespace(NS).ns_id
-    rid, _ = await store.reserve(ns, keys(2))
+    rid, _, _ = await store.reserve(ns, keys(2))
     with pytest.raises(ValueError, match="2 blocks"):
         store.commit(rid, [1])
     assert store.commit(rid, [1, 2]) == 2  # the bad commit changed nothing
@@ -96,7 +96,7 @@ async def test_commit_needs_one_checksum_per_block(store: BlockStore) -> None:
 async def test_duplicate_keys_in_one_put_are_written_once(store: BlockStore) -> None:
     ns = store.open_namespace(NS).ns_id
     k = keys(1)[0]
-    rid, offsets = await store.reserve(ns, [k, k])
+    rid, offsets, _ = await store.reserve(ns, [k, k])
     assert offsets[1] == -1 and offsets[0] >= 0
     store.commit(rid, [7])
 
@@ -126,7 +126,7 @@ async def test_leased_blocks_are_never_evicted(store: BlockStore) -> None:
     capacity = store.allocator.capacity_bytes // LAYOUT.block_bytes
     ks = keys(capacity)
     await put(store, ns, ks)
-    lease, offsets, _ = await store.acquire(ns, ks)
+    lease, offsets, _, _ = await store.acquire(ns, ks)
     assert len(offsets) == capacity
     with pytest.raises(CapacityError, match="leased"):
         await store.reserve(ns, keys(1, start=500))
@@ -138,7 +138,7 @@ async def test_delete_while_leased_keeps_the_slot_until_release(store: BlockStor
     ns = store.open_namespace(NS).ns_id
     ks = keys(2)
     await put(store, ns, ks, fill=9)
-    lease, offsets, _ = await store.acquire(ns, ks)
+    lease, offsets, _, _ = await store.acquire(ns, ks)
     assert store.delete(ns, ks) == 2
     assert await store.lookup(ns, ks) == 0
     # The reader's slots are still intact and held.
@@ -187,7 +187,7 @@ async def test_a_key_of_another_namespace_is_a_miss(store: BlockStore) -> None:
     ks = keys(2)  # hashed with NS's seed, then (wrongly) presented in tenant t2
     await put(store, a, ks)
     assert await store.lookup(b, ks) == 0
-    assert await store.acquire(b, ks) == (0, [], [])
+    assert await store.acquire(b, ks) == (0, [], [], [])
 
 
 def test_arena_is_unlinked_on_close() -> None:
@@ -231,7 +231,7 @@ async def _random_operations(ops: list[tuple[str, int]]) -> None:
                 except CapacityError:
                     pass
             elif op == "g":
-                lease, _, _ = await s.acquire(ns, [k])
+                lease, _, _, _ = await s.acquire(ns, [k])
                 if lease:
                     leases.append(lease)
             elif op == "r" and leases:

@@ -88,6 +88,11 @@ class SharedMemoryArena:
         self.view = memoryview(self._mmap)
         self._closed = False
 
+    @property
+    def buffer(self) -> mmap.mmap:
+        """The whole mapping, for wrapping as one tensor (the GPU tier copies through it)."""
+        return self._mmap
+
     def close(self) -> None:
         """Unmap and unlink. Clients that still map the file keep their pages until they unmap."""
         if self._closed:

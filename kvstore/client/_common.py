@@ -10,6 +10,7 @@ import mmap
 import os
 import subprocess
 import time
+import warnings
 from collections.abc import Sequence
 
 import grpc
@@ -20,6 +21,7 @@ from kvstore.checksum import block_checksum
 from kvstore.errors import ERRORS_BY_NAME, KVStoreError, UnavailableError
 from kvstore.keys import Namespace, pack_keys
 from kvstore.layout import KVLayout
+from kvstore.tiers.gpu import MappedDevicePool, PoolInfo
 from kvstore.v1 import kvstore_pb2 as pb
 
 TRANSPORTS = ("auto", "shm", "grpc")
@@ -216,6 +218,64 @@ class MappedArena:
             self._mmap.close()
         except BufferError:
             pass  # a tensor view still exists; the mapping goes when it is collected
+
+
+class PoolLink:
+    """The daemon's GPU pool as one client reaches it: described by OpenNamespace, mapped on
+    first use by CUDA caches on the pool's GPU (``for_device``). A client whose GPU is another
+    one, or that cannot open the handle, uses the CPU arena as before (a warning says why)."""
+
+    def __init__(self) -> None:
+        self.info: PoolInfo | None = None
+        self.pool: MappedDevicePool | None = None
+        self._failed = False
+
+    def reset(self, reply: pb.OpenNamespaceResponse | None) -> None:
+        """Forget the old pool (the daemon restarted, or first open) and note the new one."""
+        self.close()
+        self._failed = False
+        self.info = None
+        if reply is not None and reply.HasField("gpu") and reply.gpu.ipc_handle:
+            g = reply.gpu
+            self.info = PoolInfo(g.device_uuid, g.ipc_handle, g.size_bytes, g.token)
+
+    def for_device(self, device: torch.device | None) -> MappedDevicePool | None:
+        if device is None or device.type != "cuda" or self.info is None or self._failed:
+            return None
+        if self.pool is None:
+            try:
+                self.pool = MappedDevicePool.open(self.info)
+            except Exception as exc:  # CUDA or CuPy refused: the CPU path still works
+                warnings.warn(
+                    f"cannot open the daemon's GPU pool ({exc}); using the CPU tier",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                self.pool = None
+            if self.pool is None:
+                self._failed = True
+                return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return self.pool if self.pool.device.index == index else None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
+def commit_request(reply: pb.ReserveResponse, checksums: list[int]) -> pb.CommitRequest:
+    """The commit of a reservation: GPU pool slots carry device checksums, arena slots xxh3."""
+    if reply.gpu:
+        return pb.CommitRequest(reservation_id=reply.reservation_id, device_checksums=checksums)
+    return pb.CommitRequest(reservation_id=reply.reservation_id, checksums=checksums)
+
+
+def cuda_device(kv_caches: Sequence[torch.Tensor]) -> torch.device | None:
+    """The CUDA device of an engine's caches, or None for CPU caches."""
+    if kv_caches and kv_caches[0].device.type == "cuda":
+        return kv_caches[0].device
+    return None
 
 
 def empty_blocks(layout: KVLayout, n: int) -> torch.Tensor:

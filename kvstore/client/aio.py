@@ -21,6 +21,7 @@ from kvstore.address import default_address
 from kvstore.client import paged_io
 from kvstore.client._common import (
     MappedArena,
+    PoolLink,
     blocks_from_stream,
     byte_rows,
     channel_options,
@@ -30,6 +31,8 @@ from kvstore.client._common import (
     check_priority,
     check_put,
     check_transport,
+    commit_request,
+    cuda_device,
     empty_blocks,
     open_request,
     translate_error,
@@ -84,6 +87,7 @@ class AsyncKVStoreClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._arena: MappedArena | None = None
+        self._pool_link = PoolLink()
         self._ns_id = 0
         self._epoch = 0
         self._pending: set[asyncio.Task[Any]] = set()
@@ -109,6 +113,7 @@ class AsyncKVStoreClient:
         check_open_reply(self.namespace, reply)
         self._ns_id = reply.namespace_id
         self._epoch = reply.epoch
+        self._pool_link.reset(reply if self.transport != "grpc" else None)
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -150,6 +155,7 @@ class AsyncKVStoreClient:
 
     async def close(self) -> None:
         await self._flush()
+        self._pool_link.close()
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -192,7 +198,9 @@ class AsyncKVStoreClient:
         if keys:
             await self._call(
                 self._stub.Prefetch,
-                lambda: pb.PrefetchRequest(namespace_id=self._ns_id, keys=packed),
+                lambda: pb.PrefetchRequest(
+                    namespace_id=self._ns_id, keys=packed, gpu=self._pool_link.pool is not None
+                ),
             )
 
     async def put(
@@ -260,6 +268,7 @@ class AsyncKVStoreClient:
         """As ``KVStoreClient.offload``; the gathers run in a worker thread."""
         ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
         check_keys(keys)
+        gpu = self._gpu_device(kv_caches)
         stored = 0
         for ck, cids in paged_io.chunked(keys, ids):
             if self._arena is None:
@@ -267,19 +276,22 @@ class AsyncKVStoreClient:
                 await asyncio.to_thread(kernels.gather_blocks, kv_caches, cids, blocks)
                 stored += await self.put(ck, blocks, priority)
                 continue
-            reservation = await self.reserve(ck, priority)
-            paged_io.ensure_pinned(reservation.arena, kv_caches)
+            reservation = await self.reserve(ck, priority, _device=gpu)
             try:
+                if not reservation.on_gpu:
+                    paged_io.ensure_pinned(reservation.arena, kv_caches)
                 await asyncio.to_thread(
                     paged_io.gather_into_views,
                     kv_caches,
                     [cids[i] for i in reservation.indices],
                     reservation.views,
                 )
+                # Device checksums launch a kernel and wait for it: off the event loop too.
+                checksums = await asyncio.to_thread(reservation.checksums)
             except BaseException:
                 await reservation.abort()
                 raise
-            stored += await reservation.commit()
+            stored += await reservation.commit(checksums)
         return stored
 
     async def load(
@@ -288,6 +300,7 @@ class AsyncKVStoreClient:
         """As ``KVStoreClient.load``; the scatters run in a worker thread."""
         ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
         check_keys(keys)
+        gpu = self._gpu_device(kv_caches)
         loaded = 0
         for ck, cids in paged_io.chunked(keys, ids):
             if self._arena is None:
@@ -297,14 +310,14 @@ class AsyncKVStoreClient:
                 )
                 n = got.shape[0]
             else:
-                lease = await self.acquire(ck)
-                arena = lease.arena
-                paged_io.ensure_pinned(arena, kv_caches)
+                lease = await self.acquire(ck, _device=gpu)
                 try:
+                    if lease.any_on_host:
+                        paged_io.ensure_pinned(lease.arena, kv_caches)
                     await asyncio.to_thread(
                         paged_io.scatter_from_views, lease.views, kv_caches, cids[: len(lease)]
                     )
-                    n = arena.intact(lease.offsets, lease.checksums, self.layout.block_bytes)
+                    n = await asyncio.to_thread(lease.intact)
                 finally:
                     await lease.release()
             loaded += n
@@ -313,8 +326,18 @@ class AsyncKVStoreClient:
         return loaded
 
     # ------------------------------------------------------------------ zero-copy API
+    def _gpu_device(self, kv_caches: Sequence[torch.Tensor]) -> torch.device | None:
+        """The caches' device if this client reaches the daemon's GPU pool from it."""
+        device = cuda_device(kv_caches)
+        return device if self._pool_link.for_device(device) is not None else None
+
     async def reserve(
-        self, keys: Sequence[bytes], priority: int | None = None, *, _packed: bytes | None = None
+        self,
+        keys: Sequence[bytes],
+        priority: int | None = None,
+        *,
+        _packed: bytes | None = None,
+        _device: torch.device | None = None,
     ) -> AsyncWriteReservation:
         packed = check_keys(keys) if _packed is None else _packed
         prio = check_priority(priority)
@@ -322,34 +345,49 @@ class AsyncKVStoreClient:
         reply = await self._call(
             self._stub.Reserve,
             lambda: pb.ReserveRequest(
-                namespace_id=self._ns_id, keys=packed, priority=prio, epoch=self._epoch
+                namespace_id=self._ns_id,
+                keys=packed,
+                priority=prio,
+                epoch=self._epoch,
+                gpu=_device is not None,
             ),
         )
         # Fetched after the call: a daemon restart makes the call reopen and remap the arena.
         arena = self._require_arena("reserve")
+        pool = self._pool_link.for_device(_device) if reply.gpu else None
 
         async def commit(checksums: list[int]) -> int:
-            req = pb.CommitRequest(reservation_id=reply.reservation_id, checksums=checksums)
+            req = commit_request(reply, checksums)
             return int((await self._call(self._stub.Commit, lambda: req)).committed)
 
         async def abort() -> None:
             req = pb.AbortRequest(reservation_id=reply.reservation_id)
             await self._call(self._stub.Abort, lambda: req)
 
+        if reply.gpu and pool is None:
+            await abort()
+            raise KVStoreError("the daemon reserved GPU pool slots this client cannot reach")
         return AsyncWriteReservation(
-            arena, self.layout, reply.reservation_id, list(reply.offsets), commit, abort
+            arena, self.layout, reply.reservation_id, list(reply.offsets), commit, abort, pool
         )
 
     async def acquire(
-        self, keys: Sequence[bytes], *, _packed: bytes | None = None
+        self,
+        keys: Sequence[bytes],
+        *,
+        _packed: bytes | None = None,
+        _device: torch.device | None = None,
     ) -> AsyncReadLease:
         packed = check_keys(keys) if _packed is None else _packed
         self._require_arena("acquire")
         reply = await self._call(
             self._stub.Acquire,
-            lambda: pb.AcquireRequest(namespace_id=self._ns_id, keys=packed, epoch=self._epoch),
+            lambda: pb.AcquireRequest(
+                namespace_id=self._ns_id, keys=packed, epoch=self._epoch, gpu=_device is not None
+            ),
         )
         arena = self._require_arena("acquire")
+        pool = self._pool_link.for_device(_device) if any(reply.on_gpu) else None
 
         async def release() -> None:
             if reply.lease_id:
@@ -358,7 +396,13 @@ class AsyncKVStoreClient:
                 )
 
         return AsyncReadLease(
-            arena, self.layout, list(reply.offsets), list(reply.checksums), release
+            arena,
+            self.layout,
+            list(reply.offsets),
+            list(reply.checksums),
+            release,
+            list(reply.on_gpu),
+            pool,
         )
 
     def _require_arena(self, what: str) -> MappedArena:

@@ -4,6 +4,10 @@ A ``WriteReservation`` names the arena slots reserved for the keys that were not
 caller writes them (through ``views`` or ``fill_from``) and commits. A ``ReadLease`` names the
 slots of the leading run of stored blocks; the caller copies out, verifies and releases. The
 sync and async flavours differ only in whether commit/abort/release are awaited.
+
+A client that maps the daemon's GPU pool (a CUDA worker on the daemon's GPU) may get its slots
+there instead: a reservation with ``on_gpu`` names pool slots and commits device checksums; a
+lease names, per block, a pool slot (``on_gpu[i]``, verified by device checksum) or an arena slot.
 """
 
 from __future__ import annotations
@@ -13,17 +17,26 @@ from typing import Any
 
 import torch
 
+from kvstore import kernels
 from kvstore.checksum import block_checksum
 from kvstore.client._common import MappedArena
 from kvstore.errors import KVStoreError
 from kvstore.layout import KVLayout
+from kvstore.tiers.gpu import MappedDevicePool
 
 
 class _ReservationState:
     def __init__(
-        self, arena: MappedArena, layout: KVLayout, reservation_id: int, offsets: list[int]
+        self,
+        arena: MappedArena,
+        layout: KVLayout,
+        reservation_id: int,
+        offsets: list[int],
+        pool: MappedDevicePool | None = None,
     ) -> None:
         self.arena = arena
+        self.pool = pool
+        """Set when the slots are in the daemon's GPU pool (``offsets`` are pool offsets)."""
         self.layout = layout
         self.reservation_id = reservation_id
         self.offsets = offsets
@@ -35,23 +48,39 @@ class _ReservationState:
         self._checksums: list[int] | None = None
 
     @property
+    def on_gpu(self) -> bool:
+        return self.pool is not None
+
+    @property
     def views(self) -> list[torch.Tensor]:
-        """A ``[*block_shape]`` tensor over shared memory per key to write (``indices`` order)."""
+        """A ``[*block_shape]`` tensor over shared memory (or, ``on_gpu``, over the GPU pool)
+        per key to write (``indices`` order)."""
         nbytes = self.layout.block_bytes
+        space: MappedArena | MappedDevicePool = self.pool if self.pool is not None else self.arena
         return [
-            self.arena.slot(off, nbytes).view(self.layout.dtype).view(self.layout.block_shape)
+            space.slot(off, nbytes).view(self.layout.dtype).view(self.layout.block_shape)
             for off in self.offsets_new
         ]
 
     def fill_from(self, rows: torch.Tensor) -> None:
         """Copy ``rows[i]`` (``[n, block_bytes]`` uint8, one per key passed to reserve) into the
         slots of the keys to write."""
-        self._checksums = self.arena.copy_in(rows, self.offsets)
+        if self.pool is None:
+            self._checksums = self.arena.copy_in(rows, self.offsets)
+            return
+        nbytes = self.layout.block_bytes
+        for i, off in zip(self.indices, self.offsets_new, strict=True):
+            self.pool.slot(off, nbytes).copy_(rows[i])
 
     def checksums(self) -> list[int]:
+        """What the commit carries: the xxh3 of each written arena slot, or, ``on_gpu``, the
+        device checksum of each pool slot (read back from the slots, so they vouch for what the
+        slots hold)."""
         if self._checksums is not None:
             return self._checksums
         nbytes = self.layout.block_bytes
+        if self.pool is not None:
+            return kernels.device_checksums([self.pool.slot(o, nbytes) for o in self.offsets_new])
         return [self.arena.checksum(off, nbytes) for off in self.offsets_new]
 
     def _check_open(self) -> bool:
@@ -72,8 +101,9 @@ class WriteReservation(_ReservationState):
         offsets: list[int],
         commit_fn: Callable[[list[int]], int],
         abort_fn: Callable[[], None],
+        pool: MappedDevicePool | None = None,
     ) -> None:
-        super().__init__(arena, layout, reservation_id, offsets)
+        super().__init__(arena, layout, reservation_id, offsets, pool)
         self._commit_fn = commit_fn
         self._abort_fn = abort_fn
 
@@ -111,16 +141,19 @@ class AsyncWriteReservation(_ReservationState):
         offsets: list[int],
         commit_fn: Callable[[list[int]], Awaitable[int]],
         abort_fn: Callable[[], Awaitable[None]],
+        pool: MappedDevicePool | None = None,
     ) -> None:
-        super().__init__(arena, layout, reservation_id, offsets)
+        super().__init__(arena, layout, reservation_id, offsets, pool)
         self._commit_fn = commit_fn
         self._abort_fn = abort_fn
 
-    async def commit(self) -> int:
+    async def commit(self, checksums: list[int] | None = None) -> int:
+        """As ``WriteReservation.commit``; ``checksums`` when the caller computed them already
+        (off the event loop)."""
         if not self._check_open():
             return 0
         self.done = True
-        self.committed = await self._commit_fn(self.checksums())
+        self.committed = await self._commit_fn(self.checksums() if checksums is None else checksums)
         return self.committed
 
     async def abort(self) -> None:
@@ -142,25 +175,63 @@ class AsyncWriteReservation(_ReservationState):
 
 class _LeaseState:
     def __init__(
-        self, arena: MappedArena, layout: KVLayout, offsets: list[int], checksums: list[int]
+        self,
+        arena: MappedArena,
+        layout: KVLayout,
+        offsets: list[int],
+        checksums: list[int],
+        on_gpu: list[bool] | None = None,
+        pool: MappedDevicePool | None = None,
     ) -> None:
         self.arena = arena
         self.layout = layout
         self.offsets = offsets
         self.checksums = checksums
+        self.on_gpu = on_gpu if on_gpu else [False] * len(offsets)
+        """Per block: its slot is in the GPU pool (and its checksum a device checksum)."""
+        if any(self.on_gpu) and pool is None:
+            raise KVStoreError("the daemon served GPU pool slots to a client that has no pool")
+        self.pool = pool
         self.released = False
 
     def __len__(self) -> int:
         return len(self.offsets)
 
+    def _slot(self, i: int) -> torch.Tensor:
+        nbytes = self.layout.block_bytes
+        if self.on_gpu[i]:
+            assert self.pool is not None
+            return self.pool.slot(self.offsets[i], nbytes)
+        return self.arena.slot(self.offsets[i], nbytes)
+
     @property
     def views(self) -> list[torch.Tensor]:
-        """One read-only-by-contract ``[*block_shape]`` tensor over shared memory per block."""
-        nbytes = self.layout.block_bytes
+        """One read-only-by-contract ``[*block_shape]`` tensor per block, over shared memory or,
+        where ``on_gpu``, over the GPU pool."""
         return [
-            self.arena.slot(off, nbytes).view(self.layout.dtype).view(self.layout.block_shape)
-            for off in self.offsets
+            self._slot(i).view(self.layout.dtype).view(self.layout.block_shape)
+            for i in range(len(self.offsets))
         ]
+
+    @property
+    def any_on_host(self) -> bool:
+        return not all(self.on_gpu)
+
+    def intact(self) -> int:
+        """How many leading blocks still hold the bytes their checksums name (checked after a
+        copy out: a slot that changed under the copy fails here)."""
+        gpu = [i for i, g in enumerate(self.on_gpu) if g]
+        sums = kernels.device_checksums([self._slot(i) for i in gpu]) if gpu else []
+        device_sums = dict(zip(gpu, sums, strict=True))
+        nbytes = self.layout.block_bytes
+        for i, offset in enumerate(self.offsets):
+            if self.on_gpu[i]:
+                ok = device_sums[i] == self.checksums[i]
+            else:
+                ok = self.arena.checksum(offset, nbytes) == self.checksums[i]
+            if not ok:
+                return i
+        return len(self.offsets)
 
     def verify(self, i: int, copy: torch.Tensor) -> bool:
         """True if ``copy`` (a copy of block i taken under this lease) matches its checksum."""
@@ -170,6 +241,8 @@ class _LeaseState:
     def copy_into(self, rows: torch.Tensor, verify: bool = True) -> int:
         """Copy the leased blocks into ``rows`` (``[>= n, block_bytes]`` uint8); returns how many
         leading blocks arrived intact (a checksum mismatch ends the run)."""
+        if any(self.on_gpu):
+            raise KVStoreError("copy_into reads the arena; this lease holds GPU pool slots")
         return self.arena.copy_out(self.offsets, self.checksums, rows, verify)
 
 
@@ -181,8 +254,10 @@ class ReadLease(_LeaseState):
         offsets: list[int],
         checksums: list[int],
         release_fn: Callable[[], None],
+        on_gpu: list[bool] | None = None,
+        pool: MappedDevicePool | None = None,
     ) -> None:
-        super().__init__(arena, layout, offsets, checksums)
+        super().__init__(arena, layout, offsets, checksums, on_gpu, pool)
         self._release_fn = release_fn
 
     def release(self) -> None:
@@ -205,8 +280,10 @@ class AsyncReadLease(_LeaseState):
         offsets: list[int],
         checksums: list[int],
         release_fn: Callable[[], Awaitable[None]],
+        on_gpu: list[bool] | None = None,
+        pool: MappedDevicePool | None = None,
     ) -> None:
-        super().__init__(arena, layout, offsets, checksums)
+        super().__init__(arena, layout, offsets, checksums, on_gpu, pool)
         self._release_fn = release_fn
 
     async def release(self) -> None:

@@ -23,6 +23,7 @@ from kvstore.address import default_address
 from kvstore.client import paged_io
 from kvstore.client._common import (
     MappedArena,
+    PoolLink,
     blocks_from_stream,
     byte_rows,
     channel_options,
@@ -32,6 +33,8 @@ from kvstore.client._common import (
     check_priority,
     check_put,
     check_transport,
+    commit_request,
+    cuda_device,
     empty_blocks,
     open_request,
     translate_error,
@@ -88,6 +91,7 @@ class KVStoreClient:
         self._channel = grpc.insecure_channel(self.address, options=channel_options())
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._arena: MappedArena | None = None
+        self._pool_link = PoolLink()
         self._ns_id = 0
         self._epoch = 0
         try:
@@ -109,6 +113,7 @@ class KVStoreClient:
         check_open_reply(self.namespace, reply)
         self._ns_id = reply.namespace_id
         self._epoch = reply.epoch
+        self._pool_link.reset(reply if self.transport != "grpc" else None)
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -138,6 +143,7 @@ class KVStoreClient:
         return self._arena is not None
 
     def close(self) -> None:
+        self._pool_link.close()
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -170,13 +176,17 @@ class KVStoreClient:
 
     def prefetch(self, keys: Sequence[bytes]) -> None:
         """Hint that ``keys`` will be read soon. Returns as soon as the daemon has queued the
-        promotion (one small RPC; no data moves in it): the blocks come up in the background."""
+        promotion (one small RPC; no data moves in it): the blocks come up in the background,
+        into the GPU pool once this client has mapped it (a later ``load`` then copies device
+        to device), else into the CPU tier."""
         packed = check_keys(keys)
         if keys:
             # Through _call, so a daemon that restarted is rejoined and still gets the hint.
             self._call(
                 self._stub.Prefetch,
-                lambda: pb.PrefetchRequest(namespace_id=self._ns_id, keys=packed),
+                lambda: pb.PrefetchRequest(
+                    namespace_id=self._ns_id, keys=packed, gpu=self._pool_link.pool is not None
+                ),
             )
 
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor, priority: int | None = None) -> int:
@@ -238,9 +248,11 @@ class KVStoreClient:
     ) -> int:
         """Store physical blocks ``block_ids`` of an engine's paged cache (``kv_caches``: one
         ``[2, num_blocks, block_size, H, D]`` tensor per layer) under ``keys``, gathering them
-        straight into shared memory. Returns how many blocks were newly stored."""
+        straight into shared memory, or, for CUDA caches on the daemon's GPU, into its GPU pool
+        (device to device). Returns how many blocks were newly stored."""
         ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
         check_keys(keys)
+        gpu = self._gpu_device(kv_caches)
         stored = 0
         for ck, cids in paged_io.chunked(keys, ids):
             if self._arena is None:
@@ -248,8 +260,9 @@ class KVStoreClient:
                 kernels.gather_blocks(kv_caches, cids, blocks)
                 stored += self.put(ck, blocks, priority)
                 continue
-            with self.reserve(ck, priority) as reservation:
-                paged_io.ensure_pinned(reservation.arena, kv_caches)
+            with self.reserve(ck, priority, _device=gpu) as reservation:
+                if not reservation.on_gpu:
+                    paged_io.ensure_pinned(reservation.arena, kv_caches)
                 paged_io.gather_into_views(
                     kv_caches, [cids[i] for i in reservation.indices], reservation.views
                 )
@@ -263,6 +276,7 @@ class KVStoreClient:
         blocks loaded (the rest were not cached, or failed their checksum)."""
         ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
         check_keys(keys)
+        gpu = self._gpu_device(kv_caches)
         loaded = 0
         for ck, cids in paged_io.chunked(keys, ids):
             if self._arena is None:
@@ -270,20 +284,31 @@ class KVStoreClient:
                 kernels.scatter_blocks(got, kv_caches, cids[: got.shape[0]])
                 n = got.shape[0]
             else:
-                with self.acquire(ck) as lease:
-                    paged_io.ensure_pinned(lease.arena, kv_caches)
+                with self.acquire(ck, _device=gpu) as lease:
+                    if lease.any_on_host:
+                        paged_io.ensure_pinned(lease.arena, kv_caches)
                     paged_io.scatter_from_views(lease.views, kv_caches, cids[: len(lease)])
                     # Checked after the copy: a slot that changed under us fails here, and the
                     # caller recomputes from that block on.
-                    n = lease.arena.intact(lease.offsets, lease.checksums, self.layout.block_bytes)
+                    n = lease.intact()
             loaded += n
             if n < len(ck):
                 break
         return loaded
 
     # ------------------------------------------------------------------ zero-copy API
+    def _gpu_device(self, kv_caches: Sequence[torch.Tensor]) -> torch.device | None:
+        """The caches' device if this client reaches the daemon's GPU pool from it."""
+        device = cuda_device(kv_caches)
+        return device if self._pool_link.for_device(device) is not None else None
+
     def reserve(
-        self, keys: Sequence[bytes], priority: int | None = None, *, _packed: bytes | None = None
+        self,
+        keys: Sequence[bytes],
+        priority: int | None = None,
+        *,
+        _packed: bytes | None = None,
+        _device: torch.device | None = None,
     ) -> WriteReservation:
         """Reserve slots for the keys not yet stored. Write each ``reservation.views[j]`` (a
         ``[*block_shape]`` tensor over shared memory, for ``keys[reservation.indices[j]]``),
@@ -295,34 +320,51 @@ class KVStoreClient:
         reply = self._call(
             self._stub.Reserve,
             lambda: pb.ReserveRequest(
-                namespace_id=self._ns_id, keys=packed, priority=prio, epoch=self._epoch
+                namespace_id=self._ns_id,
+                keys=packed,
+                priority=prio,
+                epoch=self._epoch,
+                gpu=_device is not None,
             ),
         )
         # Fetched after the call: a daemon restart makes the call reopen and remap the arena.
         arena = self._require_arena("reserve")
+        pool = self._pool_link.for_device(_device) if reply.gpu else None
 
         def commit(checksums: list[int]) -> int:
-            req = pb.CommitRequest(reservation_id=reply.reservation_id, checksums=checksums)
+            req = commit_request(reply, checksums)
             return int(self._call(self._stub.Commit, lambda: req).committed)
 
         def abort() -> None:
             req = pb.AbortRequest(reservation_id=reply.reservation_id)
             self._call(self._stub.Abort, lambda: req)
 
+        if reply.gpu and pool is None:
+            abort()
+            raise KVStoreError("the daemon reserved GPU pool slots this client cannot reach")
         return WriteReservation(
-            arena, self.layout, reply.reservation_id, list(reply.offsets), commit, abort
+            arena, self.layout, reply.reservation_id, list(reply.offsets), commit, abort, pool
         )
 
-    def acquire(self, keys: Sequence[bytes], *, _packed: bytes | None = None) -> ReadLease:
+    def acquire(
+        self,
+        keys: Sequence[bytes],
+        *,
+        _packed: bytes | None = None,
+        _device: torch.device | None = None,
+    ) -> ReadLease:
         """Lease the leading run of stored blocks: ``lease.views[i]`` reads block i in place
         (verify with ``lease.verify(i)`` after copying); ``release()`` when done."""
         packed = check_keys(keys) if _packed is None else _packed
         self._require_arena("acquire")
         reply = self._call(
             self._stub.Acquire,
-            lambda: pb.AcquireRequest(namespace_id=self._ns_id, keys=packed, epoch=self._epoch),
+            lambda: pb.AcquireRequest(
+                namespace_id=self._ns_id, keys=packed, epoch=self._epoch, gpu=_device is not None
+            ),
         )
         arena = self._require_arena("acquire")
+        pool = self._pool_link.for_device(_device) if any(reply.on_gpu) else None
 
         def release() -> None:
             # Blocking: a future waited on by the next call measured slower (p50 523 vs 331 us).
@@ -333,7 +375,15 @@ class KVStoreClient:
                 except grpc.RpcError:
                     pass  # expired first: the daemon already dropped it
 
-        return ReadLease(arena, self.layout, list(reply.offsets), list(reply.checksums), release)
+        return ReadLease(
+            arena,
+            self.layout,
+            list(reply.offsets),
+            list(reply.checksums),
+            release,
+            list(reply.on_gpu),
+            pool,
+        )
 
     def _require_arena(self, what: str) -> MappedArena:
         if self._arena is None:

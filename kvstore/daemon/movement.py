@@ -19,12 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.checksum import block_checksum
 from kvstore.errors import CapacityError
-from kvstore.index import IN_CPU, IN_NVME, State
+from kvstore.index import IN_CPU, IN_GPU, IN_NVME, State
 
 if TYPE_CHECKING:
     from kvstore.daemon.store import BlockStore
 
 log = logging.getLogger(__name__)
+
+# The CPU and NVMe bits: a CPU block is dirty when it has no disk copy (a GPU copy above it
+# does not make it durable).
+_LOCAL = IN_CPU | IN_NVME
 
 
 class Mover:
@@ -168,10 +172,10 @@ class Mover:
                         or not index.tier[v] & IN_CPU
                     ):
                         continue  # changed while the writes ran; the next round picks again
-                    if index.tier[v] & IN_NVME:
-                        store.drop_cpu_copy(v)
+                    if index.tier[v] & (IN_NVME | IN_GPU):
+                        store.drop_cpu_copy(v)  # still stored on disk or in the GPU pool
                     else:
-                        store.forget(v)  # nothing below holds it (no tier, or a failed write)
+                        store.forget(v)  # nothing else holds it (no tier, or a failed write)
                     store.cpu.evictions += 1
 
     # ----------------------------------------------------------------- down: write-back
@@ -282,7 +286,7 @@ class Mover:
                 eid = self._write_through.popleft()
                 if (
                     index.state[eid] == State.COMMITTED
-                    and index.tier[eid] == IN_CPU
+                    and index.tier[eid] & _LOCAL == IN_CPU
                     and eid not in self._flushing
                 ):
                     batch.append(eid)
@@ -294,7 +298,7 @@ class Mover:
             return batch
         want = target - have
         for eid in store.policy.order():  # coldest first
-            if index.tier[eid] == IN_CPU and eid not in self._flushing:
+            if index.tier[eid] & _LOCAL == IN_CPU and eid not in self._flushing:
                 batch.append(eid)
                 want -= store.block_bytes_of(eid)
                 if want <= 0 or len(batch) >= limit:

@@ -125,7 +125,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def OpenNamespace(self, request, context):
         record = self.store.open_namespace(namespace_from_request(request), request.priority)
         arena = self.store.arena
-        return pb.OpenNamespaceResponse(
+        reply = pb.OpenNamespaceResponse(
             namespace_id=record.ns_id,
             seed=record.namespace.seed if record.namespace else b"",
             block_bytes=record.block_bytes,
@@ -133,6 +133,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             epoch=self.store.epoch,
             arena=pb.ArenaInfo(path=arena.path, size_bytes=arena.size_bytes, token=arena.token),
         )
+        pool = self.store.device.pool
+        if pool is not None and pool.ipc_handle:
+            reply.gpu.CopyFrom(
+                pb.DevicePoolInfo(
+                    device_uuid=pool.uuid,
+                    ipc_handle=pool.ipc_handle,
+                    size_bytes=pool.size_bytes,
+                    token=pool.token,
+                )
+            )
+        return reply
 
     @_rpc
     async def Lookup(self, request, context):
@@ -142,18 +153,21 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     async def Reserve(self, request, context):
         self.store.check_epoch(request.epoch)
-        reservation_id, offsets = await self.store.reserve(
-            request.namespace_id, _keys(request.keys), request.priority
+        reservation_id, offsets, gpu = await self.store.reserve(
+            request.namespace_id, _keys(request.keys), request.priority, gpu=request.gpu
         )
         return pb.ReserveResponse(
             reservation_id=reservation_id,
             offsets=offsets,
             expires_in_s=self.store.config.reservation_ttl_s,
+            gpu=gpu,
         )
 
     @_rpc
     async def Commit(self, request, context):
-        committed = self.store.commit(request.reservation_id, list(request.checksums))
+        committed = self.store.commit(
+            request.reservation_id, list(request.checksums), list(request.device_checksums)
+        )
         return pb.CommitResponse(committed=committed)
 
     @_rpc
@@ -164,14 +178,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     async def Acquire(self, request, context):
         self.store.check_epoch(request.epoch)
-        lease_id, offsets, checksums = await self.store.acquire(
-            request.namespace_id, _keys(request.keys)
+        lease_id, offsets, checksums, on_gpu = await self.store.acquire(
+            request.namespace_id, _keys(request.keys), gpu=request.gpu
         )
         return pb.AcquireResponse(
             lease_id=lease_id,
             offsets=offsets,
             checksums=checksums,
             expires_in_s=self.store.config.lease_ttl_s,
+            on_gpu=on_gpu if any(on_gpu) else [],
         )
 
     @_rpc
@@ -199,7 +214,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         # A streaming handler cannot use the unary wrapper: it aborts on the first error.
         try:
             keys = _keys(request.keys)
-            lease_id, _, _ = await self.store.acquire(request.namespace_id, keys)
+            lease_id, _, _, _ = await self.store.acquire(request.namespace_id, keys)
         except Exception as exc:
             await abort_with(context, "GetBlocks", exc)
         if not lease_id:
@@ -218,7 +233,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Prefetch(self, request, context):
         keys = _keys(request.keys)
         self.store.namespace(request.namespace_id)
-        return pb.PrefetchResponse(queued=self.store.mover.prefetch(request.namespace_id, keys))
+        if request.gpu and self.store.device.enabled:
+            queued = self.store.device.prefetch(request.namespace_id, keys)
+        else:
+            queued = self.store.mover.prefetch(request.namespace_id, keys)
+        return pb.PrefetchResponse(queued=queued)
 
     @_rpc
     async def Delete(self, request, context):

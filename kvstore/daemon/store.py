@@ -39,13 +39,14 @@ from kvstore.errors import (
     NamespaceMismatchError,
     UnknownNamespaceError,
 )
-from kvstore.index import IN_CPU, IN_NVME, BlockIndex, State
+from kvstore.index import IN_CPU, IN_GPU, IN_NVME, BlockIndex, State
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.layout import KVLayout
 from kvstore.policy import EvictionPolicy, make_policy
 from kvstore.tiers.cpu import HEADER_BYTES, SharedMemoryArena, SlabAllocator
 
 if TYPE_CHECKING:
+    from kvstore.tiers.gpu import DevicePool
     from kvstore.tiers.nvme import NvmeTier
 
 
@@ -85,6 +86,7 @@ class _Reservation:
     ns_id: int
     eids: list[int]
     expires_at: float
+    gpu: bool = False  # the slots are in the GPU pool (the commit carries device checksums)
 
 
 @dataclass
@@ -105,16 +107,32 @@ class TierSnapshot:
 
 
 class BlockStore:
-    """Owns the namespaces, the block index, the CPU arena, the NVMe tier (when configured),
-    one eviction policy per tier, the leases and the reservations. Event-loop only."""
+    """Owns the namespaces, the block index, the CPU arena, the GPU and NVMe tiers (when
+    configured), one eviction policy per tier, the leases and the reservations. Event-loop only.
 
-    def __init__(self, config: DaemonConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    ``gpu_pool``: a device pool made by the caller instead of the one ``config.gpu`` asks for
+    (tests drive the GPU tier's logic with a pool on a CPU device).
+    """
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        clock: Callable[[], float] = time.monotonic,
+        gpu_pool: DevicePool | None = None,
+    ) -> None:
         self.config = config
         self._clock = clock
         # The header page comes on top of the capacity, so all of it holds blocks.
         self.arena = SharedMemoryArena(
             config.cpu.capacity_bytes + HEADER_BYTES, prefault=config.cpu.prefault
         )
+        from kvstore.daemon.device import DeviceTier, make_device_pool
+
+        try:
+            pool = gpu_pool if gpu_pool is not None else make_device_pool(config.gpu)
+        except BaseException:
+            self.arena.close()
+            raise
         self.allocator = SlabAllocator(self.arena.size_bytes, config.cpu.slab_bytes)
         self.index = BlockIndex()
         self.policy: EvictionPolicy = make_policy(config.cpu.policy)
@@ -139,20 +157,24 @@ class BlockStore:
 
         self.mover = Mover(self)
         self.shared = SharedTier(self)
+        self.device = DeviceTier(self, pool)
 
     async def start(self) -> None:
         """Open the NVMe tier (recovering what it holds), connect the shared tier, and start
         background movement."""
+        await self.device.start()
         await self.mover.start()
         await self.shared.start()
 
     async def stop(self) -> None:
         """Write dirty blocks down (bounded by ``drain_timeout_s``), close tiers, unlink."""
+        await self.device.stop()
         await self.shared.stop()
         await self.mover.stop()
         self.close()
 
     def close(self) -> None:
+        self.device.close()
         self.arena.close()
 
     # ----------------------------------------------------------------- namespaces
@@ -262,26 +284,50 @@ class BlockStore:
         # of the highest tier that holds it.
         record.lookup_hits += found
         record.lookup_misses += len(keys) - found
-        in_cpu = sum(1 for e in run if self.index.tier[e] & IN_CPU)
+        tiers = self.index.tier
+        in_gpu = sum(1 for e in run if tiers[e] & IN_GPU)
+        in_cpu = sum(1 for e in run if tiers[e] & IN_CPU and not tiers[e] & IN_GPU)
+        if self.device.enabled:
+            self.device.counters.hits += in_gpu
+            self.device.counters.misses += len(keys) - in_gpu
         self.cpu.hits += in_cpu
-        self.cpu.misses += len(keys) - in_cpu
+        self.cpu.misses += len(keys) - in_gpu - in_cpu
         if self.nvme is not None:
-            self.nvme_counters.hits += local - in_cpu
+            self.nvme_counters.hits += local - in_gpu - in_cpu
             self.nvme_counters.misses += len(keys) - local
         if self.shared.enabled:
             self.redis_counters.hits += shared
             self.redis_counters.misses += len(keys) - found
         return found
 
-    async def acquire(self, ns_id: int, keys: Sequence[bytes]) -> tuple[int, list[int], list[int]]:
-        """Lease the leading run of present blocks, promoting any that are only on disk:
-        (lease id or 0, offsets, checksums)."""
+    async def acquire(
+        self, ns_id: int, keys: Sequence[bytes], gpu: bool = False
+    ) -> tuple[int, list[int], list[int], list[bool]]:
+        """Lease the leading run of present blocks, bringing the ones the reader cannot reach
+        into the CPU tier: (lease id or 0, offsets, checksums, on_gpu).
+
+        ``gpu``: the reader maps the GPU pool, so a block there is served from its pool slot
+        (``on_gpu``; its offset is a pool offset and its checksum the device checksum).
+        Otherwise every block is served from the CPU arena (xxh3 checksums).
+        """
         record = self.namespace(ns_id)
         eids = self.leading_run(ns_id, keys)
         for eid in eids:  # pin the whole run before anything awaits
             self.index.add_lease(eid)
         local_run = len(eids)
-        ready = await self.mover.bring_to_cpu(eids)
+        tiers = self.index.tier
+        gpu = gpu and self.device.enabled
+        if not gpu:
+            gpu_only = [e for e in eids if tiers[e] & IN_GPU and not tiers[e] & IN_CPU]
+            if gpu_only:
+                await self.device.to_cpu(gpu_only, partial=True)  # as many as fit: a prefix
+        await self.mover.bring_to_cpu([e for e in eids if not (gpu and tiers[e] & IN_GPU)])
+        ready = len(eids)
+        for i, eid in enumerate(eids):
+            servable = tiers[eid] & IN_CPU or (gpu and tiers[eid] & IN_GPU)
+            if self.index.state[eid] != State.COMMITTED or not servable:
+                ready = i
+                break
         for eid in eids[ready:]:
             self._drop_one_lease(eid)
         eids = eids[:ready]
@@ -292,14 +338,22 @@ class BlockStore:
                 self.index.add_lease(eid)
             eids = eids + fetched
         if not eids:
-            return 0, [], []
+            return 0, [], [], []
         self.mover.note_read(eids)
-        self.policy.touch(eids)
+        self.policy.touch([e for e in eids if tiers[e] & IN_CPU])
+        self.device.note_read(eids)
         lease_id = next(self._ids)
         self._leases[lease_id] = _Lease(eids, self._clock() + self.config.lease_ttl_s)
-        offsets = [self.index.offset[e] for e in eids]
-        checksums = [self.index.checksum[e] for e in eids]
-        return lease_id, offsets, checksums
+        on_gpu = [bool(gpu and tiers[e] & IN_GPU) for e in eids]
+        offsets = [
+            self.device.offset[e] if g else self.index.offset[e]
+            for e, g in zip(eids, on_gpu, strict=True)
+        ]
+        checksums = [
+            self.device.dsum[e] if g else self.index.checksum[e]
+            for e, g in zip(eids, on_gpu, strict=True)
+        ]
+        return lease_id, offsets, checksums, on_gpu
 
     def release(self, lease_id: int) -> None:
         lease = self._leases.pop(lease_id, None)
@@ -326,12 +380,16 @@ class BlockStore:
 
     # ----------------------------------------------------------------- writes
     async def reserve(
-        self, ns_id: int, keys: Sequence[bytes], priority: int = -1
-    ) -> tuple[int, list[int]]:
-        """Reserve a slot for each key not present: (reservation id or 0, offset or -1 per key).
+        self, ns_id: int, keys: Sequence[bytes], priority: int = -1, gpu: bool = False
+    ) -> tuple[int, list[int], bool]:
+        """Reserve a slot for each key not present: (reservation id or 0, offset or -1 per key,
+        whether the offsets are in the GPU pool).
 
-        All or nothing: when the CPU tier cannot make room for every new key (the rest is leased
-        or being written) nothing is reserved and CapacityError says how many slots were missing.
+        ``gpu``: the writer maps the GPU pool and would rather write there (a device-to-device
+        copy); the slots come from the pool when it can make room for all of them, else from
+        the CPU arena. All or nothing: when the CPU tier cannot make room for every new key (the
+        rest is leased or being written) nothing is reserved and CapacityError says how many
+        slots were missing.
         """
         record = self.namespace(ns_id)
         priority = record.priority if priority < 0 else priority
@@ -341,6 +399,10 @@ class BlockStore:
             if len(key) != KEY_BYTES:
                 raise ValueError(f"key {i} is {len(key)} bytes, not {KEY_BYTES}")
         offsets = [-1] * len(keys)
+        if gpu and self.device.enabled:
+            reserved = await self._reserve_gpu(record, keys, priority, offsets)
+            if reserved is not None:
+                return reserved, offsets, True
         slots: list[int] = []
         for _ in range(8):
             todo = self._new_positions(keys)
@@ -357,7 +419,7 @@ class BlockStore:
         for offset in slots[len(todo) :]:
             self.cpu_unalloc(offset, record.block_bytes)
         if not todo:
-            return 0, offsets
+            return 0, offsets, False
         eids = []
         for i, offset in zip(todo, slots, strict=False):
             eids.append(self.index.add(keys[i], ns_id, IN_CPU, offset, priority))
@@ -367,7 +429,38 @@ class BlockStore:
         self._reservations[reservation_id] = _Reservation(
             ns_id, eids, self._clock() + self.config.reservation_ttl_s
         )
-        return reservation_id, offsets
+        return reservation_id, offsets, False
+
+    async def _reserve_gpu(
+        self, record: NamespaceRecord, keys: Sequence[bytes], priority: int, offsets: list[int]
+    ) -> int | None:
+        """Reserve pool slots for the new keys (filling ``offsets``): the reservation id, 0 when
+        every key is present, or None when the pool cannot take them all (use the CPU tier)."""
+        try:
+            slots = await self.device.alloc(record.block_bytes, len(self._new_positions(keys)))
+        except (CapacityError, ValueError):
+            return None
+        todo = self._new_positions(keys)  # no await from here on
+        if len(slots) < len(todo):
+            for offset in slots:
+                self.device.unalloc(offset, record.block_bytes)
+            return None
+        for offset in slots[len(todo) :]:
+            self.device.unalloc(offset, record.block_bytes)
+        if not todo:
+            return 0
+        eids = []
+        for i, offset in zip(todo, slots, strict=False):
+            eid = self.index.add(keys[i], record.ns_id, 0, -1, priority)
+            self.device.place(eid, offset)
+            eids.append(eid)
+            offsets[i] = offset
+        self._reserved_blocks += len(eids)
+        reservation_id = next(self._ids)
+        self._reservations[reservation_id] = _Reservation(
+            record.ns_id, eids, self._clock() + self.config.reservation_ttl_s, gpu=True
+        )
+        return reservation_id
 
     def _new_positions(self, keys: Sequence[bytes]) -> list[int]:
         todo: list[int] = []
@@ -378,27 +471,51 @@ class BlockStore:
             seen.add(key)
         return todo
 
-    def commit(self, reservation_id: int, checksums: Sequence[int]) -> int:
+    def commit(
+        self,
+        reservation_id: int,
+        checksums: Sequence[int],
+        device_checksums: Sequence[int] = (),
+    ) -> int:
+        """Make a reservation's blocks visible. A CPU reservation carries the xxh3 of each block
+        (``checksums``), a GPU one their device checksums (``device_checksums``)."""
         reservation = self._reservations.get(reservation_id)
         if reservation is None:
             raise LeaseExpiredError(
                 f"reservation {reservation_id} is unknown or expired; nothing was stored"
             )
-        if len(checksums) != len(reservation.eids):
+        given, other, kind = (
+            (device_checksums, checksums, "device checksums")
+            if reservation.gpu
+            else (checksums, device_checksums, "checksums")
+        )
+        if len(given) != len(reservation.eids) or other:
             raise ValueError(
-                f"commit carries {len(checksums)} checksums for {len(reservation.eids)} blocks"
+                f"commit carries {len(checksums)} checksums and {len(device_checksums)} device "
+                f"checksums for {len(reservation.eids)} blocks of a "
+                f"{'gpu' if reservation.gpu else 'cpu'} reservation: it needs one of the {kind} "
+                "per block and none of the other"
             )
         del self._reservations[reservation_id]
         record = self._namespaces[reservation.ns_id]
-        for eid, checksum in zip(reservation.eids, checksums, strict=True):
-            self.index.commit(eid, checksum)
-            self.policy.insert(eid, self.index.priority[eid])
-        self.policy.touch(reservation.eids)
-        self._reserved_blocks -= len(reservation.eids)
-        record.blocks += len(reservation.eids)
-        self.mover.note_committed(reservation.eids)
-        self.shared.note_committed(reservation.eids)
-        return len(reservation.eids)
+        eids = reservation.eids
+        for eid, checksum in zip(eids, given, strict=True):
+            if reservation.gpu:
+                self.index.commit(eid, 0)  # the xxh3 is made when a CPU copy is
+                self.device.mark(eid, checksum)
+            else:
+                self.index.commit(eid, checksum)
+                self.policy.insert(eid, self.index.priority[eid])
+        self._reserved_blocks -= len(eids)
+        record.blocks += len(eids)
+        if reservation.gpu:
+            self.device.policy.touch(eids)
+            self.device.note_committed(eids)
+        else:
+            self.policy.touch(eids)
+            self.mover.note_committed(eids)
+            self.shared.note_committed(eids)
+        return len(eids)
 
     def note_reserved(self, n: int) -> None:
         """``n`` RESERVED entries were added outside ``reserve`` (a fetch from Redis)."""
@@ -430,7 +547,7 @@ class BlockStore:
                 f"block for key {key.hex()[:16]}… is {len(data)} bytes, "
                 f"the namespace's blocks are {record.block_bytes}"
             )
-        reservation_id, offsets = await self.reserve(ns_id, [key], priority)
+        reservation_id, offsets, _ = await self.reserve(ns_id, [key], priority)
         if not reservation_id:
             return False
         offset = offsets[0]
@@ -452,8 +569,8 @@ class BlockStore:
         self._cpu_used -= block_bytes
 
     def drop_cpu_copy(self, eid: int) -> None:
-        """Free an entry's CPU slot; it must have a disk copy (it stays findable there)."""
-        if not self.index.tier[eid] & IN_NVME:
+        """Free an entry's CPU slot; it must have a disk or GPU copy (it stays findable there)."""
+        if not self.index.tier[eid] & (IN_NVME | IN_GPU):
             raise AssertionError(f"dropping the only copy of entry {eid}")
         self._free_cpu_slot(eid)
         self.policy.remove(eid)
@@ -505,6 +622,8 @@ class BlockStore:
             self.policy.remove(eid)
         if self.index.tier[eid] & IN_NVME:
             self.nvme_policy.remove(eid)
+        if self.index.tier[eid] & IN_GPU:
+            self.device.forget_hook(eid)
         self._namespaces[self.index.ns[eid]].blocks -= 1
         if self.index.leases[eid]:
             self.index.orphan(eid)
@@ -528,6 +647,8 @@ class BlockStore:
             self._free_cpu_slot(eid)
         if self.index.tier[eid] & IN_NVME:
             self._free_disk_slot(eid)
+        if self.index.tier[eid] & IN_GPU:
+            self.device.free_slot(eid)
         if state == State.RESERVED:
             self._reserved_blocks -= 1
         self.index.drop(eid)
@@ -564,7 +685,25 @@ class BlockStore:
 
     def tier_snapshots(self) -> list[TierSnapshot]:
         cpu_blocks = len(self.policy)
-        snaps = [
+        snaps = []
+        if self.device.enabled:
+            device = self.device
+            pool = device.pool
+            assert pool is not None
+            snaps.append(
+                TierSnapshot(
+                    "gpu",
+                    device.capacity_bytes(),
+                    device.used_bytes,
+                    len(device.policy),
+                    device.counters,
+                    extra={
+                        "clean_below_bytes": float(device.clean_bytes()),
+                        "device": float(pool.device.index or 0),
+                    },
+                )
+            )
+        snaps += [
             TierSnapshot(
                 "cpu",
                 self.allocator.capacity_bytes,

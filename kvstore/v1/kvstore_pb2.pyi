@@ -41,20 +41,34 @@ class OpenNamespaceRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., tenant: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class OpenNamespaceResponse(_message.Message):
-    __slots__ = ("namespace_id", "seed", "block_bytes", "arena", "fingerprint", "epoch")
+    __slots__ = ("namespace_id", "seed", "block_bytes", "arena", "fingerprint", "epoch", "gpu")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     seed: bytes
     block_bytes: int
     arena: ArenaInfo
     fingerprint: bytes
     epoch: int
-    def __init__(self, namespace_id: _Optional[int] = ..., seed: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., fingerprint: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
+    gpu: DevicePoolInfo
+    def __init__(self, namespace_id: _Optional[int] = ..., seed: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., fingerprint: _Optional[bytes] = ..., epoch: _Optional[int] = ..., gpu: _Optional[_Union[DevicePoolInfo, _Mapping]] = ...) -> None: ...
+
+class DevicePoolInfo(_message.Message):
+    __slots__ = ("device_uuid", "ipc_handle", "size_bytes", "token")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: bytes
+    ipc_handle: bytes
+    size_bytes: int
+    token: bytes
+    def __init__(self, device_uuid: _Optional[bytes] = ..., ipc_handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class ArenaInfo(_message.Message):
     __slots__ = ("path", "size_bytes", "token")
@@ -81,34 +95,40 @@ class LookupResponse(_message.Message):
     def __init__(self, found: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "priority", "epoch")
+    __slots__ = ("namespace_id", "keys", "priority", "epoch", "gpu")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: bytes
     priority: int
     epoch: int
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., priority: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    gpu: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., priority: _Optional[int] = ..., epoch: _Optional[int] = ..., gpu: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "offsets", "expires_in_s")
+    __slots__ = ("reservation_id", "offsets", "expires_in_s", "gpu")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     expires_in_s: float
-    def __init__(self, reservation_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    gpu: bool
+    def __init__(self, reservation_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., gpu: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("reservation_id", "checksums")
+    __slots__ = ("reservation_id", "checksums", "device_checksums")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reservation_id: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    device_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reservation_id: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., device_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed",)
@@ -127,26 +147,30 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "epoch")
+    __slots__ = ("namespace_id", "keys", "epoch", "gpu")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: bytes
     epoch: int
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
+    gpu: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., epoch: _Optional[int] = ..., gpu: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "offsets", "checksums", "expires_in_s")
+    __slots__ = ("lease_id", "offsets", "checksums", "expires_in_s", "on_gpu")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    ON_GPU_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     expires_in_s: float
-    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    on_gpu: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., on_gpu: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -197,12 +221,14 @@ class BlockData(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys")
+    __slots__ = ("namespace_id", "keys", "gpu")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: bytes
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    gpu: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., gpu: _Optional[bool] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
     __slots__ = ("queued",)

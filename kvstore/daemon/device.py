@@ -1,0 +1,495 @@
+"""The daemon's GPU tier: which blocks sit in the device pool, and moving them to and from the
+CPU tier.
+
+Workers on the daemon's GPU write blocks into pool slots themselves (a device-to-device gather)
+and read them back the same way; the daemon never sees those bytes on the way. What it does:
+
+- hands out pool slots (``alloc``), evicting the coldest unleased blocks; a victim that exists
+  nowhere else is first copied down to the CPU tier (write-back);
+- keeps at least ``1 - high_watermark`` of the pool free or clean in the background, coldest
+  first, so an offload rarely waits on PCIe, and copies a block down at once when a tier below
+  writes through (NVMe or Redis write-through need a CPU copy to start from);
+- copies GPU-only blocks down for readers that cannot reach the pool (``to_cpu``) and promotes
+  CPU blocks up for workers that asked for a prefetch (``prefetch``).
+
+Checksums: a GPU block carries a *device checksum* (``kernels.device_checksums``, computed on the
+GPU in parallel), written by the worker at commit and re-made by the daemon when it promotes a
+block; a CPU copy carries the xxh3 every lower tier uses. Each crossing verifies the copy it
+makes: down, the device checksum of the source after the copy (then the xxh3 of the host copy is
+computed); up, the xxh3 of the host source before the copy (then the device checksum of the
+result). A mismatch is a miss, counted, never wrong data.
+
+Slots and device checksums of GPU blocks live here, in dicts (the pool holds thousands of blocks,
+the index millions). Event-loop only; copies run in a worker thread on a stream of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvstore import kernels
+from kvstore.checksum import block_checksum
+from kvstore.errors import CapacityError
+from kvstore.index import BELOW_GPU, IN_CPU, IN_GPU, State
+from kvstore.policy import EvictionPolicy, make_policy
+from kvstore.tiers.cpu import HEADER_BYTES, SlabAllocator
+from kvstore.tiers.gpu import DevicePool, cuda_usable
+
+if TYPE_CHECKING:
+    from kvstore.config import GpuTierConfig
+    from kvstore.daemon.store import BlockStore
+
+log = logging.getLogger(__name__)
+
+# Blocks per copy batch: enough to keep a copy engine busy, few enough to yield to the loop.
+_BATCH = 32
+
+
+def make_device_pool(config: GpuTierConfig) -> DevicePool | None:
+    """The pool the config asks for, or None. "auto" without CUDA is off; "on" without it is
+    an error that names what is missing."""
+    if config.enabled == "off":
+        return None
+    reason = cuda_usable()
+    if reason is None and config.device >= torch.cuda.device_count():
+        reason = f"there is no CUDA device {config.device} ({torch.cuda.device_count()} visible)"
+    if reason is not None:
+        if config.enabled == "on":
+            raise RuntimeError(f"the gpu tier is on but {reason}")
+        log.info("gpu tier off: %s", reason)
+        return None
+    return DevicePool(config.capacity_bytes + HEADER_BYTES, torch.device("cuda", config.device))
+
+
+class DeviceTier:
+    """See the module docstring. ``pool`` None: the tier is off and every method is a no-op."""
+
+    def __init__(self, store: BlockStore, pool: DevicePool | None) -> None:
+        from kvstore.daemon.store import TierCounters
+
+        self.store = store
+        self.config = store.config.gpu
+        self.pool = pool
+        self.allocator = (
+            SlabAllocator(pool.size_bytes, self.config.slab_bytes) if pool is not None else None
+        )
+        self.policy: EvictionPolicy = make_policy(self.config.policy)
+        self.counters = TierCounters()
+        self.offset: dict[int, int] = {}
+        self.dsum: dict[int, int] = {}
+        self.used_bytes = 0
+        self._moving: dict[int, asyncio.Future[bool]] = {}
+        self._eager: deque[int] = deque()
+        self._wake = asyncio.Event()
+        self._room = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._cleaner: asyncio.Task[None] | None = None
+        self._host: torch.Tensor | None = None
+        self._stream: Any = None
+        self._pinned = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.pool is not None
+
+    # ----------------------------------------------------------------- life cycle
+    async def start(self) -> None:
+        if self.pool is None:
+            return
+        self._host = torch.frombuffer(self.store.arena.buffer, dtype=torch.uint8)
+        if self.pool.device.type == "cuda":
+            # Pinned, the arena is reached by DMA at PCIe speed, with no staging copy.
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(self._host.data_ptr(), self._host.numel(), 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of the CPU arena failed: {err}")
+            self._pinned = True
+            self._stream = torch.cuda.Stream(self.pool.device)
+        self._cleaner = asyncio.create_task(self._clean_loop())
+
+    async def stop(self) -> None:
+        if self._cleaner is not None:
+            self._cleaner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._cleaner
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if not self.store.config.nvme.enabled:
+            return  # nothing outlives the daemon but the disk
+        # Dirty GPU blocks go down so the drain to NVMe that follows finds them.
+        dirty = [e for e in self.policy.order() if not self.store.index.tier[e] & BELOW_GPU]
+        if dirty:
+            try:
+                await asyncio.wait_for(
+                    self.to_cpu(dirty, partial=True), self.store.config.drain_timeout_s
+                )
+            except TimeoutError:
+                log.warning("gpu drain timed out")
+
+    def close(self) -> None:
+        if self._pinned and self._host is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
+            self._pinned = False
+        self._host = None
+        if self.pool is not None:
+            self.pool.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ----------------------------------------------------------------- slots
+    def _alloc_one(self, block_bytes: int) -> int:
+        assert self.allocator is not None
+        offset = self.allocator.allocate(block_bytes)
+        if offset is None:
+            raise AssertionError("gpu allocator out of slots after room was made")
+        self.used_bytes += block_bytes
+        return offset
+
+    def unalloc(self, offset: int, block_bytes: int) -> None:
+        """Give back a slot from ``alloc`` that no entry took."""
+        assert self.allocator is not None
+        self.allocator.free(offset, block_bytes)
+        self.used_bytes -= block_bytes
+
+    def place(self, eid: int, offset: int) -> None:
+        """Record that a (reserved or committed) entry's GPU copy is in slot ``offset``."""
+        self.offset[eid] = offset
+        self.store.index.tier[eid] |= IN_GPU
+
+    def mark(self, eid: int, dsum: int) -> None:
+        """The entry's GPU copy is complete and has device checksum ``dsum``."""
+        self.dsum[eid] = dsum
+        self.policy.insert(eid, self.store.index.priority[eid])
+
+    def free_slot(self, eid: int) -> None:
+        """Free an entry's GPU slot (does not touch the policy)."""
+        bb = self.store.block_bytes_of(eid)
+        self.unalloc(self.offset.pop(eid), bb)
+        self.dsum.pop(eid, None)
+        self.store.index.tier[eid] &= ~IN_GPU
+
+    def drop_copy(self, eid: int) -> None:
+        """Drop a GPU copy that has a copy below (the block stays stored there)."""
+        if not self.store.index.tier[eid] & BELOW_GPU:
+            raise AssertionError(f"dropping the only copy of entry {eid}")
+        self.policy.remove(eid)
+        self.free_slot(eid)
+
+    def forget_hook(self, eid: int) -> None:
+        """The store is forgetting ``eid``: stop tracking it (its slot goes with the entry)."""
+        if eid in self.dsum:
+            self.policy.remove(eid)
+
+    async def alloc(self, block_bytes: int, n: int, partial: bool = False) -> list[int]:
+        """``n`` pool slots, evicting the coldest unleased blocks of the same slot size; a victim
+        with no copy below is copied down first. All or nothing (CapacityError) unless
+        ``partial``. One caller makes room at a time."""
+        assert self.allocator is not None
+        store, index, allocator = self.store, self.store.index, self.allocator
+        allocator.check_fits(block_bytes)
+        slot_size = allocator.slot_bytes_for(block_bytes)
+
+        def protected(eid: int) -> bool:
+            return (
+                bool(index.leases[eid])
+                or eid in self._moving
+                or allocator.slot_bytes_for(store.block_bytes_of(eid)) != slot_size
+            )
+
+        async with self._room:
+            while True:
+                free = allocator.free_slots(block_bytes)
+                short = n - free
+                if short <= 0:
+                    return [self._alloc_one(block_bytes) for _ in range(n)]
+                victims = self.policy.evict(short, protected)
+                if victims is None and partial:
+                    victims = self.policy.evict(1, protected)
+                if victims is None:
+                    if partial:
+                        return [self._alloc_one(block_bytes) for _ in range(free)]
+                    raise CapacityError(
+                        f"gpu tier full: {n} slots of {block_bytes} bytes needed, {free} free "
+                        f"and fewer than {short} evictable (the rest are leased or moving)"
+                    )
+                dirty = [v for v in victims if not index.tier[v] & BELOW_GPU]
+                if dirty:
+                    await self.to_cpu(dirty, partial=True)
+                for v in victims:
+                    if (
+                        index.state[v] != State.COMMITTED
+                        or index.leases[v]
+                        or v in self._moving
+                        or not index.tier[v] & IN_GPU
+                    ):
+                        continue  # changed while the copies ran; the next round picks again
+                    if index.tier[v] & BELOW_GPU:
+                        self.drop_copy(v)
+                    else:
+                        store.forget(v)  # the copy down failed (CPU full of leases, corrupt)
+                    self.counters.evictions += 1
+
+    # ----------------------------------------------------------------- hooks from the store
+    def note_committed(self, eids: list[int]) -> None:
+        """Blocks a worker wrote into the pool were committed."""
+        cfg = self.store.config
+        if cfg.nvme.write_through or (self.store.shared.enabled and cfg.redis.write_through):
+            self._eager.extend(eids)  # the tiers below want every block at once
+        self._wake.set()
+
+    def note_read(self, eids: list[int]) -> None:
+        self.policy.touch([e for e in eids if e in self.dsum])
+
+    # ----------------------------------------------------------------- copies (worker thread)
+    def _stream_ctx(self) -> Any:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
+
+    def _sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def _copy_down(self, block_bytes: int, moves: list[tuple[int, int, int]]) -> list[int | None]:
+        """(gpu offset, cpu offset, device checksum) -> xxh3 of each host copy, or None where
+        the GPU source did not match its device checksum."""
+        assert self.pool is not None and self._host is not None
+        srcs = [self.pool.slot(g, block_bytes) for g, _, _ in moves]
+        with self._stream_ctx():
+            for src, (_, c, _) in zip(srcs, moves, strict=True):
+                self._host[c : c + block_bytes].copy_(src, non_blocking=True)
+            sums = kernels.device_checksums(srcs)  # ordered after the copies on this stream
+        self._sync()
+        out: list[int | None] = []
+        view = self.store.arena.view
+        for s, (_, c, dsum) in zip(sums, moves, strict=True):
+            out.append(block_checksum(view[c : c + block_bytes]) if s == dsum else None)
+        return out
+
+    def _copy_up(self, block_bytes: int, moves: list[tuple[int, int, int]]) -> list[int | None]:
+        """(cpu offset, gpu offset, xxh3) -> device checksum of each GPU copy, or None where the
+        host source did not match its xxh3 (nothing is copied for it)."""
+        assert self.pool is not None and self._host is not None
+        view = self.store.arena.view
+        ok = [block_checksum(view[c : c + block_bytes]) == x for c, _, x in moves]
+        dsts = []
+        with self._stream_ctx():
+            for good, (c, g, _) in zip(ok, moves, strict=True):
+                if good:
+                    dst = self.pool.slot(g, block_bytes)
+                    dst.copy_(self._host[c : c + block_bytes], non_blocking=True)
+                    dsts.append(dst)
+            sums = iter(kernels.device_checksums(dsts) if dsts else [])
+        self._sync()
+        return [next(sums) if good else None for good in ok]
+
+    # ----------------------------------------------------------------- down
+    async def to_cpu(self, eids: list[int], partial: bool = False) -> int:
+        """Give GPU-only blocks a CPU copy (keeping the GPU copy); returns how many of ``eids``
+        have one afterwards. A block already moving is waited for, not copied twice."""
+        index = self.store.index
+        waits = [self._moving[e] for e in eids if e in self._moving]
+        mine = [
+            e
+            for e in eids
+            if e not in self._moving
+            and index.state[e] == State.COMMITTED
+            and index.tier[e] & IN_GPU
+            and not index.tier[e] & IN_CPU
+            and e in self.dsum
+        ]
+        for start in range(0, len(mine), _BATCH):
+            await self._down_batch(mine[start : start + _BATCH], partial)
+        if waits:
+            await asyncio.gather(*(asyncio.shield(w) for w in waits))
+        return sum(1 for e in eids if index.state[e] == State.COMMITTED and index.tier[e] & IN_CPU)
+
+    async def _down_batch(self, eids: list[int], partial: bool) -> None:
+        store, index = self.store, self.store.index
+        with self._claim(eids) as results:
+            by_size: dict[int, list[int]] = {}
+            for e in eids:
+                by_size.setdefault(store.block_bytes_of(e), []).append(e)
+            for bb, group in by_size.items():
+                try:
+                    slots = await store.mover.alloc_cpu(bb, len(group), partial=partial)
+                except CapacityError:
+                    slots = []
+                group = group[: len(slots)]
+                moves = [
+                    (self.offset[e], c, self.dsum[e]) for e, c in zip(group, slots, strict=False)
+                ]
+                sums = await asyncio.to_thread(self._copy_down, bb, moves) if moves else []
+                landed = []
+                for e, c, xxh in zip(group, slots, sums, strict=True):
+                    if index.state[e] != State.COMMITTED or index.tier[e] & IN_CPU:
+                        store.cpu_unalloc(c, bb)  # deleted, or given a copy another way
+                    elif xxh is None:
+                        store.cpu_unalloc(c, bb)
+                        self.counters.checksum_failures += 1
+                        store.forget(e)
+                    else:
+                        index.checksum[e] = xxh
+                        store.mark_in_cpu(e, c)
+                        self.counters.demotions += 1
+                        results[e] = True
+                        landed.append(e)
+                for c in slots[len(group) :]:
+                    store.cpu_unalloc(c, bb)
+                if landed:
+                    # New in the CPU tier: the tiers below take it from here (write-through).
+                    store.mover.note_committed(landed)
+                    store.shared.note_committed(landed)
+
+    @contextlib.contextmanager
+    def _claim(self, eids: list[int]) -> Iterator[dict[int, bool]]:
+        """Mark ``eids`` as moving (readers and evictors wait or skip) and lease them, so their
+        slots stay put across the awaits; results per eid are handed to waiters."""
+        loop = asyncio.get_running_loop()
+        results: dict[int, bool] = {}
+        for e in eids:
+            self._moving[e] = loop.create_future()
+            self.store.index.add_lease(e)
+        try:
+            yield results
+        finally:
+            for e in eids:
+                self._moving.pop(e).set_result(results.get(e, False))
+                self.store._drop_one_lease(e)
+
+    async def _clean_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while True:
+                batch = self._next_clean_batch()
+                if not batch:
+                    break
+                if not await self.to_cpu(batch, partial=True):
+                    break  # the CPU tier takes nothing now (full of leases)
+
+    def _next_clean_batch(self) -> list[int]:
+        index = self.store.index
+        batch: list[int] = []
+        while self._eager and len(batch) < _BATCH:
+            e = self._eager.popleft()
+            if (
+                index.state[e] == State.COMMITTED
+                and e in self.dsum
+                and e not in self._moving
+                and not index.tier[e] & BELOW_GPU
+            ):
+                batch.append(e)
+        if batch or self.allocator is None:
+            return batch
+        capacity = self.allocator.capacity_bytes
+        target = (1.0 - self.config.high_watermark) * capacity
+        dirty = [e for e in self.policy.order() if not index.tier[e] & BELOW_GPU]
+        dirty_bytes = sum(self.store.block_bytes_of(e) for e in dirty)
+        have = capacity - dirty_bytes
+        for e in dirty:  # coldest first
+            if have >= target or len(batch) >= _BATCH:
+                break
+            if e not in self._moving:
+                batch.append(e)
+                have += self.store.block_bytes_of(e)
+        return batch
+
+    # ----------------------------------------------------------------- up
+    def prefetch(self, ns_id: int, keys: list[bytes]) -> int:
+        """Start promoting the run's blocks into the pool in prefix order; returns how many."""
+        if self.pool is None:
+            return 0
+        index = self.store.index
+        run = self.store.leading_run(ns_id, keys)
+        todo = [e for e in run if not index.tier[e] & IN_GPU and e not in self._moving]
+        if todo:
+            self._spawn(self._prefetch(todo))
+        return len(todo)
+
+    async def _prefetch(self, eids: list[int]) -> None:
+        for start in range(0, len(eids), _BATCH):
+            if not await self.to_gpu(eids[start : start + _BATCH]):
+                return  # past a block that could not come up, the prefix is of no use
+
+    async def to_gpu(self, eids: list[int]) -> bool:
+        """Promote blocks into the pool (from the CPU tier, bringing disk-only ones to the CPU
+        first); True when every one of them is in the pool afterwards."""
+        store, index = self.store, self.store.index
+        eids = [
+            e
+            for e in eids
+            if index.state[e] == State.COMMITTED
+            and not index.tier[e] & IN_GPU
+            and e not in self._moving
+        ]
+        if not eids:
+            return True
+        leased = list(eids)
+        for e in leased:  # the CPU copies stay put while they are read
+            index.add_lease(e)
+        try:
+            if any(not index.tier[e] & IN_CPU for e in eids):
+                await store.mover.bring_to_cpu(eids)
+            eids = [
+                e
+                for e in eids
+                if index.state[e] == State.COMMITTED
+                and index.tier[e] & IN_CPU
+                and not index.tier[e] & IN_GPU
+                and e not in self._moving
+            ]
+            with self._claim(eids) as results:
+                by_size: dict[int, list[int]] = {}
+                for e in eids:
+                    by_size.setdefault(store.block_bytes_of(e), []).append(e)
+                for bb, group in by_size.items():
+                    await self._up_group(bb, group, results)
+            return len(eids) == len(leased) and all(results.get(e, False) for e in eids)
+        finally:
+            for e in leased:
+                store._drop_one_lease(e)
+
+    async def _up_group(self, bb: int, group: list[int], results: dict[int, bool]) -> None:
+        store, index = self.store, self.store.index
+        slots = await self.alloc(bb, len(group), partial=True)
+        group = group[: len(slots)]
+        moves = [
+            (index.offset[e], g, index.checksum[e]) for e, g in zip(group, slots, strict=False)
+        ]
+        sums = await asyncio.to_thread(self._copy_up, bb, moves) if moves else []
+        for e, g, dsum in zip(group, slots, sums, strict=True):
+            if index.state[e] != State.COMMITTED or index.tier[e] & IN_GPU:
+                self.unalloc(g, bb)
+            elif dsum is None:
+                self.unalloc(g, bb)
+                store.cpu.checksum_failures += 1
+                store.forget(e)
+            else:
+                self.place(e, g)
+                self.mark(e, dsum)
+                self.counters.promotions += 1
+                results[e] = True
+        for g in slots[len(group) :]:
+            self.unalloc(g, bb)
+
+    # ----------------------------------------------------------------- stats
+    def clean_bytes(self) -> int:
+        index = self.store.index
+        return sum(self.store.block_bytes_of(e) for e in self.dsum if index.tier[e] & BELOW_GPU)
+
+    def capacity_bytes(self) -> int:
+        return self.allocator.capacity_bytes if self.allocator is not None else 0

@@ -1,0 +1,447 @@
+"""The GPU tier: configuration, and the daemon's tier logic driven in-process.
+
+The tier's logic (slots, write-back to the CPU tier, eviction, promotion, device checksums) does
+not depend on where the pool's memory is, so these tests give the store a ``DevicePool`` on a CPU
+device: real torch memory, checked with the torch reference of the device checksum. What only
+CUDA can show (IPC between processes, the kernels on device memory) is in
+``tests/test_gpu_service.py``, which runs where a GPU is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore import KVLayout, Namespace, block_hashes, kernels
+from kvstore.checksum import block_checksum
+from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig, NvmeTierConfig, load_config
+from kvstore.daemon.device import make_device_pool
+from kvstore.daemon.store import BlockStore
+from kvstore.errors import CapacityError
+from kvstore.index import IN_CPU, IN_GPU, IN_NVME
+from kvstore.tiers.cpu import HEADER_BYTES
+from kvstore.tiers.gpu import DevicePool, cuda_usable
+
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16)  # 4 KiB blocks
+BB = LAYOUT.block_bytes
+NS = Namespace(model="m", layout=LAYOUT)
+
+
+def keys(n: int, start: int = 0) -> list[bytes]:
+    return list(block_hashes(NS.seed, list(range(start * 16, (start + n) * 16))))
+
+
+def block(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, BB, dtype=np.uint8)
+
+
+def make_store(
+    gpu_blocks: int = 4,
+    cpu_blocks: int = 16,
+    high_watermark: float = 1.0,
+    nvme: NvmeTierConfig | None = None,
+) -> BlockStore:
+    cfg = DaemonConfig(
+        lease_ttl_s=10,
+        reservation_ttl_s=10,
+        gpu=GpuTierConfig(
+            enabled="off",  # the pool is given below, on a CPU device
+            capacity_bytes=gpu_blocks * BB,
+            slab_bytes=2 * BB,
+            high_watermark=high_watermark,
+        ),
+        cpu=CpuTierConfig(capacity_bytes=cpu_blocks * BB, slab_bytes=2 * BB, prefault=False),
+        nvme=nvme or NvmeTierConfig(),
+    )
+    pool = DevicePool(gpu_blocks * BB + HEADER_BYTES, "cpu")
+    return BlockStore(cfg, gpu_pool=pool)
+
+
+@pytest.fixture
+async def store():
+    s = make_store()
+    await s.start()
+    yield s
+    await s.stop()
+
+
+async def put_gpu(s: BlockStore, ns: int, ks: list[bytes], seeds: list[int]) -> int:
+    """Write blocks as a worker does: into pool slots, then commit their device checksums."""
+    rid, offsets, on_gpu = await s.reserve(ns, ks, gpu=True)
+    assert on_gpu
+    sums = []
+    for off, seed in zip(offsets, seeds, strict=True):
+        if off < 0:
+            continue
+        slot = s.device.pool.slot(off, BB)  # type: ignore[union-attr]
+        slot.copy_(torch.from_numpy(block(seed)))
+        sums.append(kernels.device_checksums([slot])[0])
+    return s.commit(rid, [], sums) if rid else 0
+
+
+def read_cpu(s: BlockStore, offset: int) -> np.ndarray:
+    return np.frombuffer(s.arena.view[offset : offset + BB], dtype=np.uint8).copy()
+
+
+async def settle(s: BlockStore) -> None:
+    """Let background copies (cleaner, prefetch, flusher) finish."""
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        busy = s.device._tasks or s.device._moving or s.device._eager
+        if not busy and not s.device._wake.is_set():
+            return
+
+
+# ----------------------------------------------------------------- configuration
+def test_auto_is_off_without_cuda_and_on_refuses_to_start() -> None:
+    if cuda_usable() is None:
+        pytest.skip("this host has CUDA: the tier is on here")
+    assert make_device_pool(GpuTierConfig(enabled="auto")) is None
+    assert make_device_pool(GpuTierConfig(enabled="off")) is None
+    with pytest.raises(RuntimeError, match="the gpu tier is on but"):
+        make_device_pool(GpuTierConfig(enabled="on"))
+
+
+def test_gpu_config_from_toml_and_env(tmp_path) -> None:
+    assert load_config(env={}).gpu.enabled == "auto"
+    path = tmp_path / "k.toml"
+    path.write_text('[gpu]\nenabled = false\ncapacity = "1GiB"\ndevice = 1\n')
+    cfg = load_config(path, env={})
+    assert (cfg.gpu.enabled, cfg.gpu.capacity_bytes, cfg.gpu.device) == ("off", 1 << 30, 1)
+    assert load_config(env={"KVSTORE_GPU": "ON"}).gpu.enabled == "on"
+    with pytest.raises(ValueError, match="gpu enabled 'maybe' unknown"):
+        load_config(env={"KVSTORE_GPU": "maybe"})
+    path.write_text("[gpu]\nhigh_watermark = 0\n")
+    with pytest.raises(ValueError, match="gpu high_watermark"):
+        load_config(path, env={})
+
+
+async def test_store_without_cuda_has_no_gpu_tier() -> None:
+    if cuda_usable() is None:
+        pytest.skip("this host has CUDA")
+    s = BlockStore(DaemonConfig(cpu=CpuTierConfig(capacity_bytes=8 * BB, prefault=False)))
+    try:
+        assert not s.device.enabled
+        assert [t.name for t in s.tier_snapshots()] == ["cpu"]
+        ns = s.open_namespace(NS).ns_id
+        _, _, on_gpu = await s.reserve(ns, keys(1), gpu=True)  # asked, but there is none
+        assert not on_gpu
+    finally:
+        s.close()
+
+
+# ----------------------------------------------------------------- writes and reads
+async def test_gpu_put_is_read_from_the_pool_and_from_the_cpu_tier(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    ks = keys(3)
+    assert await put_gpu(store, ns, ks, [1, 2, 3]) == 3
+    assert await store.lookup(ns, ks) == 3
+    assert store.device.counters.hits == 3
+
+    lease, offsets, sums, on_gpu = await store.acquire(ns, ks, gpu=True)
+    assert on_gpu == [True] * 3
+    pool = store.device.pool
+    assert pool is not None
+    for i, off in enumerate(offsets):
+        slot = pool.slot(off, BB)
+        assert np.array_equal(slot.numpy(), block(i + 1))
+        assert kernels.device_checksums([slot])[0] == sums[i]
+    store.release(lease)
+
+    # A reader without the pool gets CPU copies, made on demand, with their xxh3.
+    lease, offsets, sums, on_gpu = await store.acquire(ns, ks, gpu=False)
+    assert on_gpu == [False] * 3
+    for i, off in enumerate(offsets):
+        assert np.array_equal(read_cpu(store, off), block(i + 1))
+        assert sums[i] == block_checksum(block(i + 1))
+    store.release(lease)
+    for k in ks:  # both copies stay: the GPU one is clean now
+        eid = store.index.get(k)
+        assert eid is not None and store.index.tier[eid] & (IN_GPU | IN_CPU) == IN_GPU | IN_CPU
+    assert store.device.counters.demotions == 3
+
+
+async def test_duplicate_gpu_put_is_deduplicated(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    assert await put_gpu(store, ns, keys(2), [1, 2]) == 2
+    rid, offsets, _ = await store.reserve(ns, keys(2), gpu=True)
+    assert rid == 0 and offsets == [-1, -1]
+
+
+async def test_commit_of_a_gpu_reservation_needs_device_checksums(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    rid, _, on_gpu = await store.reserve(ns, keys(2), gpu=True)
+    assert on_gpu
+    with pytest.raises(ValueError, match="device checksums"):
+        store.commit(rid, [1, 2])  # xxh3 checksums where device checksums belong
+    with pytest.raises(ValueError, match="device checksums"):
+        store.commit(rid, [], [1])
+    assert store.commit(rid, [], [1, 2]) == 2  # the bad commits changed nothing
+
+
+async def test_corrupt_gpu_block_is_a_miss_never_wrong_data(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    ks = keys(3)
+    await put_gpu(store, ns, ks, [1, 2, 3])
+    eid = store.index.get(ks[1])
+    assert eid is not None
+    slot = store.device.pool.slot(store.device.offset[eid], BB)  # type: ignore[union-attr]
+    slot[100] ^= 0xFF  # a worker scribbled on a committed block
+    lease, offsets, _, _ = await store.acquire(ns, ks, gpu=False)
+    assert len(offsets) == 1  # the run ends at the corrupt block
+    assert np.array_equal(read_cpu(store, offsets[0]), block(1))
+    store.release(lease)
+    assert store.device.counters.checksum_failures == 1
+    assert store.index.get(ks[1]) is None  # gone, not served
+    assert await store.lookup(ns, ks) == 1
+
+
+async def test_abandoned_gpu_reservation_gives_its_slots_back() -> None:
+    s = make_store()
+    await s.start()
+    try:
+        ns = s.open_namespace(NS).ns_id
+        rid, _, on_gpu = await s.reserve(ns, keys(4), gpu=True)
+        assert on_gpu and s.device.used_bytes == 4 * BB
+        s.abort(rid)
+        assert s.device.used_bytes == 0
+        await s.reserve(ns, keys(4), gpu=True)  # a writer that dies before commit
+        s._clock = lambda: 1e9
+        assert s.reap() == (1, 0)
+        assert s.device.used_bytes == 0 and len(s.index) == 0
+    finally:
+        await s.stop()
+
+
+async def test_delete_frees_the_gpu_slot(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    await put_gpu(store, ns, keys(2), [1, 2])
+    assert store.delete(ns, keys(2)) == 2
+    assert store.device.used_bytes == 0 and len(store.device.policy) == 0
+    assert await store.lookup(ns, keys(2)) == 0
+
+
+# ----------------------------------------------------------------- eviction and write-back
+async def test_full_pool_writes_back_then_evicts_and_nothing_is_lost() -> None:
+    s = make_store(gpu_blocks=4, cpu_blocks=16)
+    await s.start()
+    try:
+        ns = s.open_namespace(NS).ns_id
+        ks = keys(10)
+        for i in range(10):  # 10 blocks through a 4-block pool
+            assert await put_gpu(s, ns, [ks[i]], [i]) == 1
+            assert s.device.used_bytes <= 4 * BB
+        assert s.device.counters.evictions >= 6
+        assert await s.lookup(ns, ks) == 10
+        lease, offsets, sums, _ = await s.acquire(ns, ks, gpu=False)
+        for i, off in enumerate(offsets):
+            assert np.array_equal(read_cpu(s, off), block(i)), i
+            assert sums[i] == block_checksum(block(i))
+        s.release(lease)
+        hot = [s.index.get(k) for k in ks[6:]]
+        assert all(e is not None and s.index.tier[e] & IN_GPU for e in hot)  # LRU kept these
+    finally:
+        await s.stop()
+
+
+async def test_leased_gpu_blocks_are_not_evicted_and_a_full_pool_falls_back_to_cpu() -> None:
+    s = make_store(gpu_blocks=2)
+    await s.start()
+    try:
+        ns = s.open_namespace(NS).ns_id
+        await put_gpu(s, ns, keys(2), [1, 2])
+        lease, _, _, on_gpu = await s.acquire(ns, keys(2), gpu=True)
+        assert on_gpu == [True, True]
+        with pytest.raises(CapacityError):
+            await s.device.alloc(BB, 1)
+        _, offsets, gpu = await s.reserve(ns, keys(1, start=5), gpu=True)
+        assert not gpu and offsets[0] >= 0  # the CPU tier took it
+        s.release(lease)
+    finally:
+        await s.stop()
+
+
+async def test_background_write_back_keeps_the_pool_clean() -> None:
+    s = make_store(gpu_blocks=4, high_watermark=0.5)
+    await s.start()
+    try:
+        ns = s.open_namespace(NS).ns_id
+        await put_gpu(s, ns, keys(4), [1, 2, 3, 4])
+        await settle(s)
+        # At most half the pool may be dirty: the coldest blocks were copied down.
+        assert s.device.clean_bytes() >= 2 * BB
+        clean = [s.index.get(k) for k in keys(2)]
+        assert all(e is not None and s.index.tier[e] & IN_CPU for e in clean)
+        snap = {t.name: t for t in s.tier_snapshots()}
+        assert snap["gpu"].blocks == 4 and snap["gpu"].extra["clean_below_bytes"] >= 2 * BB
+    finally:
+        await s.stop()
+
+
+async def test_gpu_blocks_reach_the_disk_with_nvme_write_through(tmp_path) -> None:
+    nvme = NvmeTierConfig(
+        path=str(tmp_path), capacity_bytes=64 * BB, write_through=True, direct_io=False
+    )
+    s = make_store(nvme=nvme)
+    await s.start()
+    try:
+        ns = s.open_namespace(NS).ns_id
+        await put_gpu(s, ns, keys(3), [1, 2, 3])
+        for _ in range(300):
+            eids = [s.index.get(k) for k in keys(3)]
+            if all(e is not None and s.index.tier[e] & IN_NVME for e in eids):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            pytest.fail("GPU blocks were not written through to the disk")
+    finally:
+        await s.stop()
+    # A restarted daemon (no GPU tier this time) finds them on disk, bit-exact.
+    s2 = BlockStore(
+        DaemonConfig(
+            gpu=GpuTierConfig(enabled="off"),
+            cpu=CpuTierConfig(capacity_bytes=16 * BB, slab_bytes=2 * BB, prefault=False),
+            nvme=nvme,
+        )
+    )
+    await s2.start()
+    try:
+        ns = s2.open_namespace(NS).ns_id
+        lease, offsets, _, _ = await s2.acquire(ns, keys(3))
+        assert [np.array_equal(read_cpu(s2, o), block(i + 1)) for i, o in enumerate(offsets)] == [
+            True
+        ] * 3
+        s2.release(lease)
+    finally:
+        await s2.stop()
+
+
+# ----------------------------------------------------------------- promotion
+async def test_prefetch_promotes_into_the_pool(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    ks = keys(3)
+    rid, offsets, on_gpu = await store.reserve(ns, ks)  # a CPU put
+    assert not on_gpu
+    for i, off in enumerate(offsets):
+        store.arena.view[off : off + BB] = block(10 + i).tobytes()
+    store.commit(rid, [block_checksum(block(10 + i)) for i in range(3)])
+    assert store.device.prefetch(ns, ks) == 3
+    await settle(store)
+    assert store.device.counters.promotions == 3
+    lease, offsets, sums, served_on_gpu = await store.acquire(ns, ks, gpu=True)
+    assert served_on_gpu == [True] * 3
+    pool = store.device.pool
+    assert pool is not None
+    for i, off in enumerate(offsets):
+        slot = pool.slot(off, BB)
+        assert np.array_equal(slot.numpy(), block(10 + i))
+        assert kernels.device_checksums([slot])[0] == sums[i]
+    store.release(lease)
+
+
+async def test_prefetch_drops_a_corrupt_cpu_block(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    ks = keys(3)
+    rid, offsets, _ = await store.reserve(ns, ks)
+    for i, off in enumerate(offsets):
+        store.arena.view[off : off + BB] = block(i).tobytes()
+    store.commit(rid, [block_checksum(block(i)) for i in range(3)])
+    store.arena.view[offsets[0] + 7] ^= 1  # scribbled after commit
+    store.device.prefetch(ns, ks)
+    await settle(store)
+    assert store.index.get(ks[0]) is None  # corrupt: dropped, not promoted
+    assert store.cpu.checksum_failures == 1
+    assert store.device.counters.promotions == 2
+    assert await store.lookup(ns, ks) == 0  # the prefix is broken at its first block
+
+
+# ----------------------------------------------------------------- invariants under random use
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["put_gpu", "put_cpu", "read_gpu", "read_cpu", "delete", "prefetch"]),
+        st.integers(0, 7),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=OPS)
+def test_random_use_keeps_the_tiers_consistent_and_bytes_exact(ops) -> None:
+    async def run() -> None:
+        s = make_store(gpu_blocks=3, cpu_blocks=5, high_watermark=0.7)
+        await s.start()
+        try:
+            ns = s.open_namespace(NS).ns_id
+            stored: dict[int, int] = {}  # block -> seed of its bytes
+            for op, i in ops:
+                k = keys(1, start=i)
+                if op == "put_gpu":
+                    await put_gpu(s, ns, k, [i])
+                elif op == "put_cpu":
+                    rid, offsets, _ = await s.reserve(ns, k)
+                    if rid:
+                        s.arena.view[offsets[0] : offsets[0] + BB] = block(i).tobytes()
+                        s.commit(rid, [block_checksum(block(i))])
+                elif op in ("read_gpu", "read_cpu"):
+                    lease, offsets, sums, on_gpu = await s.acquire(ns, k, gpu=op == "read_gpu")
+                    if lease:
+                        if on_gpu[0]:
+                            got = s.device.pool.slot(offsets[0], BB).numpy()  # type: ignore[union-attr]
+                        else:
+                            got = read_cpu(s, offsets[0])
+                            assert sums[0] == block_checksum(got)
+                        assert np.array_equal(got, block(i))
+                        s.release(lease)
+                elif op == "delete":
+                    s.delete(ns, k)
+                else:
+                    s.device.prefetch(ns, k)
+                await settle(s)
+                # Invariants: slots and policy agree with the index; every stored block is whole.
+                d = s.device
+                assert d.used_bytes == len(d.offset) * BB <= 3 * BB
+                assert set(d.dsum) <= set(d.offset)
+                assert len(d.policy) == len(d.dsum)
+                for eid in d.offset:
+                    assert s.index.tier[eid] & IN_GPU
+                assert s.cpu_used_bytes == len(s.policy) * BB <= 5 * BB
+                for j in range(8):
+                    found = s.index.get(keys(1, start=j)[0])
+                    if found is not None:
+                        assert s.index.tier[found] & (IN_GPU | IN_CPU)
+                        stored[j] = j
+                    else:
+                        stored.pop(j, None)
+            for j in stored:
+                lease, offsets, _, _ = await s.acquire(ns, keys(1, start=j))
+                assert lease and np.array_equal(read_cpu(s, offsets[0]), block(j))
+                s.release(lease)
+        finally:
+            await s.stop()
+
+    asyncio.run(run())
+
+
+def test_serve_with_the_gpu_tier_on_and_no_cuda_exits_with_the_reason(tmp_path) -> None:
+    if cuda_usable() is None:
+        pytest.skip("this host has CUDA")
+    before = set(Path("/dev/shm").glob("kvstore-*"))
+    cmd = [sys.executable, "-m", "kvstore", "serve", "--address", f"unix:{tmp_path}/kv.sock"]
+    out = subprocess.run(
+        [*cmd, "--cpu-capacity", "8MiB", "--gpu", "on"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert "the gpu tier is on but torch sees no CUDA device" in out.stderr
+    assert set(Path("/dev/shm").glob("kvstore-*")) <= before  # its arena was unlinked
