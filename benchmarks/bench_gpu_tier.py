@@ -122,7 +122,7 @@ def bench_cpu_tier(
                 paged_io.gather_into_views(src, [cids[i] for i in r.indices], r.views)
                 r.abort()
 
-        gather = median(gather_only, runs, device)
+        gather = median(gather_only, runs, device, lambda: kv.delete(keys))
         kv.offload(src, ids, keys)
         for layer in dst:
             layer.zero_()

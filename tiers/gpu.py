@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -52,18 +53,23 @@ def cuda_usable() -> str | None:
 
 def device_uuid(index: int) -> bytes:
     """The 16-byte UUID of CUDA device ``index`` as this process numbers it. Indices differ
-    between processes (CUDA_VISIBLE_DEVICES); the UUID names the same chip in all of them."""
-    uuid = _cupy().cuda.runtime.getDeviceProperties(index).get("uuid")
-    if isinstance(uuid, bytes | bytearray) and len(uuid) >= 16:
-        return bytes(uuid[:16])
-    # torch spells it "GPU-xxxxxxxx-xxxx-..." or plain hex with dashes, depending on version.
-    text = str(torch.cuda.get_device_properties(index).uuid).removeprefix("GPU-")
-    try:
-        raw = bytes.fromhex(text.replace("-", ""))
-    except ValueError:
-        raw = b""
+    between processes (CUDA_VISIBLE_DEVICES); the UUID names the same chip in all of them.
+
+    From torch: its ``uuid.bytes`` (16 ints) where present, else its text form. CuPy's
+    ``getDeviceProperties()["uuid"]`` is not used: it is cut at the first zero byte."""
+    uuid = torch.cuda.get_device_properties(index).uuid
+    raw = getattr(uuid, "bytes", None)
+    if raw is not None and not isinstance(raw, str):
+        raw = bytes(bytearray(raw))
+    else:
+        # Spelled "GPU-xxxxxxxx-xxxx-..." or plain hex with dashes, depending on the version.
+        text = str(uuid).removeprefix("GPU-").replace("-", "")
+        try:
+            raw = bytes.fromhex(text)
+        except ValueError:
+            raw = b""
     if len(raw) != 16:
-        raise RuntimeError(f"CUDA device {index} reports no 16-byte UUID (got {uuid!r}, {text!r})")
+        raise RuntimeError(f"CUDA device {index} reports no 16-byte UUID (got {uuid!r})")
     return raw
 
 
@@ -158,7 +164,8 @@ class MappedDevicePool:
     """
 
     _lock = threading.Lock()
-    _open: ClassVar[dict[bytes, MappedDevicePool]] = {}
+    # By handle and token: a handle's bytes could repeat across daemon starts; the token never.
+    _open: ClassVar[dict[tuple[bytes, bytes], MappedDevicePool]] = {}
 
     def __init__(self, info: PoolInfo, device_index: int) -> None:
         self.info = info
@@ -185,30 +192,42 @@ class MappedDevicePool:
         index = local_device_index(info.device_uuid)
         if index is None or not info.ipc_handle:
             return None
+        key = (info.ipc_handle, info.token)
         with cls._lock:
-            pool = cls._open.get(info.ipc_handle)
+            pool = cls._open.get(key)
             if pool is None:
-                pool = cls._open[info.ipc_handle] = cls(info, index)
+                pool = cls._open[key] = cls(info, index)
             pool._refs += 1
             return pool
 
     def slot(self, offset: int, nbytes: int) -> torch.Tensor:
+        if not self._ptr:
+            raise ValueError("the GPU pool mapping is closed (the daemon restarted?)")
         if offset < HEADER_BYTES or offset + nbytes > self.size_bytes:
             raise ValueError(f"gpu slot [{offset}, {offset + nbytes}) is outside the pool")
         return self.tensor[offset : offset + nbytes]
 
     def close(self) -> None:
+        """Drop one reference; the last one unmaps. Views taken from ``slot`` must not be used
+        after that."""
         with self._lock:
             self._refs -= 1
             if self._refs > 0:
                 return
-            self._open.pop(self.info.ipc_handle, None)
-        torch.cuda.synchronize(self.device)
-        self._close_handle()
+            self._open.pop((self.info.ipc_handle, self.info.token), None)
+        try:
+            torch.cuda.synchronize(self.device)
+        finally:
+            self._close_handle()
 
     def _close_handle(self) -> None:
-        if self._ptr:
-            cp = _cupy()
-            with cp.cuda.Device(self.device.index):
-                cp.cuda.runtime.ipcCloseMemHandle(self._ptr)
-            self._ptr = 0
+        ptr, self._ptr = self._ptr, 0
+        if ptr:
+            try:
+                cp = _cupy()
+                with cp.cuda.Device(self.device.index):
+                    cp.cuda.runtime.ipcCloseMemHandle(ptr)
+            except Exception as exc:  # the mapping is gone either way; keep the client usable
+                warnings.warn(
+                    f"closing the GPU pool mapping failed: {exc}", RuntimeWarning, stacklevel=2
+                )

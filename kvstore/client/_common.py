@@ -259,9 +259,9 @@ class PoolLink:
         return self.pool if self.pool.device.index == index else None
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.close()
 
 
 def commit_request(reply: pb.ReserveResponse, checksums: list[int]) -> pb.CommitRequest:

@@ -16,7 +16,6 @@ import grpc
 import numpy as np
 import torch
 
-from kvstore import kernels
 from kvstore.address import default_address
 from kvstore.client import paged_io
 from kvstore.client._common import (
@@ -269,11 +268,20 @@ class AsyncKVStoreClient:
         ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
         check_keys(keys)
         gpu = self._gpu_device(kv_caches)
+        stream = paged_io.caller_stream(kv_caches)
+        on_stream = paged_io.on_stream
         stored = 0
+        stage: torch.Tensor | None = None
         for ck, cids in paged_io.chunked(keys, ids):
             if self._arena is None:
-                blocks = paged_io.staging(self.layout, len(cids))
-                await asyncio.to_thread(kernels.gather_blocks, kv_caches, cids, blocks)
+                if stage is None:
+                    stage = paged_io.staging(
+                        self.layout, min(len(ids), paged_io.CHUNK_BLOCKS), kv_caches
+                    )
+                blocks = stage[: len(cids)]
+                await asyncio.to_thread(
+                    on_stream, stream, paged_io.gather_into_views, kv_caches, cids, blocks
+                )
                 stored += await self.put(ck, blocks, priority)
                 continue
             reservation = await self.reserve(ck, priority, _device=gpu)
@@ -281,13 +289,15 @@ class AsyncKVStoreClient:
                 if not reservation.on_gpu:
                     paged_io.ensure_pinned(reservation.arena, kv_caches)
                 await asyncio.to_thread(
+                    on_stream,
+                    stream,
                     paged_io.gather_into_views,
                     kv_caches,
                     [cids[i] for i in reservation.indices],
                     reservation.views,
                 )
                 # Device checksums launch a kernel and wait for it: off the event loop too.
-                checksums = await asyncio.to_thread(reservation.checksums)
+                checksums = await asyncio.to_thread(on_stream, stream, reservation.checksums)
             except BaseException:
                 await reservation.abort()
                 raise
@@ -301,12 +311,24 @@ class AsyncKVStoreClient:
         ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
         check_keys(keys)
         gpu = self._gpu_device(kv_caches)
+        stream = paged_io.caller_stream(kv_caches)
+        on_stream = paged_io.on_stream
         loaded = 0
+        stage: torch.Tensor | None = None
         for ck, cids in paged_io.chunked(keys, ids):
             if self._arena is None:
-                got = await self.get(ck)
+                if stage is None:
+                    stage = paged_io.staging(
+                        self.layout, min(len(ids), paged_io.CHUNK_BLOCKS), kv_caches
+                    )
+                got = await self.get(ck, out=stage)
                 await asyncio.to_thread(
-                    kernels.scatter_blocks, got, kv_caches, cids[: got.shape[0]]
+                    on_stream,
+                    stream,
+                    paged_io.scatter_from_views,
+                    got,
+                    kv_caches,
+                    cids[: got.shape[0]],
                 )
                 n = got.shape[0]
             else:
@@ -315,9 +337,14 @@ class AsyncKVStoreClient:
                     if lease.any_on_host:
                         paged_io.ensure_pinned(lease.arena, kv_caches)
                     await asyncio.to_thread(
-                        paged_io.scatter_from_views, lease.views, kv_caches, cids[: len(lease)]
+                        on_stream,
+                        stream,
+                        paged_io.scatter_from_views,
+                        lease.views,
+                        kv_caches,
+                        cids[: len(lease)],
                     )
-                    n = await asyncio.to_thread(lease.intact)
+                    n = await asyncio.to_thread(on_stream, stream, lease.intact)
                 finally:
                     await lease.release()
             loaded += n

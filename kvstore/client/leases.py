@@ -54,7 +54,8 @@ class _ReservationState:
     @property
     def views(self) -> list[torch.Tensor]:
         """A ``[*block_shape]`` tensor over shared memory (or, ``on_gpu``, over the GPU pool)
-        per key to write (``indices`` order)."""
+        per key to write (``indices`` order). Writes on a CUDA stream must be complete (the
+        stream synchronized) before ``commit``, which checksums what the slots hold then."""
         nbytes = self.layout.block_bytes
         space: MappedArena | MappedDevicePool = self.pool if self.pool is not None else self.arena
         return [

@@ -12,7 +12,8 @@ Used by ``KVStoreClient.offload/load`` and ``AsyncKVStoreClient.offload/load``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -21,6 +22,7 @@ from kvstore.client._common import MappedArena
 from kvstore.layout import KVLayout
 
 CHUNK_BLOCKS = 32
+R = TypeVar("R")
 
 
 def check_paged(
@@ -74,22 +76,50 @@ def chunked(
 
 
 def gather_into_views(
-    kv_caches: Sequence[torch.Tensor], block_ids: list[int], views: list[torch.Tensor]
+    kv_caches: Sequence[torch.Tensor],
+    block_ids: list[int],
+    views: torch.Tensor | Sequence[torch.Tensor],
 ) -> None:
-    if views:
+    """Gather into ``views`` (per-block tensors or one ``[n, ...]`` tensor), then wait for it."""
+    if len(views):
         kernels.gather_blocks(kv_caches, block_ids, views)
         if kv_caches[0].device.type == "cuda":
             torch.cuda.current_stream(kv_caches[0].device).synchronize()
 
 
 def scatter_from_views(
-    views: list[torch.Tensor], kv_caches: Sequence[torch.Tensor], block_ids: list[int]
+    views: torch.Tensor | Sequence[torch.Tensor],
+    kv_caches: Sequence[torch.Tensor],
+    block_ids: list[int],
 ) -> None:
-    if views:
+    """Scatter from ``views`` (per-block tensors or one ``[n, ...]`` tensor), then wait for it."""
+    if len(views):
         kernels.scatter_blocks(views, kv_caches, block_ids)
         if kv_caches[0].device.type == "cuda":
             torch.cuda.current_stream(kv_caches[0].device).synchronize()
 
 
-def staging(layout: KVLayout, n: int) -> torch.Tensor:
-    return torch.empty((n, *layout.block_shape), dtype=layout.dtype)
+def staging(layout: KVLayout, total: int, kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One chunk-sized host tensor for a bytes-path transfer of ``total`` blocks, reused for
+    every chunk; pinned for CUDA caches, since the kernels reach host memory only when it is
+    pinned (pageable memory is refused)."""
+    pin = bool(kv_caches) and kv_caches[0].device.type == "cuda"
+    n = min(total, CHUNK_BLOCKS)
+    return torch.empty((n, *layout.block_shape), dtype=layout.dtype, pin_memory=pin)
+
+
+def caller_stream(kv_caches: Sequence[torch.Tensor]) -> torch.cuda.Stream | None:
+    """The stream the caller's engine works on, for CUDA caches. Work handed to a worker thread
+    must run on it: a new thread's current stream is the default one, which is not ordered with
+    the engine's own streams, so a gather there could read blocks still being written."""
+    if kv_caches and kv_caches[0].device.type == "cuda":
+        return torch.cuda.current_stream(kv_caches[0].device)
+    return None
+
+
+def on_stream(stream: torch.cuda.Stream | None, fn: Callable[..., R], *args: Any) -> R:
+    """``fn(*args)`` with ``stream`` current (in whatever thread this runs)."""
+    if stream is None:
+        return fn(*args)
+    with torch.cuda.stream(stream):
+        return fn(*args)

@@ -18,7 +18,6 @@ import grpc
 import numpy as np
 import torch
 
-from kvstore import kernels
 from kvstore.address import default_address
 from kvstore.client import paged_io
 from kvstore.client._common import (
@@ -254,10 +253,15 @@ class KVStoreClient:
         check_keys(keys)
         gpu = self._gpu_device(kv_caches)
         stored = 0
+        stage: torch.Tensor | None = None
         for ck, cids in paged_io.chunked(keys, ids):
             if self._arena is None:
-                blocks = paged_io.staging(self.layout, len(cids))
-                kernels.gather_blocks(kv_caches, cids, blocks)
+                if stage is None:
+                    stage = paged_io.staging(
+                        self.layout, min(len(ids), paged_io.CHUNK_BLOCKS), kv_caches
+                    )
+                blocks = stage[: len(cids)]
+                paged_io.gather_into_views(kv_caches, cids, blocks)  # waits for the kernel
                 stored += self.put(ck, blocks, priority)
                 continue
             with self.reserve(ck, priority, _device=gpu) as reservation:
@@ -278,10 +282,15 @@ class KVStoreClient:
         check_keys(keys)
         gpu = self._gpu_device(kv_caches)
         loaded = 0
+        stage: torch.Tensor | None = None
         for ck, cids in paged_io.chunked(keys, ids):
             if self._arena is None:
-                got = self.get(ck)
-                kernels.scatter_blocks(got, kv_caches, cids[: got.shape[0]])
+                if stage is None:
+                    stage = paged_io.staging(
+                        self.layout, min(len(ids), paged_io.CHUNK_BLOCKS), kv_caches
+                    )
+                got = self.get(ck, out=stage)
+                paged_io.scatter_from_views(got, kv_caches, cids[: got.shape[0]])
                 n = got.shape[0]
             else:
                 with self.acquire(ck, _device=gpu) as lease:

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -90,6 +89,7 @@ class DeviceTier:
         self._wake = asyncio.Event()
         self._room = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._copies: set[asyncio.Task[Any]] = set()
         self._cleaner: asyncio.Task[None] | None = None
         self._host: torch.Tensor | None = None
         self._stream: Any = None
@@ -124,6 +124,7 @@ class DeviceTier:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await self._copies_done()
         if not self.store.config.nvme.enabled:
             return  # nothing outlives the daemon but the disk
         # Dirty GPU blocks go down so the drain to NVMe that follows finds them.
@@ -135,6 +136,13 @@ class DeviceTier:
                 )
             except TimeoutError:
                 log.warning("gpu drain timed out")
+            await self._copies_done()
+
+    async def _copies_done(self) -> None:
+        """Wait for copies in flight: their threads use the pool and the pinned arena, which
+        ``close`` frees."""
+        while self._copies:
+            await asyncio.gather(*list(self._copies), return_exceptions=True)
 
     def close(self) -> None:
         if self._pinned and self._host is not None:
@@ -148,6 +156,15 @@ class DeviceTier:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _shielded(self, coro: Any) -> Any:
+        """Run a copy and its bookkeeping to the end even if the caller is cancelled (a client's
+        deadline, a shutdown): a copy thread cannot be stopped, and the slots and leases it
+        holds must be settled after it, not while it still reads or writes them."""
+        task = asyncio.create_task(coro)
+        self._copies.add(task)
+        task.add_done_callback(self._copies.discard)
+        return await asyncio.shield(task)
 
     # ----------------------------------------------------------------- slots
     def _alloc_one(self, block_bytes: int) -> int:
@@ -281,20 +298,21 @@ class DeviceTier:
 
     def _copy_up(self, block_bytes: int, moves: list[tuple[int, int, int]]) -> list[int | None]:
         """(cpu offset, gpu offset, xxh3) -> device checksum of each GPU copy, or None where the
-        host source did not match its xxh3 (nothing is copied for it)."""
+        host source did not match its xxh3. The host bytes are hashed after the copy (as a
+        client checks what it read): a source that was wrong, or changed while it was copied,
+        fails there."""
         assert self.pool is not None and self._host is not None
-        view = self.store.arena.view
-        ok = [block_checksum(view[c : c + block_bytes]) == x for c, _, x in moves]
-        dsts = []
+        dsts = [self.pool.slot(g, block_bytes) for _, g, _ in moves]
         with self._stream_ctx():
-            for good, (c, g, _) in zip(ok, moves, strict=True):
-                if good:
-                    dst = self.pool.slot(g, block_bytes)
-                    dst.copy_(self._host[c : c + block_bytes], non_blocking=True)
-                    dsts.append(dst)
-            sums = iter(kernels.device_checksums(dsts) if dsts else [])
+            for dst, (c, _, _) in zip(dsts, moves, strict=True):
+                dst.copy_(self._host[c : c + block_bytes], non_blocking=True)
+            sums = kernels.device_checksums(dsts)  # ordered after the copies on this stream
         self._sync()
-        return [next(sums) if good else None for good in ok]
+        view = self.store.arena.view
+        return [
+            s if block_checksum(view[c : c + block_bytes]) == x else None
+            for s, (c, _, x) in zip(sums, moves, strict=True)
+        ]
 
     # ----------------------------------------------------------------- down
     async def to_cpu(self, eids: list[int], partial: bool = False) -> int:
@@ -302,24 +320,31 @@ class DeviceTier:
         have one afterwards. A block already moving is waited for, not copied twice."""
         index = self.store.index
         waits = [self._moving[e] for e in eids if e in self._moving]
-        mine = [
-            e
-            for e in eids
-            if e not in self._moving
-            and index.state[e] == State.COMMITTED
-            and index.tier[e] & IN_GPU
-            and not index.tier[e] & IN_CPU
-            and e in self.dsum
-        ]
+
+        def needs_copy(e: int) -> bool:
+            return (
+                e not in self._moving
+                and index.state[e] == State.COMMITTED
+                and bool(index.tier[e] & IN_GPU)
+                and not index.tier[e] & IN_CPU
+                and e in self.dsum
+            )
+
+        mine = [e for e in eids if needs_copy(e)]
         for start in range(0, len(mine), _BATCH):
-            await self._down_batch(mine[start : start + _BATCH], partial)
+            # Checked and claimed with no await in between: an entry cannot be freed (and its id
+            # reused) between the check and the lease that pins it.
+            batch = [e for e in mine[start : start + _BATCH] if needs_copy(e)]
+            if batch:
+                results = self._claim(batch)
+                await self._shielded(self._down_batch(batch, partial, results))
         if waits:
             await asyncio.gather(*(asyncio.shield(w) for w in waits))
         return sum(1 for e in eids if index.state[e] == State.COMMITTED and index.tier[e] & IN_CPU)
 
-    async def _down_batch(self, eids: list[int], partial: bool) -> None:
+    async def _down_batch(self, eids: list[int], partial: bool, results: dict[int, bool]) -> None:
         store, index = self.store, self.store.index
-        with self._claim(eids) as results:
+        try:
             by_size: dict[int, list[int]] = {}
             for e in eids:
                 by_size.setdefault(store.block_bytes_of(e), []).append(e)
@@ -353,22 +378,23 @@ class DeviceTier:
                     # New in the CPU tier: the tiers below take it from here (write-through).
                     store.mover.note_committed(landed)
                     store.shared.note_committed(landed)
+        finally:
+            self._unclaim(eids, results)
 
-    @contextlib.contextmanager
-    def _claim(self, eids: list[int]) -> Iterator[dict[int, bool]]:
+    def _claim(self, eids: list[int]) -> dict[int, bool]:
         """Mark ``eids`` as moving (readers and evictors wait or skip) and lease them, so their
-        slots stay put across the awaits; results per eid are handed to waiters."""
+        slots stay put across the awaits. Returns the results dict ``_unclaim`` hands to
+        waiters. Call with no await since the entries were checked."""
         loop = asyncio.get_running_loop()
-        results: dict[int, bool] = {}
         for e in eids:
             self._moving[e] = loop.create_future()
             self.store.index.add_lease(e)
-        try:
-            yield results
-        finally:
-            for e in eids:
-                self._moving.pop(e).set_result(results.get(e, False))
-                self.store._drop_one_lease(e)
+        return {}
+
+    def _unclaim(self, eids: list[int], results: dict[int, bool]) -> None:
+        for e in eids:
+            self._moving.pop(e).set_result(results.get(e, False))
+            self.store._drop_one_lease(e)
 
     async def _clean_loop(self) -> None:
         while True:
@@ -428,7 +454,7 @@ class DeviceTier:
     async def to_gpu(self, eids: list[int]) -> bool:
         """Promote blocks into the pool (from the CPU tier, bringing disk-only ones to the CPU
         first); True when every one of them is in the pool afterwards."""
-        store, index = self.store, self.store.index
+        index = self.store.index
         eids = [
             e
             for e in eids
@@ -438,9 +464,14 @@ class DeviceTier:
         ]
         if not eids:
             return True
-        leased = list(eids)
-        for e in leased:  # the CPU copies stay put while they are read
+        for e in eids:  # pinned now, with no await since the check (see to_cpu)
             index.add_lease(e)
+        return bool(await self._shielded(self._to_gpu(eids)))
+
+    async def _to_gpu(self, eids: list[int]) -> bool:
+        """``to_gpu``'s work, on entries it leased; drops those leases when done."""
+        store, index = self.store, self.store.index
+        leased = list(eids)
         try:
             if any(not index.tier[e] & IN_CPU for e in eids):
                 await store.mover.bring_to_cpu(eids)
@@ -452,12 +483,15 @@ class DeviceTier:
                 and not index.tier[e] & IN_GPU
                 and e not in self._moving
             ]
-            with self._claim(eids) as results:
+            results = self._claim(eids)
+            try:
                 by_size: dict[int, list[int]] = {}
                 for e in eids:
                     by_size.setdefault(store.block_bytes_of(e), []).append(e)
                 for bb, group in by_size.items():
                     await self._up_group(bb, group, results)
+            finally:
+                self._unclaim(eids, results)
             return len(eids) == len(leased) and all(results.get(e, False) for e in eids)
         finally:
             for e in leased:
