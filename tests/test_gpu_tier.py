@@ -25,7 +25,7 @@ from kvstore.checksum import block_checksum
 from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig, NvmeTierConfig, load_config
 from kvstore.daemon.device import make_device_pool
 from kvstore.daemon.store import BlockStore
-from kvstore.errors import CapacityError
+from kvstore.errors import CapacityError, KVStoreError
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME
 from kvstore.tiers.cpu import HEADER_BYTES
 from kvstore.tiers.gpu import DevicePool, cuda_usable
@@ -445,3 +445,50 @@ def test_serve_with_the_gpu_tier_on_and_no_cuda_exits_with_the_reason(tmp_path) 
     assert out.returncode == 1
     assert "the gpu tier is on but torch sees no CUDA device" in out.stderr
     assert set(Path("/dev/shm").glob("kvstore-*")) <= before  # its arena was unlinked
+
+
+# ----------------------------------------------------------------- the client's side of a lease
+def test_a_lease_mixing_pool_and_arena_slots_verifies_each_kind() -> None:
+    """A worker's lease may name pool slots (device checksums) and arena slots (xxh3) in one
+    run; ``intact`` checks each with its own checksum and ends the run at the first bad one."""
+    from kvstore.client._common import MappedArena
+    from kvstore.client.leases import ReadLease, WriteReservation
+    from kvstore.tiers.cpu import SharedMemoryArena
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    arena = SharedMemoryArena(HEADER_BYTES + 4 * BB, prefault=False)
+    pool = DevicePool(HEADER_BYTES + 4 * BB, "cpu")  # stands in for the mapped pool
+    mapped = MappedArena(
+        pb.ArenaInfo(path=arena.path, size_bytes=arena.size_bytes, token=arena.token)
+    )
+    try:
+        offs = [HEADER_BYTES + i * BB for i in range(4)]
+        # Write two blocks into the pool the way a worker's reservation does.
+        res = WriteReservation(mapped, LAYOUT, 1, offs[:2], lambda c: len(c), lambda: None, pool)  # type: ignore[arg-type]
+        res.fill_from(torch.from_numpy(np.stack([block(0), block(1)])))
+        device_sums = res.checksums()
+        assert device_sums == kernels.device_checksums([pool.slot(o, BB) for o in offs[:2]])
+        for i in (2, 3):
+            arena.view[offs[i] : offs[i] + BB] = block(i).tobytes()
+        lease = ReadLease(
+            mapped,
+            LAYOUT,
+            [offs[0], offs[2], offs[1], offs[3]],
+            [device_sums[0], block_checksum(block(2)), device_sums[1], block_checksum(block(3))],
+            lambda: None,
+            [True, False, True, False],
+            pool,  # type: ignore[arg-type]
+        )
+        assert lease.intact() == 4 and lease.any_on_host
+        views = lease.views
+        assert np.array_equal(views[1].view(torch.uint8).reshape(-1).numpy(), block(2))
+        assert np.array_equal(views[2].view(torch.uint8).reshape(-1).numpy(), block(1))
+        pool.slot(offs[1], BB)[5] ^= 1  # the third block of the run (a pool slot) changed
+        assert lease.intact() == 2
+        arena.view[offs[2] + 9] ^= 1  # and now the second (an arena slot)
+        assert lease.intact() == 1
+        with pytest.raises(KVStoreError, match="GPU pool slots"):
+            lease.copy_into(torch.empty(4, BB, dtype=torch.uint8))
+    finally:
+        mapped.close()
+        arena.close()
