@@ -162,8 +162,40 @@ async def test_expired_reservations_and_leases_are_reclaimed() -> None:
         assert s.reap() == (1, 1)
         assert s.active_reservations == 0 and s.active_leases == 0
         snap = s.tier_snapshots()[0]
-        assert snap.used_bytes == LAYOUT.block_bytes and snap.blocks == 1
+        assert snap.blocks == 1
+        assert snap.used_bytes == 3 * LAYOUT.block_bytes  # two slots quarantined (next test)
         assert s.index.leases[s.index.get(keys(1, start=50)[0])] == 0
+        clock.now = 22.0
+        s.reap()
+        assert s.tier_snapshots()[0].used_bytes == LAYOUT.block_bytes
+    finally:
+        s.close()
+
+
+async def test_a_late_write_of_an_expired_reservation_cannot_corrupt_a_new_block() -> None:
+    clock = Clock()
+    s = make_store(capacity_blocks=4, clock=clock)
+    try:
+        ns = s.open_namespace(NS).ns_id
+        _, stale, _ = await s.reserve(ns, keys(2))  # writer A stalls past its reservation
+        clock.now = 11.0
+        s.reap()
+        # Writer B stores the same keys; A's slots are not handed out again yet.
+        rid, fresh, _ = await s.reserve(ns, keys(2))
+        assert not set(stale) & set(fresh)
+        data = [bytes([i + 1]) * LAYOUT.block_bytes for i in range(2)]
+        for off, d in zip(fresh, data, strict=True):
+            s.arena.view[off : off + LAYOUT.block_bytes] = d
+        s.commit(rid, [block_checksum(d) for d in data])
+        for off in stale:  # A wakes up and finishes its copy
+            s.arena.view[off : off + LAYOUT.block_bytes] = b"\xee" * LAYOUT.block_bytes
+        lease, offsets, sums, _ = await s.acquire(ns, keys(2))
+        got = [bytes(s.arena.view[o : o + LAYOUT.block_bytes]) for o in offsets]
+        assert got == data and sums == [block_checksum(d) for d in data]
+        s.release(lease)
+        clock.now = 22.0
+        s.reap()  # the quarantine is over: the slots serve again
+        assert s.allocator.free_slots(LAYOUT.block_bytes) == 2
     finally:
         s.close()
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -145,6 +146,8 @@ class BlockStore:
         self._by_name: dict[str, NamespaceRecord] = {}
         self._by_fingerprint: dict[bytes, NamespaceRecord] = {}
         self._reservations: dict[int, _Reservation] = {}
+        # (until, in the GPU pool, offset, block bytes) of slots of expired reservations.
+        self._quarantine: deque[tuple[float, bool, int, int]] = deque()
         self._leases: dict[int, _Lease] = {}
         self._ids = itertools.count(1)
         self.epoch = secrets.randbits(63) | 1  # never 0, which means "not checked"
@@ -640,6 +643,18 @@ class BlockStore:
                 deleted += 1
         return deleted
 
+    def _quarantine_slots(self, eid: int, until: float) -> None:
+        """Take a reserved entry's slots away from it without freeing them (see ``reap``); they
+        stay counted as used until ``until``."""
+        index, bb = self.index, self.block_bytes_of(eid)
+        if index.tier[eid] & IN_CPU:
+            self._quarantine.append((until, False, index.offset[eid], bb))
+            index.offset[eid] = -1
+            index.tier[eid] &= ~IN_CPU
+        if index.tier[eid] & IN_GPU:
+            self._quarantine.append((until, True, self.device.offset.pop(eid), bb))
+            index.tier[eid] &= ~IN_GPU
+
     def _free_entry(self, eid: int) -> None:
         """Free every slot an entry holds and forget it. Does not touch the policies."""
         state = self.index.state[eid]
@@ -654,11 +669,24 @@ class BlockStore:
         self.index.drop(eid)
 
     def reap(self) -> tuple[int, int]:
-        """Reclaim expired reservations and leases: (reservations, leases) reclaimed."""
+        """Reclaim expired reservations and leases: (reservations, leases) reclaimed.
+
+        The slots of an expired reservation are quarantined for one more ``reservation_ttl_s``
+        before reuse: its writer may be alive but stalled, and could resume copying into them.
+        Were they reused at once, such a late copy could land between the new owner's copy and
+        its checksum, and the checksum would vouch for the wrong bytes."""
         now = self._clock()
+        while self._quarantine and self._quarantine[0][0] <= now:
+            _, gpu, offset, block_bytes = self._quarantine.popleft()
+            if gpu:
+                self.device.unalloc(offset, block_bytes)
+            else:
+                self.cpu_unalloc(offset, block_bytes)
         dead_res = [r for r, v in self._reservations.items() if v.expires_at <= now]
+        until = now + self.config.reservation_ttl_s
         for rid in dead_res:
             for eid in self._reservations.pop(rid).eids:
+                self._quarantine_slots(eid, until)
                 self._free_entry(eid)
         dead_leases = [lid for lid, v in self._leases.items() if v.expires_at <= now]
         for lid in dead_leases:
