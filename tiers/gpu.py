@@ -140,6 +140,13 @@ class DevicePool:
     def info(self) -> PoolInfo:
         return PoolInfo(self.uuid, self.ipc_handle, self.size_bytes, self.token)
 
+    def retain(self) -> None:
+        """Pools share ``retain``/``release`` with ``MappedDevicePool``; the owner's pool lives
+        until ``close`` whatever its users do."""
+
+    def release(self) -> None:
+        """See ``retain``."""
+
     def slot(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.tensor[offset : offset + nbytes]
 
@@ -206,6 +213,17 @@ class MappedDevicePool:
         if offset < HEADER_BYTES or offset + nbytes > self.size_bytes:
             raise ValueError(f"gpu slot [{offset}, {offset + nbytes}) is outside the pool")
         return self.tensor[offset : offset + nbytes]
+
+    def retain(self) -> None:
+        """One more user (a lease or reservation in flight): the mapping stays until each has
+        called ``release``, even if the client lets go of the pool meanwhile."""
+        with self._lock:
+            if not self._ptr:
+                raise ValueError("the GPU pool mapping is closed (the daemon restarted?)")
+            self._refs += 1
+
+    def release(self) -> None:
+        self.close()
 
     def close(self) -> None:
         """Drop one reference; the last one unmaps. Views taken from ``slot`` must not be used

@@ -37,6 +37,9 @@ class _ReservationState:
         self.arena = arena
         self.pool = pool
         """Set when the slots are in the daemon's GPU pool (``offsets`` are pool offsets)."""
+        self._pool_held = pool is not None
+        if pool is not None:
+            pool.retain()  # mapped until this reservation is finished
         self.layout = layout
         self.reservation_id = reservation_id
         self.offsets = offsets
@@ -84,6 +87,11 @@ class _ReservationState:
             return kernels.device_checksums([self.pool.slot(o, nbytes) for o in self.offsets_new])
         return [self.arena.checksum(off, nbytes) for off in self.offsets_new]
 
+    def _drop_pool(self) -> None:
+        if self._pool_held and self.pool is not None:
+            self._pool_held = False
+            self.pool.release()
+
     def _check_open(self) -> bool:
         """True if there is something to finish; False if this reservation holds no slot."""
         if self.done and self.indices:
@@ -113,13 +121,19 @@ class WriteReservation(_ReservationState):
         if not self._check_open():
             return 0
         self.done = True
-        self.committed = self._commit_fn(self.checksums())
+        try:
+            self.committed = self._commit_fn(self.checksums())
+        finally:
+            self._drop_pool()
         return self.committed
 
     def abort(self) -> None:
         if self._check_open():
             self.done = True
-            self._abort_fn()
+            try:
+                self._abort_fn()
+            finally:
+                self._drop_pool()
 
     def __enter__(self) -> WriteReservation:
         return self
@@ -154,13 +168,21 @@ class AsyncWriteReservation(_ReservationState):
         if not self._check_open():
             return 0
         self.done = True
-        self.committed = await self._commit_fn(self.checksums() if checksums is None else checksums)
+        try:
+            self.committed = await self._commit_fn(
+                self.checksums() if checksums is None else checksums
+            )
+        finally:
+            self._drop_pool()
         return self.committed
 
     async def abort(self) -> None:
         if self._check_open():
             self.done = True
-            await self._abort_fn()
+            try:
+                await self._abort_fn()
+            finally:
+                self._drop_pool()
 
     async def __aenter__(self) -> AsyncWriteReservation:
         return self
@@ -193,7 +215,13 @@ class _LeaseState:
         if any(self.on_gpu) and pool is None:
             raise KVStoreError("the daemon served GPU pool slots to a client that has no pool")
         self.pool = pool
+        if pool is not None:
+            pool.retain()  # mapped until this lease is released
         self.released = False
+
+    def _drop_pool(self) -> None:
+        if self.pool is not None:
+            self.pool.release()
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -264,7 +292,10 @@ class ReadLease(_LeaseState):
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._release_fn()
+            try:
+                self._release_fn()
+            finally:
+                self._drop_pool()
 
     def __enter__(self) -> ReadLease:
         return self
@@ -290,7 +321,10 @@ class AsyncReadLease(_LeaseState):
     async def release(self) -> None:
         if not self.released:
             self.released = True
-            await self._release_fn()
+            try:
+                await self._release_fn()
+            finally:
+                self._drop_pool()
 
     async def __aenter__(self) -> AsyncReadLease:
         return self
