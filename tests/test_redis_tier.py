@@ -669,3 +669,21 @@ async def test_cluster_spreads_a_namespace_over_nodes(cluster: list[int]) -> Non
         assert await tier.contains(NS, keys) == 17
         await tier.delete(NS, keys)
         assert await tier.contains(NS, keys) == 0
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        (
+            "rediss://u:pw1@h:6379/0?ssl_password=pw2&password=pw3&ssl_ca_certs=/c.crt",
+            "rediss://u:***@h:6379/0?ssl_password=***&password=***&ssl_ca_certs=/c.crt",
+        ),
+        ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
+        ("unix:///tmp/r.sock?db=1", "unix:///tmp/r.sock?db=1"),
+        ("redis://h:6379", "redis://h:6379"),
+    ],
+)
+def test_urls_in_logs_and_stats_never_carry_a_password(url: str, shown: str) -> None:
+    from kvstore.tiers.redis_tier.tier import _redacted
+
+    assert _redacted(url) == shown

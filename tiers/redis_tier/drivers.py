@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from typing import Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -36,6 +36,22 @@ over a 10 Gb/s network); a whole batch at once makes Redis buffer every reply (1
 REDIS_PY_READ_SIZE = 1 << 20
 """redis-py's socket read size: its 32-64 KiB default made large GETs up to 2x slower."""
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def _tls_defaults(url: str) -> dict[str, Any]:
+    """redis-py options a TLS URL gets unless it sets them: verify the server's host name as
+    well as its certificate chain. redis-py 5 (which the ``redis>=5.0`` requirement allows)
+    skips the name check unless asked (6 and later check it), which accepts any certificate the
+    trusted CAs signed, for any host. A URL that sets ``ssl_check_hostname`` or turns
+    verification off (``ssl_cert_reqs=none``: Python refuses a name check without it) keeps
+    its own choice; URL options override these keyword defaults in redis-py."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("rediss", "rediss+cluster"):
+        return {}
+    query = parse_qs(parts.query)  # as redis-py reads it: first value, names as written
+    if "ssl_check_hostname" in query or query.get("ssl_cert_reqs", [""])[0].lower() == "none":
+        return {}
+    return {"ssl_check_hostname": True}
 
 
 class Driver(Protocol):
@@ -134,6 +150,7 @@ class RedisPyDriver:
     def __init__(self, url: str, *, timeout_s: float, max_connections: int) -> None:
         parts = urlsplit(url)
         self._cluster = parts.scheme in CLUSTER_SCHEMES
+        self._tls = _tls_defaults(url)
         self.name = "redis-py-cluster" if self._cluster else "redis-py"
         if self._cluster:
             url = urlunsplit(parts._replace(scheme=CLUSTER_SCHEMES[parts.scheme]))
@@ -150,6 +167,7 @@ class RedisPyDriver:
             # One immediate retry on a fresh connection (a stale pooled one after a Redis
             # restart); the tier's deadline bounds it, the tier's own loop does the backoff.
             "retry": Retry(NoBackoff(), 1),
+            **self._tls,
         }
         if self._cluster:
             return RedisCluster.from_url(self._url, **common)
@@ -207,4 +225,9 @@ class RedisPyDriver:
             await self._client.connection_pool.disconnect()
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._cluster:
+            await self._client.aclose()
+        else:
+            # A client given its pool leaves the pool open on aclose(): close it too, or its
+            # connections (TLS sessions included) stay open until garbage collection.
+            await self._client.aclose(close_connection_pool=True)

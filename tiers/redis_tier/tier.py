@@ -9,7 +9,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.exceptions
 
@@ -163,7 +163,11 @@ class RedisTier:
             async with asyncio.timeout(self.timeout_s):
                 await self._driver.ping()
         except _UNAVAILABLE as exc:
-            log.warning("redis tier %s not reachable at start (%s); retrying", self.url, exc)
+            log.warning(
+                "redis tier %s not reachable at start (%s); retrying",
+                self.url,
+                str(exc) or type(exc).__name__,  # a timeout has no message of its own
+            )
             self._start_reconnecting()
             return
         self._up = True
@@ -405,14 +409,24 @@ class RedisTier:
         return replies
 
 
+_SECRET_QUERY_KEYS = ("password", "ssl_password")
+
+
 def _redacted(url: str) -> str:
-    """The URL without its password, for logs and messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    """The URL without its passwords (``user:password@`` and ``?password=`` /
+    ``?ssl_password=``, which redis-py also reads), for logs and messages."""
+    base, sep, query = url.partition("?")
+    parts = urlsplit(base)
+    if parts.password is not None:
+        user = parts.username or ""
+        host = parts.netloc.rsplit("@", 1)[1]
+        base = urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if any(k.lower() in _SECRET_QUERY_KEYS for k, _ in pairs):
+        query = urlencode(
+            [(k, "***" if k.lower() in _SECRET_QUERY_KEYS else v) for k, v in pairs], safe="*/:"
+        )
+    return base + sep + query
 
 
 def _flat(buf: Any, *, writable: bool) -> memoryview:
