@@ -150,7 +150,10 @@ def bench_promotion(src: list[torch.Tensor], daemon_args: list[str], runs: int) 
         def prefetch_all() -> None:
             want = promoted() + n
             kv.prefetch(keys)
+            deadline = time.monotonic() + 30
             while promoted() < want:
+                if time.monotonic() > deadline:
+                    sys.exit(f"bench_gpu_tier: promoted {promoted()} of {want} blocks in 30 s")
                 time.sleep(0.0005)
 
         def back_to_cpu() -> None:

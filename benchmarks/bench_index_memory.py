@@ -72,11 +72,11 @@ def fill_index(n: int) -> tuple[Any, Any]:
 
 
 def store_config(n: int) -> Any:
-    from kvstore.config import CpuTierConfig, DaemonConfig
+    from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig
 
     # n 4 KiB slots, plus a slab of slack; sparse (prefault off): no page is touched.
     cpu = CpuTierConfig(capacity_bytes=n * 4096 + (64 << 20), prefault=False)
-    return DaemonConfig(cpu=cpu)
+    return DaemonConfig(gpu=GpuTierConfig(enabled="off"), cpu=cpu)
 
 
 async def fill_store(store: Any, n: int) -> None:

@@ -39,7 +39,7 @@ from _harness import (
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import KVLayout, KVStoreClient
-from kvstore.config import CpuTierConfig, DaemonConfig
+from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig
 from kvstore.keys import Namespace, pack_keys
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -66,7 +66,10 @@ def interleaved(calls: dict[str, Callable[[], object]], n: int, warmup: int) -> 
 
 async def in_process_costs(keys: list[bytes], k: int) -> dict[str, Timing]:
     """Daemon-side lookup and client-side packing of the same keys, without any RPC."""
-    config = DaemonConfig(cpu=CpuTierConfig(capacity_bytes=16 << 20, prefault=False))
+    config = DaemonConfig(
+        gpu=GpuTierConfig(enabled="off"),
+        cpu=CpuTierConfig(capacity_bytes=16 << 20, prefault=False),
+    )
     async with in_process_store(config) as store:
         record = store.open_namespace(Namespace(model="bench-lookup", layout=LAYOUT))
         rid, _, _ = await maybe_await(store.reserve(record.ns_id, keys))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -499,3 +500,110 @@ def test_a_lease_mixing_pool_and_arena_slots_verifies_each_kind() -> None:
     finally:
         mapped.close()
         arena.close()
+
+
+# ----------------------------------------------------------------- regressions found in review
+async def test_a_key_asked_twice_balances_its_leases(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    k = keys(1)
+    await put_gpu(store, ns, k, [1])
+    eid = store.index.get(k[0])
+    assert eid is not None
+    lease, offsets, _, _ = await store.acquire(ns, [k[0], k[0]], gpu=False)
+    assert len(offsets) == 2 and not store.device._moving
+    store.release(lease)
+    assert store.index.leases[eid] == 0
+    rid, offs, _ = await store.reserve(ns, keys(1, start=5))
+    store.arena.view[offs[0] : offs[0] + BB] = block(5).tobytes()
+    store.commit(rid, [block_checksum(block(5))])
+    e2 = store.index.get(keys(1, start=5)[0])
+    assert e2 is not None
+    store.device.prefetch(ns, [keys(1, start=5)[0]] * 2)
+    await settle(store)
+    assert store.index.leases[e2] == 0 and store.index.tier[e2] & IN_GPU
+
+
+async def test_a_cancelled_read_gives_its_leases_back(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).ns_id
+    ks = keys(2)
+    await put_gpu(store, ns, ks, [1, 2])
+    eids = [store.index.get(k) for k in ks]
+    copy_down = store.device._copy_down
+
+    def slow(*args):  # a PCIe copy that takes a while
+        time.sleep(0.2)
+        return copy_down(*args)
+
+    store.device._copy_down = slow  # type: ignore[method-assign]
+    task = asyncio.create_task(store.acquire(ns, ks, gpu=False))  # a CPU reader
+    await asyncio.sleep(0.05)
+    task.cancel()  # the client's deadline: grpc cancels the handler
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await settle(store)
+    assert [store.index.leases[e] for e in eids if e is not None] == [0, 0]
+    assert len(await store.device.alloc(BB, 4)) == 4  # nothing stays pinned
+
+
+async def test_the_disk_making_room_keeps_blocks_that_are_in_the_pool(tmp_path) -> None:
+    nvme = NvmeTierConfig(path=str(tmp_path), capacity_bytes=24 * BB, direct_io=False)
+    s = make_store(gpu_blocks=4, cpu_blocks=2, nvme=nvme)
+    await s.start()
+    try:
+        ns = s.open_namespace(NS).ns_id
+        ka = keys(1)
+        await put_gpu(s, ns, ka, [1])
+        a = s.index.get(ka[0])
+        assert a is not None
+        await s.device.to_cpu([a])
+        await s.mover.flush(a)
+        for i in range(40):  # CPU-only blocks go down until the disk evicts
+            k = keys(1, start=10 + i)
+            rid, offs, _ = await s.reserve(ns, k)
+            s.arena.view[offs[0] : offs[0] + BB] = block(10 + i).tobytes()
+            s.commit(rid, [block_checksum(block(10 + i))])
+            e = s.index.get(k[0])
+            assert e is not None
+            await s.mover.flush(e)
+            if s.nvme_counters.evictions:
+                break
+        assert s.nvme_counters.evictions
+        assert s.index.get(ka[0]) is not None and s.index.tier[a] & IN_GPU  # still in the pool
+    finally:
+        await s.stop()
+
+
+async def test_write_back_does_not_churn_when_the_cpu_tier_is_small() -> None:
+    s = make_store(gpu_blocks=8, cpu_blocks=2, high_watermark=0.5)  # wants 4 clean, CPU holds 2
+    await s.start()
+    try:
+        ns = s.open_namespace(NS).ns_id
+        await put_gpu(s, ns, keys(8), list(range(8)))
+        await asyncio.sleep(0.3)
+        assert s.device.counters.demotions <= 2 and s.cpu.evictions == 0
+        assert not s.device._cleaner.done()  # type: ignore[union-attr]
+    finally:
+        await s.stop()
+
+
+async def test_a_reader_of_many_gpu_blocks_gets_the_whole_run_while_write_back_runs() -> None:
+    s = make_store(gpu_blocks=64, cpu_blocks=128, high_watermark=0.5)
+    await s.start()
+    try:
+        ns = s.open_namespace(NS).ns_id
+        ks = keys(64)
+        await put_gpu(s, ns, ks, list(range(64)))  # wakes the cleaner: the pool is all dirty
+        copy_down = s.device._copy_down
+
+        def slow(*args):
+            time.sleep(0.05)
+            return copy_down(*args)
+
+        s.device._copy_down = slow  # type: ignore[method-assign]
+        lease, offsets, _, _ = await s.acquire(ns, ks, gpu=False)
+        assert len(offsets) == 64
+        for i, off in enumerate(offsets):
+            assert np.array_equal(read_cpu(s, off), block(i))
+        s.release(lease)
+    finally:
+        await s.stop()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvstore import KVLayout, Namespace, block_hashes
 from kvstore.checksum import block_checksum
-from kvstore.config import CpuTierConfig, DaemonConfig
+from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig
 from kvstore.daemon.store import BlockStore
 from kvstore.errors import (
     CapacityError,
@@ -36,6 +36,7 @@ class Clock:
 
 def make_store(capacity_blocks: int = 8, policy: str = "lru", clock: Clock | None = None):
     cfg = DaemonConfig(
+        gpu=GpuTierConfig(enabled="off"),  # these tests are about the CPU tier, on any host
         lease_ttl_s=10,
         reservation_ttl_s=10,
         cpu=CpuTierConfig(

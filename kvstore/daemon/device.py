@@ -245,6 +245,7 @@ class DeviceTier:
                 dirty = [v for v in victims if not index.tier[v] & BELOW_GPU]
                 if dirty:
                     await self.to_cpu(dirty, partial=True)
+                tried = set(dirty)
                 for v in victims:
                     if (
                         index.state[v] != State.COMMITTED
@@ -255,8 +256,10 @@ class DeviceTier:
                         continue  # changed while the copies ran; the next round picks again
                     if index.tier[v] & BELOW_GPU:
                         self.drop_copy(v)
-                    else:
+                    elif v in tried:
                         store.forget(v)  # the copy down failed (CPU full of leases, corrupt)
+                    else:
+                        continue  # was clean, lost its copy below meanwhile: next round
                     self.counters.evictions += 1
 
     # ----------------------------------------------------------------- hooks from the store
@@ -268,7 +271,8 @@ class DeviceTier:
         self._wake.set()
 
     def note_read(self, eids: list[int]) -> None:
-        self.policy.touch([e for e in eids if e in self.dsum])
+        index = self.store.index
+        self.policy.touch([e for e in eids if e in self.dsum and index.state[e] == State.COMMITTED])
 
     # ----------------------------------------------------------------- copies (worker thread)
     def _stream_ctx(self) -> Any:
@@ -319,6 +323,7 @@ class DeviceTier:
         """Give GPU-only blocks a CPU copy (keeping the GPU copy); returns how many of ``eids``
         have one afterwards. A block already moving is waited for, not copied twice."""
         index = self.store.index
+        eids = list(dict.fromkeys(eids))  # a key asked twice is one block
         waits = [self._moving[e] for e in eids if e in self._moving]
 
         def needs_copy(e: int) -> bool:
@@ -334,7 +339,9 @@ class DeviceTier:
         for start in range(0, len(mine), _BATCH):
             # Checked and claimed with no await in between: an entry cannot be freed (and its id
             # reused) between the check and the lease that pins it.
-            batch = [e for e in mine[start : start + _BATCH] if needs_copy(e)]
+            part = mine[start : start + _BATCH]
+            waits += [self._moving[e] for e in part if e in self._moving]  # taken meanwhile
+            batch = [e for e in part if needs_copy(e)]
             if batch:
                 results = self._claim(batch)
                 await self._shielded(self._down_batch(batch, partial, results))
@@ -350,14 +357,21 @@ class DeviceTier:
                 by_size.setdefault(store.block_bytes_of(e), []).append(e)
             for bb, group in by_size.items():
                 try:
-                    slots = await store.mover.alloc_cpu(bb, len(group), partial=partial)
+                    slots = await store.mover.alloc_cpu(
+                        bb, len(group), partial=partial, keep_gpu_copies=True
+                    )
                 except CapacityError:
                     slots = []
                 group = group[: len(slots)]
                 moves = [
                     (self.offset[e], c, self.dsum[e]) for e, c in zip(group, slots, strict=False)
                 ]
-                sums = await asyncio.to_thread(self._copy_down, bb, moves) if moves else []
+                try:
+                    sums = await asyncio.to_thread(self._copy_down, bb, moves) if moves else []
+                except BaseException:
+                    for c in slots:
+                        store.cpu_unalloc(c, bb)
+                    raise
                 landed = []
                 for e, c, xxh in zip(group, slots, sums, strict=True):
                     if index.state[e] != State.COMMITTED or index.tier[e] & IN_CPU:
@@ -400,12 +414,29 @@ class DeviceTier:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while True:
-                batch = self._next_clean_batch()
-                if not batch:
-                    break
-                if not await self.to_cpu(batch, partial=True):
-                    break  # the CPU tier takes nothing now (full of leases)
+            try:
+                await self._clean()
+            except Exception:  # keep cleaning later: one bad round must not stop write-back
+                log.exception("gpu write-back failed")
+
+    async def _clean(self) -> None:
+        before = self._dirty_bytes()
+        while True:
+            batch = self._next_clean_batch()
+            if not batch:
+                return
+            if not await self.to_cpu(batch, partial=True):
+                return  # the CPU tier takes nothing now (full of leases)
+            after = self._dirty_bytes()
+            if after >= before:
+                # No progress: each copy down pushed another GPU block's only CPU copy out
+                # (the CPU tier is smaller than the pool's clean share). Stop, do not churn.
+                return
+            before = after
+
+    def _dirty_bytes(self) -> int:
+        index = self.store.index
+        return sum(self.store.block_bytes_of(e) for e in self.dsum if not index.tier[e] & BELOW_GPU)
 
     def _next_clean_batch(self) -> list[int]:
         index = self.store.index
@@ -417,12 +448,15 @@ class DeviceTier:
                 and e in self.dsum
                 and e not in self._moving
                 and not index.tier[e] & BELOW_GPU
+                and e not in batch
             ):
                 batch.append(e)
         if batch or self.allocator is None:
             return batch
         capacity = self.allocator.capacity_bytes
         target = (1.0 - self.config.high_watermark) * capacity
+        if capacity - self.used_bytes >= target:
+            return batch  # under the watermark even were every block dirty: no scan needed
         dirty = [e for e in self.policy.order() if not index.tier[e] & BELOW_GPU]
         dirty_bytes = sum(self.store.block_bytes_of(e) for e in dirty)
         have = capacity - dirty_bytes
@@ -457,7 +491,7 @@ class DeviceTier:
         index = self.store.index
         eids = [
             e
-            for e in eids
+            for e in dict.fromkeys(eids)  # a key asked twice is one block
             if index.state[e] == State.COMMITTED
             and not index.tier[e] & IN_GPU
             and e not in self._moving
@@ -504,7 +538,12 @@ class DeviceTier:
         moves = [
             (index.offset[e], g, index.checksum[e]) for e, g in zip(group, slots, strict=False)
         ]
-        sums = await asyncio.to_thread(self._copy_up, bb, moves) if moves else []
+        try:
+            sums = await asyncio.to_thread(self._copy_up, bb, moves) if moves else []
+        except BaseException:
+            for g in slots:
+                self.unalloc(g, bb)
+            raise
         for e, g, dsum in zip(group, slots, sums, strict=True):
             if index.state[e] != State.COMMITTED or index.tier[e] & IN_GPU:
                 self.unalloc(g, bb)

@@ -124,22 +124,29 @@ class Mover:
                 self.store.nvme_counters.prefetch_hits += 1
 
     # ----------------------------------------------------------------- CPU room
-    async def alloc_cpu(self, block_bytes: int, n: int, partial: bool = False) -> list[int]:
+    async def alloc_cpu(
+        self, block_bytes: int, n: int, partial: bool = False, keep_gpu_copies: bool = False
+    ) -> list[int]:
         """Allocate ``n`` CPU slots, making room as needed: drop clean victims' CPU copies,
         write dirty ones down first (or drop them when there is no tier below).
 
         One caller makes room at a time, so room made by one caller is not taken by another.
         All or nothing (CapacityError when not enough blocks can go: leased or being written),
-        unless ``partial``, which returns as many slots as could be had.
+        unless ``partial``, which returns as many slots as could be had. ``keep_gpu_copies``
+        (the GPU tier's write-back): a CPU copy that is the only copy below a GPU block is not
+        a victim, since dropping it would make that GPU block dirty again (churn, no room won).
         """
         store, index = self.store, self.store.index
         slot_size = store.allocator.slot_bytes_for(block_bytes)
+        keep = keep_gpu_copies and store.nvme is None
 
         def protected(eid: int) -> bool:
             # A block being written down is still a fine victim: its write is awaited below
             # (flush() joins the write in flight) and then only its CPU copy is dropped.
-            return bool(index.leases[eid]) or (
-                store.allocator.slot_bytes_for(store.block_bytes_of(eid)) != slot_size
+            return (
+                bool(index.leases[eid])
+                or store.allocator.slot_bytes_for(store.block_bytes_of(eid)) != slot_size
+                or (keep and bool(index.tier[eid] & IN_GPU))
             )
 
         async with self._room:
@@ -257,8 +264,8 @@ class Mover:
         if victims is None:
             return None
         for v in victims:
-            if index.tier[v] & IN_CPU:
-                store.drop_disk_copy(v)
+            if index.tier[v] & (IN_CPU | IN_GPU):
+                store.drop_disk_copy(v)  # still stored above the disk
             else:
                 store.forget(v)
             store.nvme_counters.evictions += 1
@@ -313,7 +320,7 @@ class Mover:
         index = self.store.index
         waits: list[asyncio.Future[bool]] = []
         mine: list[int] = []
-        for eid in eids:
+        for eid in dict.fromkeys(eids):  # a key asked twice is read once
             if index.tier[eid] & IN_CPU:
                 continue
             pending = self._promoting.get(eid)
@@ -390,7 +397,10 @@ class Mover:
         if store.nvme is None:
             return 0
         run = store.leading_run(ns_id, keys)
-        todo = [e for e in run if not index.tier[e] & IN_CPU and e not in self._promoting]
+        # Blocks in the GPU pool are not read from disk: a CPU reader gets a copy from the pool.
+        todo = [
+            e for e in run if not index.tier[e] & (IN_CPU | IN_GPU) and e not in self._promoting
+        ]
         if todo:
             self._spawn(self._prefetch(todo))
         return len(todo)

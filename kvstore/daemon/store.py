@@ -317,33 +317,44 @@ class BlockStore:
         eids = self.leading_run(ns_id, keys)
         for eid in eids:  # pin the whole run before anything awaits
             self.index.add_lease(eid)
-        local_run = len(eids)
-        tiers = self.index.tier
-        gpu = gpu and self.device.enabled
-        if not gpu:
-            gpu_only = [e for e in eids if tiers[e] & IN_GPU and not tiers[e] & IN_CPU]
-            if gpu_only:
-                await self.device.to_cpu(gpu_only, partial=True)  # as many as fit: a prefix
-        await self.mover.bring_to_cpu([e for e in eids if not (gpu and tiers[e] & IN_GPU)])
-        ready = len(eids)
-        for i, eid in enumerate(eids):
-            servable = tiers[eid] & IN_CPU or (gpu and tiers[eid] & IN_GPU)
-            if self.index.state[eid] != State.COMMITTED or not servable:
-                ready = i
-                break
-        for eid in eids[ready:]:
-            self._drop_one_lease(eid)
-        eids = eids[:ready]
-        if ready == local_run < len(keys) and self.shared.enabled:
-            # The local run ended at a missing block: the shared tier may hold the rest.
-            fetched = await self.shared.fetch(record, list(keys[ready:]))
-            for eid in fetched:  # committed just now, no await since: lease them at once
-                self.index.add_lease(eid)
-            eids = eids + fetched
+        # From here ``eids`` is always exactly what this call holds leases on: a call cancelled
+        # (a client's deadline) or failing in an await gives them back, since no lease id
+        # exists yet that the reaper could reclaim.
+        try:
+            local_run = len(eids)
+            tiers = self.index.tier
+            gpu = gpu and self.device.enabled
+            if not gpu:
+                gpu_only = [e for e in eids if tiers[e] & IN_GPU and not tiers[e] & IN_CPU]
+                if gpu_only:
+                    await self.device.to_cpu(gpu_only, partial=True)  # as many as fit
+            await self.mover.bring_to_cpu([e for e in eids if not (gpu and tiers[e] & IN_GPU)])
+            ready = len(eids)
+            for i, eid in enumerate(eids):
+                servable = tiers[eid] & IN_CPU or (gpu and tiers[eid] & IN_GPU)
+                if self.index.state[eid] != State.COMMITTED or not servable:
+                    ready = i
+                    break
+            for eid in eids[ready:]:
+                self._drop_one_lease(eid)
+            eids = eids[:ready]
+            if ready == local_run < len(keys) and self.shared.enabled:
+                # The local run ended at a missing block: the shared tier may hold the rest.
+                fetched = await self.shared.fetch(record, list(keys[ready:]))
+                for eid in fetched:  # committed just now, no await since: lease them at once
+                    self.index.add_lease(eid)
+                eids = eids + fetched
+        except BaseException:
+            for eid in eids:
+                self._drop_one_lease(eid)
+            raise
         if not eids:
             return 0, [], [], []
         self.mover.note_read(eids)
-        self.policy.touch([e for e in eids if tiers[e] & IN_CPU])
+        # Committed only: an entry deleted during an await above is an orphan, out of policies.
+        self.policy.touch(
+            [e for e in eids if tiers[e] & IN_CPU and self.index.state[e] == State.COMMITTED]
+        )
         self.device.note_read(eids)
         lease_id = next(self._ids)
         self._leases[lease_id] = _Lease(eids, self._clock() + self.config.lease_ttl_s)
@@ -579,8 +590,8 @@ class BlockStore:
         self.policy.remove(eid)
 
     def drop_disk_copy(self, eid: int) -> None:
-        """Free an entry's disk slot; it must have a CPU copy (it becomes dirty again)."""
-        if not self.index.tier[eid] & IN_CPU:
+        """Free an entry's disk slot; it must have a CPU or GPU copy (it becomes dirty again)."""
+        if not self.index.tier[eid] & (IN_CPU | IN_GPU):
             raise AssertionError(f"dropping the only copy of entry {eid}")
         self._free_disk_slot(eid)
         self.nvme_policy.remove(eid)
