@@ -29,6 +29,7 @@ install() {
 
 section "device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+df -h /dev/shm || true  # the CPU tier's arena lives there; the GPU tier benchmark needs ~1 GiB
 "$PYTHON" - <<'PY'
 import torch
 
