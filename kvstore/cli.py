@@ -54,6 +54,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     serve.add_argument("--gpu-capacity", type=parse_size, help="size of the GPU tier, e.g. 8GiB")
     serve.add_argument("--gpu-device", type=int, help="CUDA device of the GPU tier")
+    serve.add_argument(
+        "--metrics-address",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (and /healthz), e.g. "
+        "127.0.0.1:9464; empty: off (default: $KVSTORE_METRICS_ADDRESS, else off)",
+    )
     serve.add_argument("--log-level", default="WARNING")
 
     stat = sub.add_parser("stat", help="tier occupancy, hits, evictions")
@@ -124,8 +130,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             gpu = dataclasses.replace(gpu, capacity_bytes=args.gpu_capacity)
         if args.gpu_device is not None:
             gpu = dataclasses.replace(gpu, device=args.gpu_device)
+        metrics_address = cfg.metrics_address
+        if args.metrics_address is not None:
+            metrics_address = args.metrics_address
         cfg = dataclasses.replace(
-            cfg, gpu=gpu, cpu=cpu, nvme=nvme, redis=redis, address=args.address or cfg.address
+            cfg,
+            gpu=gpu,
+            cpu=cpu,
+            nvme=nvme,
+            redis=redis,
+            address=args.address or cfg.address,
+            metrics_address=metrics_address,
         )
     except (OSError, ValueError) as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)

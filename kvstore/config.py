@@ -94,6 +94,22 @@ class RedisTierConfig:
 GPU_MODES = ("auto", "on", "off")
 
 
+def split_host_port(address: str) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port`` or ``:port`` (every interface) -> (host, port); a clear
+    ValueError otherwise. Port 0 binds a free port (the daemon's ready line names it)."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise ValueError(f"address {address!r} is not host:port")
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"address {address!r}: port {port} is out of range")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"address {address!r}: write an IPv6 host in brackets, [::1]:{port}")
+    return host, port
+
+
 @dataclass(frozen=True)
 class GpuTierConfig:
     """The device-memory tier, shared with workers on the same GPU through CUDA IPC.
@@ -139,11 +155,19 @@ class DaemonConfig:
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
     # Seconds a graceful stop may spend writing dirty CPU blocks down so a restart finds them.
     drain_timeout_s: float = 30.0
+    # host:port of the Prometheus endpoint (GET /metrics, /healthz). Empty: no HTTP listener,
+    # so tests, the demo and a default install open no port.
+    metrics_address: str = ""
 
     def __post_init__(self) -> None:
         for name in ("lease_ttl_s", "reservation_ttl_s", "reaper_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.metrics_address:
+            try:
+                split_host_port(self.metrics_address)
+            except ValueError as exc:
+                raise ValueError(f"metrics_address: {exc}") from None
 
 
 def _gpu_mode(value: Any) -> str:
@@ -169,6 +193,7 @@ _KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "reaper_interval_s": ("reaper_interval_s", float),
         "max_message_bytes": ("max_message_bytes", parse_size),
         "drain_timeout_s": ("drain_timeout_s", float),
+        "metrics_address": ("metrics_address", str),
     },
     "gpu": {
         "enabled": ("enabled", _gpu_mode),
@@ -252,6 +277,8 @@ def load_config(
     if env.get("KVSTORE_REDIS_URL"):
         redis = dataclasses.replace(cfg.redis, url=env["KVSTORE_REDIS_URL"])
         cfg = dataclasses.replace(cfg, redis=redis)
+    if env.get("KVSTORE_METRICS_ADDRESS"):
+        cfg = dataclasses.replace(cfg, metrics_address=env["KVSTORE_METRICS_ADDRESS"])
     if env.get("KVSTORE_NVME_PATH"):
         nvme = dataclasses.replace(cfg.nvme, path=env["KVSTORE_NVME_PATH"])
         cfg = dataclasses.replace(cfg, nvme=nvme)

@@ -1,8 +1,10 @@
-"""``kvstore serve``: the grpc.aio server, its socket, the reaper and a graceful stop.
+"""``kvstore serve``: the grpc.aio server, its socket, the reaper, the metrics endpoint and a
+graceful stop.
 
 One event loop owns the store. SIGTERM/SIGINT stop accepting calls, let calls in flight finish
 (up to ``grace_s``), unlink the shared-memory arena and the socket, and return normally so the
-process exits 0.
+process exits 0. With ``metrics_address`` set, the same loop serves Prometheus scrapes
+(``kvstore.daemon.metrics``) and an interceptor times the RPCs.
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvstore import __version__
 from kvstore.address import default_address, unix_socket_path
 from kvstore.config import DaemonConfig
+from kvstore.daemon.metrics import MetricsServer, RpcMetrics, RpcMetricsInterceptor, render_metrics
 from kvstore.daemon.service import KVStoreServicer
 from kvstore.daemon.store import BlockStore
 from kvstore.units import format_size
@@ -31,6 +36,7 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+METHOD_NAMES = [m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods]
 
 
 def _prepare_unix_socket(path: str) -> None:
@@ -57,6 +63,10 @@ class Daemon:
         self.address = config.address or default_address()
         self.store: BlockStore | None = None
         self.server: grpc.aio.Server | None = None
+        self.servicer: KVStoreServicer | None = None
+        self.rpc_metrics: RpcMetrics | None = None
+        self.metrics_server: MetricsServer | None = None
+        self._serving = False
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -64,6 +74,22 @@ class Daemon:
         socket_path = unix_socket_path(self.address)
         if socket_path is not None:
             _prepare_unix_socket(socket_path)
+        if self.config.metrics_address:
+            # Bound first: a taken port fails the start before the arena and the socket exist.
+            self.rpc_metrics = RpcMetrics(METHOD_NAMES)
+            self.metrics_server = MetricsServer(
+                self.config.metrics_address, self.render_metrics, lambda: self._serving
+            )
+            await self.metrics_server.start()
+        try:
+            await self._start_serving(socket_path)
+        except BaseException:
+            if self.metrics_server is not None:
+                await self.metrics_server.close()
+            raise
+        self._serving = True
+
+    async def _start_serving(self, socket_path: str | None) -> None:
         self.store = BlockStore(self.config)
         try:
             await self.store.start()
@@ -75,8 +101,12 @@ class Daemon:
             ("grpc.max_send_message_length", self.config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.server = grpc.aio.server(options=options)
-        pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.store), self.server)
+        interceptors = []
+        if self.rpc_metrics is not None:
+            interceptors.append(RpcMetricsInterceptor(self.rpc_metrics, SERVICE_NAME))
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
+        self.servicer = KVStoreServicer(self.store)
+        pb_grpc.add_KVStoreServicer_to_server(self.servicer, self.server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
         reflection.enable_server_reflection(
@@ -91,6 +121,18 @@ class Daemon:
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(self._reaper()))
+
+    def render_metrics(self) -> str:
+        """The Prometheus exposition; tier and namespace figures once the store is serving."""
+        assert self.rpc_metrics is not None
+        servicer = self.servicer if self._serving else None
+        return render_metrics(
+            self.store if servicer is not None else None,
+            self.rpc_metrics,
+            version=__version__,
+            # The servicer's clock, so the figure matches Stats' uptime_s.
+            uptime_s=time.monotonic() - servicer.started_at if servicer is not None else None,
+        )
 
     async def _reaper(self) -> None:
         assert self.store is not None
@@ -108,6 +150,7 @@ class Daemon:
         await self._stop.wait()
 
     async def stop(self, grace_s: float = 5.0) -> None:
+        self._serving = False  # /healthz answers 503 while calls drain
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -117,6 +160,8 @@ class Daemon:
             await self.server.stop(grace_s)
         if self.store is not None:
             await self.store.stop()
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
         socket_path = unix_socket_path(self.address)
         if socket_path is not None:
             with contextlib.suppress(FileNotFoundError):
@@ -142,10 +187,13 @@ async def run_daemon(
 def print_ready(daemon: Daemon) -> None:
     assert daemon.store is not None
     cpu = daemon.config.cpu
+    metrics = ""
+    if daemon.metrics_server is not None:
+        metrics = f", metrics on http://{daemon.metrics_server.bound_address}/metrics"
     print(
         f"kvstore serving on {daemon.address} "
         f"(cpu tier {format_size(daemon.store.allocator.capacity_bytes)} at "
-        f"{daemon.store.arena.path}, policy {cpu.policy}, pid {os.getpid()})",
+        f"{daemon.store.arena.path}, policy {cpu.policy}, pid {os.getpid()}{metrics})",
         file=sys.stderr,
         flush=True,
     )
