@@ -496,3 +496,23 @@ def test_hash_cli_prints_the_client_keys() -> None:
     from test_keys import KEYS_0_TO_39
 
     assert [h for _, h in lines] == KEYS_0_TO_39
+
+
+def test_a_taken_address_fails_the_start_and_leaves_nothing_behind() -> None:
+    import glob
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        before = set(glob.glob("/dev/shm/kvstore-*"))
+        serve = [sys.executable, "-m", "kvstore", "serve", "--address", f"127.0.0.1:{port}"]
+        out = subprocess.run(
+            [*serve, "--cpu-capacity", "8MiB"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert out.returncode == 1 and f"127.0.0.1:{port}" in out.stderr
+    assert set(glob.glob("/dev/shm/kvstore-*")) <= before  # the arena was unlinked

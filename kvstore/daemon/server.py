@@ -96,6 +96,18 @@ class Daemon:
         except BaseException:
             self.store.close()
             raise
+        try:
+            await self._start_grpc(socket_path)
+        except BaseException:
+            # The gRPC side failed (say, the address is taken): stop the store so its arena,
+            # its GPU pool and its NVMe file are released before the error reaches the caller.
+            if self.server is not None:
+                await self.server.stop(0)
+            await self.store.stop()
+            raise
+
+    async def _start_grpc(self, socket_path: str | None) -> None:
+        assert self.store is not None
         options = [
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.max_send_message_length", self.config.max_message_bytes),
