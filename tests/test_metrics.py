@@ -279,9 +279,13 @@ def test_a_cancelled_stream_is_timed_and_gives_its_lease_back(
             break
         time.sleep(0.05)
     assert rpc_count(after, "GetBlocks") - rpc_count(before, "GetBlocks") == 1
+
     # 4 MiB cannot all be in flight when the client cancels after the first block.
-    cancelled = after.value("kvstore_rpc_errors_total", method="GetBlocks", code="CANCELLED")
-    assert cancelled == 1
+    def cancelled(scrape: Exposition) -> float:
+        labels = frozenset({"method": "GetBlocks", "code": "CANCELLED"}.items())
+        return scrape.samples.get(("kvstore_rpc_errors_total", labels), 0.0)
+
+    assert cancelled(after) - cancelled(before) == 1
     assert metrics_daemon.process.alive()
 
 
@@ -329,7 +333,7 @@ def test_garbage_and_slow_requests_break_nothing(metrics_daemon: MetricsDaemon) 
         b"G\xc3\xa9T /metrics HTTP/1.1\r\n\r\n",
     ):
         reply = _raw(port, garbage)
-        assert reply == b"" or reply.startswith(b"HTTP/1.1 400 "), reply[:80]
+        assert reply.startswith(b"HTTP/1.1 400 "), reply[:80]
     # Too large: one endless line, or endless headers.
     assert _raw(port, b"GET /" + b"a" * 100_000).startswith(b"HTTP/1.1 400 ")
     many = b"GET /metrics HTTP/1.1\r\n" + b"X-Padding: yyyyyyyyyyyyyyyy\r\n" * 2000 + b"\r\n"
@@ -447,9 +451,9 @@ def test_a_stalled_scraper_does_not_hold_up_a_stop(
     assert f"metrics on http://127.0.0.1:{port}/metrics" in process.logs()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as stalled:
         stalled.sendall(b"GET /metrics HTTP/1.1\r\n")
-        started = time.monotonic()
         assert process.stop() == 0
-        assert time.monotonic() - started < READ_TIMEOUT_S
+        # Closed by the stop, not timed out: no 408 was ever sent to the stalled scraper.
+        assert not _read_all(stalled).startswith(b"HTTP/1.1 408 ")
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
 

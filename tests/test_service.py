@@ -509,7 +509,7 @@ def test_a_taken_address_fails_the_start_and_leaves_nothing_behind() -> None:
         before = set(glob.glob("/dev/shm/kvstore-*"))
         serve = [sys.executable, "-m", "kvstore", "serve", "--address", f"127.0.0.1:{port}"]
         out = subprocess.run(
-            [*serve, "--cpu-capacity", "8MiB"],
+            [*serve, "--cpu-capacity", "8MiB", "--gpu", "off"],
             capture_output=True,
             text=True,
             timeout=60,
