@@ -21,6 +21,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -34,6 +35,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 REDIS_SERVER = "/usr/bin/redis-server"
+
+
+# --------------------------------------------------------------------------- machine limits
+def dd(args: list[str]) -> float:
+    """GB/s that dd reports for its transfer."""
+    out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True).stderr
+    m = re.search(r"(\d+) bytes .* copied, ([\d.e+-]+) s", out)
+    if m is None:
+        raise RuntimeError(f"cannot parse dd output: {out!r}")
+    return int(m.group(1)) / float(m.group(2)) / 1e9
 
 
 # --------------------------------------------------------------------------- processes

@@ -92,7 +92,7 @@ def bench_gpu_pool(
         KVStoreClient(daemon.address, layout=LAYOUT, model="bench") as kv,
     ):
         keys = kv.hash_tokens(list(range(LAYOUT.block_size * n)))
-        if kv._gpu_device(src) is None:
+        if kv._pool_link.device_for(src) is None:
             sys.exit("bench_gpu_tier: the client could not map the daemon's GPU pool")
         offload = median(lambda: kv.offload(src, ids, keys), runs, device, lambda: kv.delete(keys))
         load = median(lambda: kv.load(dst, ids, keys), runs, device)
@@ -142,7 +142,7 @@ def bench_promotion(src: list[torch.Tensor], daemon_args: list[str], runs: int) 
         KVStoreClient(daemon.address, layout=LAYOUT, model="bench") as kv,
     ):
         keys = kv.hash_tokens(list(range(LAYOUT.block_size * n)))
-        kv._gpu_device(src)  # maps the pool: prefetches then go up into it
+        kv._pool_link.device_for(src)  # maps the pool: prefetches then go up into it
 
         def promoted() -> int:
             return next(t.promotions for t in kv.stats().tiers if t.name == "gpu")

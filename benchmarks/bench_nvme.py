@@ -22,10 +22,8 @@ import asyncio
 import gc
 import mmap
 import os
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import tracemalloc
@@ -33,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _harness import dd
 
 from kvstore.checksum import block_checksum
 from kvstore.tiers.nvme import NvmeTier
@@ -59,13 +58,6 @@ def arena(count: int, nbytes: int, fill: Callable[[int], bytes]) -> list[memoryv
 
 
 # ------------------------------------------------------------------------------- dd
-def dd(args: list[str]) -> float:
-    """GB/s that dd reports for its transfer."""
-    out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True).stderr
-    m = re.search(r"(\d+) bytes .* copied, ([\d.e+-]+) s", out)
-    if m is None:
-        raise RuntimeError(f"cannot parse dd output: {out!r}")
-    return int(m.group(1)) / float(m.group(2)) / 1e9
 
 
 def dd_run(directory: Path, blocks: int) -> tuple[float, float]:

@@ -40,7 +40,6 @@ import argparse
 import hashlib
 import mmap
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -58,6 +57,7 @@ import torch
 from _harness import (
     KVStoreDaemon,
     Reporter,
+    dd,
     emit,
     fmt_size,
     parse_args,
@@ -104,13 +104,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------ helpers
-def dd(args: list[str]) -> float:
-    """GB/s that dd reports for its transfer."""
-    out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True).stderr
-    m = re.search(r"(\d+) bytes .* copied, ([\d.e+-]+) s", out)
-    if m is None:
-        raise RuntimeError(f"cannot parse dd output: {out!r}")
-    return int(m.group(1)) / float(m.group(2)) / 1e9
 
 
 def parallel_read(path: Path, threads: int, block: int = 2 * MiB) -> float:

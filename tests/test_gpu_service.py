@@ -132,7 +132,7 @@ def test_prefetch_brings_cpu_blocks_into_the_pool(gpu_daemon) -> None:
         assert cpu_kv.offload(cpu_src, list(range(8)), keys) == 8  # lands in the CPU tier
     dst = caches(8, seed=None)
     with KVStoreClient(gpu_daemon.address, layout=LAYOUT, model="m") as kv:
-        assert kv._gpu_device(dst) is not None  # maps the pool
+        assert kv._pool_link.device_for(dst) is not None  # maps the pool
         kv.prefetch(keys)
         wait_for(lambda: tiers(kv)["gpu"].promotions >= 8, what="promotion into the pool")
         with kv.acquire(keys, _device=dst[0].device) as lease:

@@ -258,6 +258,11 @@ class PoolLink:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return self.pool if self.pool.device.index == index else None
 
+    def device_for(self, kv_caches: Sequence[torch.Tensor]) -> torch.device | None:
+        """The caches' device if the pool is reachable from it (mapping it on first use)."""
+        device = cuda_device(kv_caches)
+        return device if self.for_device(device) is not None else None
+
     def close(self) -> None:
         pool, self.pool = self.pool, None
         if pool is not None:

@@ -31,7 +31,6 @@ from kvstore.client._common import (
     check_put,
     check_transport,
     commit_request,
-    cuda_device,
     empty_blocks,
     open_request,
     translate_error,
@@ -267,17 +266,15 @@ class AsyncKVStoreClient:
         """As ``KVStoreClient.offload``; the gathers run in a worker thread."""
         ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
         check_keys(keys)
-        gpu = self._gpu_device(kv_caches)
+        gpu = self._pool_link.device_for(kv_caches)
         stream = paged_io.caller_stream(kv_caches)
         on_stream = paged_io.on_stream
         stored = 0
         stage: torch.Tensor | None = None
         for ck, cids in paged_io.chunked(keys, ids):
             if self._arena is None:
-                if stage is None:
-                    stage = paged_io.staging(
-                        self.layout, min(len(ids), paged_io.CHUNK_BLOCKS), kv_caches
-                    )
+                if stage is None:  # one chunk-sized buffer for the whole transfer
+                    stage = paged_io.staging(self.layout, len(ids), kv_caches)
                 blocks = stage[: len(cids)]
                 await asyncio.to_thread(
                     on_stream, stream, paged_io.gather_into_views, kv_caches, cids, blocks
@@ -310,17 +307,15 @@ class AsyncKVStoreClient:
         """As ``KVStoreClient.load``; the scatters run in a worker thread."""
         ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
         check_keys(keys)
-        gpu = self._gpu_device(kv_caches)
+        gpu = self._pool_link.device_for(kv_caches)
         stream = paged_io.caller_stream(kv_caches)
         on_stream = paged_io.on_stream
         loaded = 0
         stage: torch.Tensor | None = None
         for ck, cids in paged_io.chunked(keys, ids):
             if self._arena is None:
-                if stage is None:
-                    stage = paged_io.staging(
-                        self.layout, min(len(ids), paged_io.CHUNK_BLOCKS), kv_caches
-                    )
+                if stage is None:  # one chunk-sized buffer for the whole transfer
+                    stage = paged_io.staging(self.layout, len(ids), kv_caches)
                 got = await self.get(ck, out=stage)
                 await asyncio.to_thread(
                     on_stream,
@@ -353,11 +348,6 @@ class AsyncKVStoreClient:
         return loaded
 
     # ------------------------------------------------------------------ zero-copy API
-    def _gpu_device(self, kv_caches: Sequence[torch.Tensor]) -> torch.device | None:
-        """The caches' device if this client reaches the daemon's GPU pool from it."""
-        device = cuda_device(kv_caches)
-        return device if self._pool_link.for_device(device) is not None else None
-
     async def reserve(
         self,
         keys: Sequence[bytes],

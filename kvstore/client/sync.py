@@ -33,7 +33,6 @@ from kvstore.client._common import (
     check_put,
     check_transport,
     commit_request,
-    cuda_device,
     empty_blocks,
     open_request,
     translate_error,
@@ -251,15 +250,13 @@ class KVStoreClient:
         (device to device). Returns how many blocks were newly stored."""
         ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
         check_keys(keys)
-        gpu = self._gpu_device(kv_caches)
+        gpu = self._pool_link.device_for(kv_caches)
         stored = 0
         stage: torch.Tensor | None = None
         for ck, cids in paged_io.chunked(keys, ids):
             if self._arena is None:
-                if stage is None:
-                    stage = paged_io.staging(
-                        self.layout, min(len(ids), paged_io.CHUNK_BLOCKS), kv_caches
-                    )
+                if stage is None:  # one chunk-sized buffer for the whole transfer
+                    stage = paged_io.staging(self.layout, len(ids), kv_caches)
                 blocks = stage[: len(cids)]
                 paged_io.gather_into_views(kv_caches, cids, blocks)  # waits for the kernel
                 stored += self.put(ck, blocks, priority)
@@ -280,15 +277,13 @@ class KVStoreClient:
         blocks loaded (the rest were not cached, or failed their checksum)."""
         ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
         check_keys(keys)
-        gpu = self._gpu_device(kv_caches)
+        gpu = self._pool_link.device_for(kv_caches)
         loaded = 0
         stage: torch.Tensor | None = None
         for ck, cids in paged_io.chunked(keys, ids):
             if self._arena is None:
-                if stage is None:
-                    stage = paged_io.staging(
-                        self.layout, min(len(ids), paged_io.CHUNK_BLOCKS), kv_caches
-                    )
+                if stage is None:  # one chunk-sized buffer for the whole transfer
+                    stage = paged_io.staging(self.layout, len(ids), kv_caches)
                 got = self.get(ck, out=stage)
                 paged_io.scatter_from_views(got, kv_caches, cids[: got.shape[0]])
                 n = got.shape[0]
@@ -306,11 +301,6 @@ class KVStoreClient:
         return loaded
 
     # ------------------------------------------------------------------ zero-copy API
-    def _gpu_device(self, kv_caches: Sequence[torch.Tensor]) -> torch.device | None:
-        """The caches' device if this client reaches the daemon's GPU pool from it."""
-        device = cuda_device(kv_caches)
-        return device if self._pool_link.for_device(device) is not None else None
-
     def reserve(
         self,
         keys: Sequence[bytes],

@@ -35,6 +35,7 @@ import torch
 
 from kvstore import kernels
 from kvstore.checksum import block_checksum
+from kvstore.daemon.room import make_room
 from kvstore.errors import CapacityError
 from kvstore.index import BELOW_GPU, IN_CPU, IN_GPU, State
 from kvstore.policy import EvictionPolicy, make_policy
@@ -227,40 +228,41 @@ class DeviceTier:
             )
 
         async with self._room:
-            while True:
-                free = allocator.free_slots(block_bytes)
-                short = n - free
-                if short <= 0:
-                    return [self._alloc_one(block_bytes) for _ in range(n)]
-                victims = self.policy.evict(short, protected)
-                if victims is None and partial:
-                    victims = self.policy.evict(1, protected)
-                if victims is None:
-                    if partial:
-                        return [self._alloc_one(block_bytes) for _ in range(free)]
-                    raise CapacityError(
-                        f"gpu tier full: {n} slots of {block_bytes} bytes needed, {free} free "
-                        f"and fewer than {short} evictable (the rest are leased or moving)"
-                    )
-                dirty = [v for v in victims if not index.tier[v] & BELOW_GPU]
-                if dirty:
-                    await self.to_cpu(dirty, partial=True)
-                tried = set(dirty)
-                for v in victims:
-                    if (
-                        index.state[v] != State.COMMITTED
-                        or index.leases[v]
-                        or v in self._moving
-                        or not index.tier[v] & IN_GPU
-                    ):
-                        continue  # changed while the copies ran; the next round picks again
-                    if index.tier[v] & BELOW_GPU:
-                        self.drop_copy(v)
-                    elif v in tried:
-                        store.forget(v)  # the copy down failed (CPU full of leases, corrupt)
-                    else:
-                        continue  # was clean, lost its copy below meanwhile: next round
-                    self.counters.evictions += 1
+            return await make_room(
+                "gpu",
+                block_bytes,
+                n,
+                partial=partial,
+                free_slots=allocator.free_slots,
+                take_slot=self._alloc_one,
+                policy=self.policy,
+                protected=protected,
+                evict=self._evict,
+                busy="leased or moving",
+            )
+
+    async def _evict(self, victims: list[int]) -> None:
+        """Drop victims' GPU copies, copying the ones with no copy below down first."""
+        store, index = self.store, self.store.index
+        dirty = [v for v in victims if not index.tier[v] & BELOW_GPU]
+        if dirty:
+            await self.to_cpu(dirty, partial=True)
+        tried = set(dirty)
+        for v in victims:
+            if (
+                index.state[v] != State.COMMITTED
+                or index.leases[v]
+                or v in self._moving
+                or not index.tier[v] & IN_GPU
+            ):
+                continue  # changed while the copies ran; the next round picks again
+            if index.tier[v] & BELOW_GPU:
+                self.drop_copy(v)
+            elif v in tried:
+                store.forget(v)  # the copy down failed (CPU full of leases, corrupt)
+            else:
+                continue  # was clean, lost its copy below meanwhile: next round
+            self.counters.evictions += 1
 
     # ----------------------------------------------------------------- hooks from the store
     def note_committed(self, eids: list[int]) -> None:

@@ -18,7 +18,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from kvstore.checksum import block_checksum
-from kvstore.errors import CapacityError
+from kvstore.daemon.room import make_room
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, State
 
 if TYPE_CHECKING:
@@ -150,40 +150,41 @@ class Mover:
             )
 
         async with self._room:
-            while True:
-                free = store.allocator.free_slots(block_bytes)
-                short = n - free
-                if short <= 0:
-                    return [store.cpu_alloc(block_bytes) for _ in range(n)]
-                victims = store.policy.evict(short, protected)
-                if victims is None and partial:
-                    victims = store.policy.evict(1, protected)
-                if victims is None:
-                    if partial:
-                        return [store.cpu_alloc(block_bytes) for _ in range(free)]
-                    raise CapacityError(
-                        f"cpu tier full: {n} slots of {block_bytes} bytes needed, "
-                        f"{free} free and fewer than {short} evictable "
-                        "(the rest are leased or being written)"
-                    )
-                dirty = [v for v in victims if not index.tier[v] & IN_NVME]
-                if dirty and store.nvme is not None:
-                    await asyncio.gather(*(self.flush(v) for v in dirty))
-                elif dirty and store.shared.enabled:
-                    await store.shared.demote(dirty)  # the CPU tier is the last local one
-                for v in victims:
-                    if (
-                        index.state[v] != State.COMMITTED
-                        or index.leases[v]
-                        or v in self._flushing
-                        or not index.tier[v] & IN_CPU
-                    ):
-                        continue  # changed while the writes ran; the next round picks again
-                    if index.tier[v] & (IN_NVME | IN_GPU):
-                        store.drop_cpu_copy(v)  # still stored on disk or in the GPU pool
-                    else:
-                        store.forget(v)  # nothing else holds it (no tier, or a failed write)
-                    store.cpu.evictions += 1
+            return await make_room(
+                "cpu",
+                block_bytes,
+                n,
+                partial=partial,
+                free_slots=store.allocator.free_slots,
+                take_slot=store.cpu_alloc,
+                policy=store.policy,
+                protected=protected,
+                evict=self._evict_cpu,
+                busy="leased or being written",
+            )
+
+    async def _evict_cpu(self, victims: list[int]) -> None:
+        """Drop victims' CPU copies, writing dirty ones down first (or dropping them when
+        there is no tier below)."""
+        store, index = self.store, self.store.index
+        dirty = [v for v in victims if not index.tier[v] & IN_NVME]
+        if dirty and store.nvme is not None:
+            await asyncio.gather(*(self.flush(v) for v in dirty))
+        elif dirty and store.shared.enabled:
+            await store.shared.demote(dirty)  # the CPU tier is the last local one
+        for v in victims:
+            if (
+                index.state[v] != State.COMMITTED
+                or index.leases[v]
+                or v in self._flushing
+                or not index.tier[v] & IN_CPU
+            ):
+                continue  # changed while the writes ran; the next round picks again
+            if index.tier[v] & (IN_NVME | IN_GPU):
+                store.drop_cpu_copy(v)  # still stored on disk or in the GPU pool
+            else:
+                store.forget(v)  # nothing else holds it (no tier, or a failed write)
+            store.cpu.evictions += 1
 
     # ----------------------------------------------------------------- down: write-back
     async def flush(self, eid: int) -> bool:

@@ -434,16 +434,35 @@ class BlockStore:
             self.cpu_unalloc(offset, record.block_bytes)
         if not todo:
             return 0, offsets, False
+        return self._add_reservation(ns_id, keys, todo, slots, priority, offsets), offsets, False
+
+    def _add_reservation(
+        self,
+        ns_id: int,
+        keys: Sequence[bytes],
+        todo: list[int],
+        slots: list[int],
+        priority: int,
+        offsets: list[int],
+        gpu: bool = False,
+    ) -> int:
+        """RESERVED entries for ``keys[todo[j]]`` in ``slots[j]`` (arena or, ``gpu``, pool
+        slots), noted in ``offsets``; returns the new reservation's id. No await."""
         eids = []
         for i, offset in zip(todo, slots, strict=False):
-            eids.append(self.index.add(keys[i], ns_id, IN_CPU, offset, priority))
+            if gpu:
+                eid = self.index.add(keys[i], ns_id, 0, -1, priority)
+                self.device.place(eid, offset)
+            else:
+                eid = self.index.add(keys[i], ns_id, IN_CPU, offset, priority)
+            eids.append(eid)
             offsets[i] = offset
         self._reserved_blocks += len(eids)
         reservation_id = next(self._ids)
         self._reservations[reservation_id] = _Reservation(
-            ns_id, eids, self._clock() + self.config.reservation_ttl_s
+            ns_id, eids, self._clock() + self.config.reservation_ttl_s, gpu=gpu
         )
-        return reservation_id, offsets, False
+        return reservation_id
 
     async def _reserve_gpu(
         self, record: NamespaceRecord, keys: Sequence[bytes], priority: int, offsets: list[int]
@@ -463,18 +482,7 @@ class BlockStore:
             self.device.unalloc(offset, record.block_bytes)
         if not todo:
             return 0
-        eids = []
-        for i, offset in zip(todo, slots, strict=False):
-            eid = self.index.add(keys[i], record.ns_id, 0, -1, priority)
-            self.device.place(eid, offset)
-            eids.append(eid)
-            offsets[i] = offset
-        self._reserved_blocks += len(eids)
-        reservation_id = next(self._ids)
-        self._reservations[reservation_id] = _Reservation(
-            record.ns_id, eids, self._clock() + self.config.reservation_ttl_s, gpu=True
-        )
-        return reservation_id
+        return self._add_reservation(record.ns_id, keys, todo, slots, priority, offsets, gpu=True)
 
     def _new_positions(self, keys: Sequence[bytes]) -> list[int]:
         todo: list[int] = []
