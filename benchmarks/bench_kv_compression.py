@@ -217,7 +217,8 @@ async def tier_ratio(directory: Path, blocks: list[memoryview]) -> tuple[float, 
             slot = tier.allocate(size)
             if slot is None:
                 raise RuntimeError("tier full")
-            await tier.write(slot, i.to_bytes(32, "big"), bytes(16), b, block_checksum(b))
+            key = i.to_bytes(32, "big")
+            await tier.write(slot, key, bytes(16), b, block_checksum(b, bytes(16), key))
         stats = tier.stats()
     finally:
         await tier.close()

@@ -106,7 +106,7 @@ def main() -> int:
 
         health = health_pb2_grpc.HealthStub(kv._channel)  # the client's own channel
         check = health_pb2.HealthCheckRequest()
-        raw = pb.LookupRequest(namespace_id=kv._ns_id, keys=pack_keys(keys))
+        raw = pb.LookupRequest(handle=kv._handle, keys=pack_keys(keys))
         one = keys[:1]
         calls: dict[str, Callable[[], object]] = {
             "empty": lambda: health.Check(check, timeout=10),

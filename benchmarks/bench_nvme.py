@@ -93,7 +93,7 @@ async def tier_run(
 ) -> tuple[float, float]:
     """Write then read ``blocks`` blocks through a fresh tier: (write GB/s, read GB/s) of raw
     block bytes."""
-    sums = [block_checksum(b) for b in src]
+    sums = [block_checksum(src[i % len(src)], NS, key(i)) for i in range(blocks)]
     capacity = blocks * NvmeTier.slot_bytes_for(block_bytes) + 64 * MiB
     tdir = directory / "tier"
     tier = NvmeTier(tdir, capacity, codec=codec, io_threads=io_threads, slab_bytes=64 * MiB)
@@ -103,12 +103,12 @@ async def tier_run(
     assert all(s is not None for s in slots)
 
     async def write(i: int, _w: int) -> None:
-        await tier.write(slots[i], key(i), NS, src[i % len(src)], sums[i % len(src)])  # type: ignore[arg-type]
+        await tier.write(slots[i], key(i), NS, src[i % len(src)], sums[i])  # type: ignore[arg-type]
 
     outs = arena(in_flight, block_bytes, lambda i: bytes(block_bytes))  # pre-faulted
 
     async def read(i: int, w: int) -> None:
-        ok = await tier.read_into(slots[i], key(i), NS, sums[i % len(src)], outs[w])  # type: ignore[arg-type]
+        ok = await tier.read_into(slots[i], key(i), NS, sums[i], outs[w])  # type: ignore[arg-type]
         assert ok, f"read of block {i} missed"
 
     wt = await pump(blocks, in_flight, write)
@@ -125,7 +125,7 @@ async def restart_run(
 ) -> dict[str, float]:
     """Fill a tier with ``blocks`` small blocks, then time open() after a clean close."""
     src = arena(64, block_bytes, lambda i: os.urandom(block_bytes))
-    sums = [block_checksum(b) for b in src]
+    sums = [block_checksum(src[i % 64], NS, key(i)) for i in range(blocks)]
     slab = 256 * MiB
     per_slab = slab // NvmeTier.slot_bytes_for(block_bytes)
     capacity = -(-blocks // per_slab) * slab + 16 * MiB
@@ -135,7 +135,7 @@ async def restart_run(
     slots = [tier.allocate(block_bytes) for _ in range(blocks)]
 
     async def write(i: int, _w: int) -> None:
-        await tier.write(slots[i], key(i), NS, src[i % 64], sums[i % 64])  # type: ignore[arg-type]
+        await tier.write(slots[i], key(i), NS, src[i % 64], sums[i])  # type: ignore[arg-type]
 
     fill_s = await pump(blocks, in_flight, write)
     await tier.close()

@@ -95,8 +95,8 @@ async def timed(fn: Callable[[], Awaitable[Any]]) -> float:
 async def one_size(sock: str, size: int, runs: int, blocks: int) -> dict[str, Any]:
     src = arena(blocks, size, random_fill=True)
     dst = arena(blocks, size, random_fill=False)
-    sums = [block_checksum(b) for b in src]
     keys = [i.to_bytes(32, "big") for i in range(blocks)]
+    sums = [block_checksum(b, NS, k) for b, k in zip(src, keys, strict=True)]
     entries = list(zip(keys, src, sums, strict=True))
     items = list(zip(keys, sums, dst, strict=True))
     fast = RedisTier(f"unix://{sock}", timeout_s=10.0)

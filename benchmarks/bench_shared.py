@@ -311,7 +311,10 @@ class LlamaPart:
         return {MEMCPY: dt}
 
     def xxh3(self, p: Prefix) -> dict[str, float]:
-        dt, _ = timed(lambda: [block_checksum(r) for r in self.out_rows])
+        fp, rows = self.fingerprint, self.out_rows
+        dt, _ = timed(
+            lambda: [block_checksum(r, fp, k) for r, k in zip(rows, p.keys, strict=False)]
+        )
         return {XXH3: dt}
 
 

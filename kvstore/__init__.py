@@ -1,9 +1,20 @@
-"""kvstore: a multi-tier KV-cache store for LLM inference."""
+"""kvstore: a multi-tier KV-cache store for LLM inference.
 
-from kvstore.client import AsyncKVStoreClient, KVStoreClient
+The faces (``KVStoreClient``, ``AsyncKVStoreClient``, ``PagedKVCache``) load on first use, so
+the daemon, which imports ``kvstore.*`` modules, never pulls in the client or the paged cache
+(the layer rule: the daemon and the client share only the protocol and the core types).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from kvstore.keys import BlockKey, Namespace, block_hashes
 from kvstore.layout import KVLayout
-from kvstore.paged import PagedKVCache
+
+if TYPE_CHECKING:
+    from kvstore.client import AsyncKVStoreClient, KVStoreClient
+    from kvstore.paged import PagedKVCache
 
 __version__ = "0.1.0"
 
@@ -17,3 +28,20 @@ __all__ = [
     "__version__",
     "block_hashes",
 ]
+
+_LAZY = {
+    "AsyncKVStoreClient": "kvstore.client",
+    "KVStoreClient": "kvstore.client",
+    "PagedKVCache": "kvstore.paged",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -187,7 +187,6 @@ def stats_to_dict(reply: Any) -> dict[str, Any]:
         lookups = n.hits + n.misses
         namespaces.append(
             {
-                "id": n.namespace_id,
                 "name": n.name,
                 "blocks": n.blocks,
                 "used_bytes": n.used_bytes,

@@ -143,12 +143,42 @@ class GpuTierConfig:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """Bounds on what one request, one client and all clients together may hold. A request past
+    a bound is refused with INVALID_ARGUMENT (its shape) or RESOURCE_EXHAUSTED (a table is full)
+    and a message naming the bound; nothing is changed by it."""
+
+    max_keys_per_request: int = 16384  # a 256K-token prompt in 16-token blocks
+    max_name_bytes: int = 256  # model, revision and tenant, each
+    max_handles: int = 4096  # open namespace handles, every client together
+    max_namespaces: int = 4096  # namespaces known (open, or holding blocks)
+    max_reservations_per_handle: int = 256
+    max_leases_per_handle: int = 1024
+    max_stats_namespaces: int = 512  # namespaces listed in one Stats reply
+    # How long a put or get that meets keys another client is writing waits for that commit
+    # (the call's own deadline bounds it too); past it the result says so.
+    write_wait_s: float = 5.0
+    # Largest data field of one bytes-path message: a block travels as chunks of this size.
+    chunk_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ValueError(f"limits.{f.name} must be positive, got {getattr(self, f.name)}")
+        if self.chunk_bytes > 16 << 20:
+            raise ValueError(f"limits.chunk_bytes must be at most 16MiB, got {self.chunk_bytes}")
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     address: str = ""
     lease_ttl_s: float = 30.0
     reservation_ttl_s: float = 30.0
     reaper_interval_s: float = 0.5
-    max_message_bytes: int = 256 << 20
+    # Largest gRPC message either way. Control messages are small (16384 keys are 512 KiB) and
+    # bytes-path blocks travel in limits.chunk_bytes chunks, so this stays far below a block.
+    max_message_bytes: int = 4 << 20
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     nvme: NvmeTierConfig = field(default_factory=NvmeTierConfig)
@@ -163,6 +193,12 @@ class DaemonConfig:
         for name in ("lease_ttl_s", "reservation_ttl_s", "reaper_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        need = self.limits.chunk_bytes + self.limits.max_keys_per_request * 32 + (64 << 10)
+        if self.max_message_bytes < need:
+            raise ValueError(
+                f"max_message_bytes {self.max_message_bytes} is below what the limits need "
+                f"({need}: one chunk plus a request of max_keys_per_request keys)"
+            )
         if self.metrics_address:
             try:
                 split_host_port(self.metrics_address)
@@ -194,6 +230,17 @@ _KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "max_message_bytes": ("max_message_bytes", parse_size),
         "drain_timeout_s": ("drain_timeout_s", float),
         "metrics_address": ("metrics_address", str),
+    },
+    "limits": {
+        "max_keys_per_request": ("max_keys_per_request", int),
+        "max_name_bytes": ("max_name_bytes", int),
+        "max_handles": ("max_handles", int),
+        "max_namespaces": ("max_namespaces", int),
+        "max_reservations_per_handle": ("max_reservations_per_handle", int),
+        "max_leases_per_handle": ("max_leases_per_handle", int),
+        "max_stats_namespaces": ("max_stats_namespaces", int),
+        "write_wait_s": ("write_wait_s", float),
+        "chunk": ("chunk_bytes", parse_size),
     },
     "gpu": {
         "enabled": ("enabled", _gpu_mode),
@@ -250,6 +297,7 @@ def _apply(base: DaemonConfig, data: dict[str, Any], source: str) -> DaemonConfi
         cpu=dataclasses.replace(base.cpu, **_fields(data, "cpu", source)),
         nvme=dataclasses.replace(base.nvme, **_fields(data, "nvme", source)),
         redis=dataclasses.replace(base.redis, **_fields(data, "redis", source)),
+        limits=dataclasses.replace(base.limits, **_fields(data, "limits", source)),
         **_fields(data, "daemon", source),
     )
 

@@ -1,4 +1,4 @@
-"""The block index: key -> entry id, with each entry's fields in typed arrays.
+"""The block index: (namespace, key) -> entry id, with each entry's fields in typed arrays.
 
 One Python object per block would cost 300+ bytes at a million blocks (an object, a boxed
 offset and checksum, an LRU node). Here an entry is a dict slot, the key bytes and ~30 bytes of
@@ -13,6 +13,10 @@ Entry life cycle (``state``):
 
 Only COMMITTED entries are visible to lookups and reads. An ORPHAN has lost its key (a new put
 of the same key makes a fresh entry) but keeps its slot until its last read lease is released.
+
+Keys are indexed per namespace: the same 32 bytes in two namespaces are two entries. Keys are
+seeded by the namespace, so honest clients never collide; a hostile one that computes another
+namespace's keys (its identity is no secret) can then neither shadow nor pre-empt them.
 
 Owned by the daemon's event loop; not thread-safe.
 """
@@ -45,31 +49,48 @@ BELOW_GPU = IN_CPU | IN_NVME
 class BlockIndex:
     """Maps 32-byte keys to entry ids and holds per-entry fields. See the module docstring."""
 
-    MAX_LEASES = 0xFFFF
+    MAX_LEASES = 0xFFFFFFFF
 
     def __init__(self) -> None:
-        self._ids: dict[bytes, int] = {}
+        self._ids: dict[int, dict[bytes, int]] = {}  # namespace id -> key -> entry id
+        self._count = 0
         self._keys: list[bytes | None] = []
         self._free_ids: list[int] = []
         self.state = bytearray()
         self.tier = bytearray()
         self.priority = bytearray()
         self.ns = array("H")
-        self.leases = array("H")
+        self.leases = array("I")
         self.offset = array("q")  # CPU arena offset, -1 when not in the CPU tier
         self.disk = array("q")  # NVMe slot, -1 when not on disk
         self.checksum = array("Q")
 
     def __len__(self) -> int:
         """Number of keyed entries (reserved or committed)."""
-        return len(self._ids)
+        return self._count
 
     @property
     def capacity(self) -> int:
         return len(self._keys)
 
-    def get(self, key: bytes) -> int | None:
-        return self._ids.get(key)
+    def get(self, ns: int, key: bytes) -> int | None:
+        keys = self._ids.get(ns)
+        return None if keys is None else keys.get(key)
+
+    def entries_of(self, ns: int) -> int:
+        """Keyed entries (reserved or committed) of one namespace."""
+        keys = self._ids.get(ns)
+        return 0 if keys is None else len(keys)
+
+    def _unkey(self, eid: int) -> None:
+        key = self._keys[eid]
+        if key is not None:
+            keys = self._ids[self.ns[eid]]
+            del keys[key]
+            if not keys:
+                del self._ids[self.ns[eid]]
+            self._keys[eid] = None
+            self._count -= 1
 
     def key(self, eid: int) -> bytes:
         key = self._keys[eid]
@@ -80,8 +101,9 @@ class BlockIndex:
     def add(
         self, key: bytes, ns: int, tier: int, offset: int, priority: int, disk: int = -1
     ) -> int:
-        """A new RESERVED entry. The key must not be indexed already."""
-        if key in self._ids:
+        """A new RESERVED entry. The key must not be indexed in ``ns`` already."""
+        keys = self._ids.setdefault(ns, {})
+        if key in keys:
             raise AssertionError("key already indexed")
         if self._free_ids:
             eid = self._free_ids.pop()
@@ -105,7 +127,8 @@ class BlockIndex:
             self.offset.append(offset)
             self.disk.append(disk)
             self.checksum.append(0)
-        self._ids[key] = eid
+        keys[key] = eid
+        self._count += 1
         return eid
 
     def commit(self, eid: int, checksum: int) -> None:
@@ -116,22 +139,24 @@ class BlockIndex:
 
     def orphan(self, eid: int) -> None:
         """Drop the key of a leased entry; the entry lives on until its last lease goes."""
-        key = self._keys[eid]
-        if key is not None:
-            del self._ids[key]
-            self._keys[eid] = None
+        self._unkey(eid)
         self.state[eid] = State.ORPHAN
 
     def drop(self, eid: int) -> None:
         """Forget an entry entirely and recycle its id."""
         if self.leases[eid]:
             raise AssertionError(f"drop of entry {eid} with {self.leases[eid]} leases")
-        key = self._keys[eid]
-        if key is not None:
-            del self._ids[key]
-            self._keys[eid] = None
+        self._unkey(eid)
         self.state[eid] = State.FREE
         self._free_ids.append(eid)
+
+    def has_key(self, eid: int, ns: int, key: bytes) -> bool:
+        """True if entry ``eid`` is, right now, the entry of ``key`` in namespace ``ns``."""
+        return self._keys[eid] == key and self.ns[eid] == ns
+
+    def keyed(self) -> list[int]:
+        """Every keyed entry id (reserved or committed), for checkers."""
+        return [e for keys in self._ids.values() for e in keys.values()]
 
     def add_lease(self, eid: int) -> None:
         if self.leases[eid] >= self.MAX_LEASES:

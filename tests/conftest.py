@@ -142,6 +142,7 @@ def config_toml(
     gpu: str = "off",
     gpu_capacity: str = "64MiB",
     gpu_high_watermark: float = 0.8,
+    extra: str = "",
 ) -> str:
     # The GPU tier is off unless a test asks for it: on a CUDA host every other daemon of the
     # suite would otherwise make a device pool (and a CUDA context) it does not use.
@@ -177,7 +178,7 @@ capacity = "{nvme_capacity}"
 codec = "{nvme_codec}"
 write_through = {"true" if write_through else "false"}
 """
-    return text
+    return text + extra
 
 
 @pytest.fixture

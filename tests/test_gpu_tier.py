@@ -23,10 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore import KVLayout, Namespace, block_hashes, kernels
-from kvstore.checksum import block_checksum
+from kvstore.checksum import bind_device_checksum, block_checksum, checksum_seed
 from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig, NvmeTierConfig, load_config
 from kvstore.daemon.device import make_device_pool
-from kvstore.daemon.store import BlockStore
+from kvstore.daemon.store import BlockStore, Handle
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME
 from kvstore.tiers.cpu import HEADER_BYTES
@@ -43,6 +43,16 @@ def keys(n: int, start: int = 0) -> list[bytes]:
 
 def block(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, BB, dtype=np.uint8)
+
+
+def xxh(data: np.ndarray, key: bytes) -> int:
+    """A block's checksum as the store holds it: bound to NS and ``key``."""
+    return block_checksum(data, NS.fingerprint, key)
+
+
+def dsum(slot: torch.Tensor, key: bytes) -> int:
+    """A pool slot's device checksum bound to NS and ``key``, as a worker commits it."""
+    return bind_device_checksum(kernels.device_checksums([slot])[0], NS.fingerprint, key)
 
 
 def make_store(
@@ -75,18 +85,19 @@ async def store():
     await s.stop()
 
 
-async def put_gpu(s: BlockStore, ns: int, ks: list[bytes], seeds: list[int]) -> int:
-    """Write blocks as a worker does: into pool slots, then commit their device checksums."""
+async def put_gpu(s: BlockStore, ns: Handle, ks: list[bytes], seeds: list[int]) -> int:
+    """Write blocks as a worker does: into pool slots, then commit their bound device
+    checksums."""
     rid, offsets, on_gpu = await s.reserve(ns, ks, gpu=True)
     assert on_gpu
     sums = []
-    for off, seed in zip(offsets, seeds, strict=True):
+    for off, seed, k in zip(offsets, seeds, ks, strict=True):
         if off < 0:
             continue
         slot = s.device.pool.slot(off, BB)  # type: ignore[union-attr]
         slot.copy_(torch.from_numpy(block(seed)))
-        sums.append(kernels.device_checksums([slot])[0])
-    return s.commit(rid, [], sums) if rid else 0
+        sums.append(dsum(slot, k))
+    return s.commit(ns, rid, [], sums) if rid else 0
 
 
 def read_cpu(s: BlockStore, offset: int) -> np.ndarray:
@@ -135,7 +146,7 @@ async def test_store_without_cuda_has_no_gpu_tier() -> None:
     try:
         assert not s.device.enabled
         assert [t.name for t in s.tier_snapshots()] == ["cpu"]
-        ns = s.open_namespace(NS).ns_id
+        ns = s.open_namespace(NS)
         _, _, on_gpu = await s.reserve(ns, keys(1), gpu=True)  # asked, but there is none
         assert not on_gpu
     finally:
@@ -144,7 +155,7 @@ async def test_store_without_cuda_has_no_gpu_tier() -> None:
 
 # ----------------------------------------------------------------- writes and reads
 async def test_gpu_put_is_read_from_the_pool_and_from_the_cpu_tier(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     ks = keys(3)
     assert await put_gpu(store, ns, ks, [1, 2, 3]) == 3
     assert await store.lookup(ns, ks) == 3
@@ -157,66 +168,75 @@ async def test_gpu_put_is_read_from_the_pool_and_from_the_cpu_tier(store: BlockS
     for i, off in enumerate(offsets):
         slot = pool.slot(off, BB)
         assert np.array_equal(slot.numpy(), block(i + 1))
-        assert kernels.device_checksums([slot])[0] == sums[i]
-    store.release(lease)
+        assert dsum(slot, ks[i]) == sums[i]
+    store.release(ns, lease)
 
     # A reader without the pool gets CPU copies, made on demand, with their xxh3.
     lease, offsets, sums, on_gpu = await store.acquire(ns, ks, gpu=False)
     assert on_gpu == [False] * 3
     for i, off in enumerate(offsets):
         assert np.array_equal(read_cpu(store, off), block(i + 1))
-        assert sums[i] == block_checksum(block(i + 1))
-    store.release(lease)
+        assert sums[i] == xxh(block(i + 1), ks[i])
+    store.release(ns, lease)
     for k in ks:  # both copies stay: the GPU one is clean now
-        eid = store.index.get(k)
+        eid = store.index.get(ns.ns_id, k)
         assert eid is not None and store.index.tier[eid] & (IN_GPU | IN_CPU) == IN_GPU | IN_CPU
     assert store.device.counters.demotions == 3
+    await settle(store)
+    store.check()
 
 
 async def test_duplicate_gpu_put_is_deduplicated(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     assert await put_gpu(store, ns, keys(2), [1, 2]) == 2
     rid, offsets, _ = await store.reserve(ns, keys(2), gpu=True)
     assert rid == 0 and offsets == [-1, -1]
+    await settle(store)
+    store.check()
 
 
 async def test_commit_of_a_gpu_reservation_needs_device_checksums(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     rid, _, on_gpu = await store.reserve(ns, keys(2), gpu=True)
     assert on_gpu
     with pytest.raises(ValueError, match="device checksums"):
-        store.commit(rid, [1, 2])  # xxh3 checksums where device checksums belong
+        store.commit(ns, rid, [1, 2])  # xxh3 checksums where device checksums belong
     with pytest.raises(ValueError, match="device checksums"):
-        store.commit(rid, [], [1])
-    assert store.commit(rid, [], [1, 2]) == 2  # the bad commits changed nothing
+        store.commit(ns, rid, [], [1])
+    assert store.commit(ns, rid, [], [1, 2]) == 2  # the bad commits changed nothing
+    await settle(store)
+    store.check()
 
 
 async def test_corrupt_gpu_block_is_a_miss_never_wrong_data(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     ks = keys(3)
     await put_gpu(store, ns, ks, [1, 2, 3])
-    eid = store.index.get(ks[1])
+    eid = store.index.get(ns.ns_id, ks[1])
     assert eid is not None
     slot = store.device.pool.slot(store.device.offset[eid], BB)  # type: ignore[union-attr]
     slot[100] ^= 0xFF  # a worker scribbled on a committed block
     lease, offsets, _, _ = await store.acquire(ns, ks, gpu=False)
     assert len(offsets) == 1  # the run ends at the corrupt block
     assert np.array_equal(read_cpu(store, offsets[0]), block(1))
-    store.release(lease)
+    store.release(ns, lease)
     assert store.device.counters.checksum_failures == 1
-    assert store.index.get(ks[1]) is None  # gone, not served
+    assert store.index.get(ns.ns_id, ks[1]) is None  # gone, not served
     assert await store.lookup(ns, ks) == 1
+    await settle(store)
+    store.check()
 
 
 async def test_abandoned_gpu_reservation_gives_its_slots_back() -> None:
     s = make_store()
     await s.start()
     try:
-        ns = s.open_namespace(NS).ns_id
+        ns = s.open_namespace(NS)
         rid, _, on_gpu = await s.reserve(ns, keys(4), gpu=True)
         assert on_gpu and s.device.used_bytes == 4 * BB
-        s.abort(rid)
+        s.abort(ns, rid)
         assert s.device.used_bytes == 0
+        s.check()
         await s.reserve(ns, keys(4), gpu=True)  # a writer that stalls past its reservation
         s._clock = lambda: 1e9
         assert s.reap() == (1, 0)
@@ -228,16 +248,20 @@ async def test_abandoned_gpu_reservation_gives_its_slots_back() -> None:
         s._clock = lambda: 1e9 + 11
         s.reap()
         assert s.device.used_bytes == 0
+        await settle(s)
+        s.check()
     finally:
         await s.stop()
 
 
 async def test_delete_frees_the_gpu_slot(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     await put_gpu(store, ns, keys(2), [1, 2])
     assert store.delete(ns, keys(2)) == 2
     assert store.device.used_bytes == 0 and len(store.device.policy) == 0
     assert await store.lookup(ns, keys(2)) == 0
+    await settle(store)
+    store.check()
 
 
 # ----------------------------------------------------------------- eviction and write-back
@@ -245,7 +269,7 @@ async def test_full_pool_writes_back_then_evicts_and_nothing_is_lost() -> None:
     s = make_store(gpu_blocks=4, cpu_blocks=16)
     await s.start()
     try:
-        ns = s.open_namespace(NS).ns_id
+        ns = s.open_namespace(NS)
         ks = keys(10)
         for i in range(10):  # 10 blocks through a 4-block pool
             assert await put_gpu(s, ns, [ks[i]], [i]) == 1
@@ -255,10 +279,12 @@ async def test_full_pool_writes_back_then_evicts_and_nothing_is_lost() -> None:
         lease, offsets, sums, _ = await s.acquire(ns, ks, gpu=False)
         for i, off in enumerate(offsets):
             assert np.array_equal(read_cpu(s, off), block(i)), i
-            assert sums[i] == block_checksum(block(i))
-        s.release(lease)
-        hot = [s.index.get(k) for k in ks[6:]]
+            assert sums[i] == xxh(block(i), ks[i])
+        s.release(ns, lease)
+        hot = [s.index.get(ns.ns_id, k) for k in ks[6:]]
         assert all(e is not None and s.index.tier[e] & IN_GPU for e in hot)  # LRU kept these
+        await settle(s)
+        s.check()
     finally:
         await s.stop()
 
@@ -267,7 +293,7 @@ async def test_leased_gpu_blocks_are_not_evicted_and_a_full_pool_falls_back_to_c
     s = make_store(gpu_blocks=2)
     await s.start()
     try:
-        ns = s.open_namespace(NS).ns_id
+        ns = s.open_namespace(NS)
         await put_gpu(s, ns, keys(2), [1, 2])
         lease, _, _, on_gpu = await s.acquire(ns, keys(2), gpu=True)
         assert on_gpu == [True, True]
@@ -275,7 +301,9 @@ async def test_leased_gpu_blocks_are_not_evicted_and_a_full_pool_falls_back_to_c
             await s.device.alloc(BB, 1)
         _, offsets, gpu = await s.reserve(ns, keys(1, start=5), gpu=True)
         assert not gpu and offsets[0] >= 0  # the CPU tier took it
-        s.release(lease)
+        s.release(ns, lease)
+        await settle(s)
+        s.check()
     finally:
         await s.stop()
 
@@ -284,15 +312,16 @@ async def test_background_write_back_keeps_the_pool_clean() -> None:
     s = make_store(gpu_blocks=4, high_watermark=0.5)
     await s.start()
     try:
-        ns = s.open_namespace(NS).ns_id
+        ns = s.open_namespace(NS)
         await put_gpu(s, ns, keys(4), [1, 2, 3, 4])
         await settle(s)
         # At most half the pool may be dirty: the coldest blocks were copied down.
         assert s.device.clean_bytes() >= 2 * BB
-        clean = [s.index.get(k) for k in keys(2)]
+        clean = [s.index.get(ns.ns_id, k) for k in keys(2)]
         assert all(e is not None and s.index.tier[e] & IN_CPU for e in clean)
         snap = {t.name: t for t in s.tier_snapshots()}
         assert snap["gpu"].blocks == 4 and snap["gpu"].extra["clean_below_bytes"] >= 2 * BB
+        s.check()
     finally:
         await s.stop()
 
@@ -304,15 +333,17 @@ async def test_gpu_blocks_reach_the_disk_with_nvme_write_through(tmp_path) -> No
     s = make_store(nvme=nvme)
     await s.start()
     try:
-        ns = s.open_namespace(NS).ns_id
+        ns = s.open_namespace(NS)
         await put_gpu(s, ns, keys(3), [1, 2, 3])
         for _ in range(2000):  # up to 20 s on a loaded machine; usually a few ms
-            eids = [s.index.get(k) for k in keys(3)]
+            eids = [s.index.get(ns.ns_id, k) for k in keys(3)]
             if all(e is not None and s.index.tier[e] & IN_NVME for e in eids):
                 break
             await asyncio.sleep(0.01)
         else:
             pytest.fail("GPU blocks were not written through to the disk")
+        await settle(s)
+        s.check()
     finally:
         await s.stop()
     # A restarted daemon (no GPU tier this time) finds them on disk, bit-exact.
@@ -325,26 +356,27 @@ async def test_gpu_blocks_reach_the_disk_with_nvme_write_through(tmp_path) -> No
     )
     await s2.start()
     try:
-        ns = s2.open_namespace(NS).ns_id
+        ns = s2.open_namespace(NS)
         lease, offsets, _, _ = await s2.acquire(ns, keys(3))
         assert [np.array_equal(read_cpu(s2, o), block(i + 1)) for i, o in enumerate(offsets)] == [
             True
         ] * 3
-        s2.release(lease)
+        s2.release(ns, lease)
+        s2.check()
     finally:
         await s2.stop()
 
 
 # ----------------------------------------------------------------- promotion
 async def test_prefetch_promotes_into_the_pool(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     ks = keys(3)
     rid, offsets, on_gpu = await store.reserve(ns, ks)  # a CPU put
     assert not on_gpu
     for i, off in enumerate(offsets):
         store.arena.view[off : off + BB] = block(10 + i).tobytes()
-    store.commit(rid, [block_checksum(block(10 + i)) for i in range(3)])
-    assert store.device.prefetch(ns, ks) == 3
+    store.commit(ns, rid, [xxh(block(10 + i), ks[i]) for i in range(3)])
+    assert store.device.prefetch(ns.ns_id, ks) == 3
     await settle(store)
     assert store.device.counters.promotions == 3
     lease, offsets, sums, served_on_gpu = await store.acquire(ns, ks, gpu=True)
@@ -354,24 +386,27 @@ async def test_prefetch_promotes_into_the_pool(store: BlockStore) -> None:
     for i, off in enumerate(offsets):
         slot = pool.slot(off, BB)
         assert np.array_equal(slot.numpy(), block(10 + i))
-        assert kernels.device_checksums([slot])[0] == sums[i]
-    store.release(lease)
+        assert dsum(slot, ks[i]) == sums[i]
+    store.release(ns, lease)
+    await settle(store)
+    store.check()
 
 
 async def test_prefetch_drops_a_corrupt_cpu_block(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     ks = keys(3)
     rid, offsets, _ = await store.reserve(ns, ks)
     for i, off in enumerate(offsets):
         store.arena.view[off : off + BB] = block(i).tobytes()
-    store.commit(rid, [block_checksum(block(i)) for i in range(3)])
+    store.commit(ns, rid, [xxh(block(i), ks[i]) for i in range(3)])
     store.arena.view[offsets[0] + 7] ^= 1  # scribbled after commit
-    store.device.prefetch(ns, ks)
+    store.device.prefetch(ns.ns_id, ks)
     await settle(store)
-    assert store.index.get(ks[0]) is None  # corrupt: dropped, not promoted
+    assert store.index.get(ns.ns_id, ks[0]) is None  # corrupt: dropped, not promoted
     assert store.cpu.checksum_failures == 1
     assert store.device.counters.promotions == 2
     assert await store.lookup(ns, ks) == 0  # the prefix is broken at its first block
+    store.check()
 
 
 # ----------------------------------------------------------------- invariants under random use
@@ -391,7 +426,7 @@ def test_random_use_keeps_the_tiers_consistent_and_bytes_exact(ops) -> None:
         s = make_store(gpu_blocks=3, cpu_blocks=5, high_watermark=0.7)
         await s.start()
         try:
-            ns = s.open_namespace(NS).ns_id
+            ns = s.open_namespace(NS)
             stored: dict[int, int] = {}  # block -> seed of its bytes
             for op, i in ops:
                 k = keys(1, start=i)
@@ -401,7 +436,7 @@ def test_random_use_keeps_the_tiers_consistent_and_bytes_exact(ops) -> None:
                     rid, offsets, _ = await s.reserve(ns, k)
                     if rid:
                         s.arena.view[offsets[0] : offsets[0] + BB] = block(i).tobytes()
-                        s.commit(rid, [block_checksum(block(i))])
+                        s.commit(ns, rid, [xxh(block(i), k[0])])
                 elif op in ("read_gpu", "read_cpu"):
                     lease, offsets, sums, on_gpu = await s.acquire(ns, k, gpu=op == "read_gpu")
                     if lease:
@@ -409,14 +444,15 @@ def test_random_use_keeps_the_tiers_consistent_and_bytes_exact(ops) -> None:
                             got = s.device.pool.slot(offsets[0], BB).numpy()  # type: ignore[union-attr]
                         else:
                             got = read_cpu(s, offsets[0])
-                            assert sums[0] == block_checksum(got)
+                            assert sums[0] == xxh(got, k[0])
                         assert np.array_equal(got, block(i))
-                        s.release(lease)
+                        s.release(ns, lease)
                 elif op == "delete":
                     s.delete(ns, k)
                 else:
-                    s.device.prefetch(ns, k)
+                    s.device.prefetch(ns.ns_id, k)
                 await settle(s)
+                s.check()
                 # Invariants: slots and policy agree with the index; every stored block is whole.
                 d = s.device
                 assert d.used_bytes == len(d.offset) * BB <= 3 * BB
@@ -426,7 +462,7 @@ def test_random_use_keeps_the_tiers_consistent_and_bytes_exact(ops) -> None:
                     assert s.index.tier[eid] & IN_GPU
                 assert s.cpu_used_bytes == len(s.policy) * BB <= 5 * BB
                 for j in range(8):
-                    found = s.index.get(keys(1, start=j)[0])
+                    found = s.index.get(ns.ns_id, keys(1, start=j)[0])
                     if found is not None:
                         assert s.index.tier[found] & (IN_GPU | IN_CPU)
                         stored[j] = j
@@ -435,7 +471,9 @@ def test_random_use_keeps_the_tiers_consistent_and_bytes_exact(ops) -> None:
             for j in stored:
                 lease, offsets, _, _ = await s.acquire(ns, keys(1, start=j))
                 assert lease and np.array_equal(read_cpu(s, offsets[0]), block(j))
-                s.release(lease)
+                s.release(ns, lease)
+            await settle(s)
+            s.check()
         finally:
             await s.stop()
 
@@ -474,18 +512,31 @@ def test_a_lease_mixing_pool_and_arena_slots_verifies_each_kind() -> None:
     )
     try:
         offs = [HEADER_BYTES + i * BB for i in range(4)]
+        ks = keys(4)  # block i is stored under ks[i]
+        seeds = [checksum_seed(NS.fingerprint, k) for k in ks]
         # Write two blocks into the pool the way a worker's reservation does.
-        res = WriteReservation(mapped, LAYOUT, 1, offs[:2], lambda c: len(c), lambda: None, pool)  # type: ignore[arg-type]
+        res = WriteReservation(
+            mapped,
+            LAYOUT,
+            1,
+            offs[:2],
+            seeds[:2],
+            lambda c: len(c),
+            lambda: None,
+            pool,  # type: ignore[arg-type]
+        )
         res.fill_from(torch.from_numpy(np.stack([block(0), block(1)])))
         device_sums = res.checksums()
-        assert device_sums == kernels.device_checksums([pool.slot(o, BB) for o in offs[:2]])
+        slots = [pool.slot(o, BB) for o in offs[:2]]
+        assert device_sums == [dsum(slot, k) for slot, k in zip(slots, ks[:2], strict=True)]
         for i in (2, 3):
             arena.view[offs[i] : offs[i] + BB] = block(i).tobytes()
         lease = ReadLease(
             mapped,
             LAYOUT,
             [offs[0], offs[2], offs[1], offs[3]],
-            [device_sums[0], block_checksum(block(2)), device_sums[1], block_checksum(block(3))],
+            [device_sums[0], xxh(block(2), ks[2]), device_sums[1], xxh(block(3), ks[3])],
+            [seeds[0], seeds[2], seeds[1], seeds[3]],
             lambda: None,
             [True, False, True, False],
             pool,  # type: ignore[arg-type]
@@ -507,30 +558,34 @@ def test_a_lease_mixing_pool_and_arena_slots_verifies_each_kind() -> None:
 
 # ----------------------------------------------------------------- regressions found in review
 async def test_a_key_asked_twice_balances_its_leases(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     k = keys(1)
     await put_gpu(store, ns, k, [1])
-    eid = store.index.get(k[0])
+    eid = store.index.get(ns.ns_id, k[0])
     assert eid is not None
-    lease, offsets, _, _ = await store.acquire(ns, [k[0], k[0]], gpu=False)
-    assert len(offsets) == 2 and not store.device._moving
-    store.release(lease)
+    # The store now refuses a key asked twice by acquire (a prefix chain never repeats a key;
+    # a lease names distinct entries): the call fails before it pins anything.
+    with pytest.raises(ValueError, match="a key is repeated"):
+        await store.acquire(ns, [k[0], k[0]], gpu=False)
+    assert not store.device._moving and store.active_leases == 0
     assert store.index.leases[eid] == 0
-    rid, offs, _ = await store.reserve(ns, keys(1, start=5))
+    k5 = keys(1, start=5)
+    rid, offs, _ = await store.reserve(ns, k5)
     store.arena.view[offs[0] : offs[0] + BB] = block(5).tobytes()
-    store.commit(rid, [block_checksum(block(5))])
-    e2 = store.index.get(keys(1, start=5)[0])
+    store.commit(ns, rid, [xxh(block(5), k5[0])])
+    e2 = store.index.get(ns.ns_id, k5[0])
     assert e2 is not None
-    store.device.prefetch(ns, [keys(1, start=5)[0]] * 2)
+    store.device.prefetch(ns.ns_id, [k5[0]] * 2)
     await settle(store)
     assert store.index.leases[e2] == 0 and store.index.tier[e2] & IN_GPU
+    store.check()
 
 
 async def test_a_cancelled_read_gives_its_leases_back(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     ks = keys(2)
     await put_gpu(store, ns, ks, [1, 2])
-    eids = [store.index.get(k) for k in ks]
+    eids = [store.index.get(ns.ns_id, k) for k in ks]
     copy_down = store.device._copy_down
     started, go = threading.Event(), threading.Event()
 
@@ -549,7 +604,10 @@ async def test_a_cancelled_read_gives_its_leases_back(store: BlockStore) -> None
         await task
     await settle(store)
     assert [store.index.leases[e] for e in eids if e is not None] == [0, 0]
+    store.check()
     assert len(await store.device.alloc(BB, 4)) == 4  # nothing stays pinned
+    await settle(store)
+    store.check()
 
 
 async def test_the_disk_making_room_keeps_blocks_that_are_in_the_pool(tmp_path) -> None:
@@ -557,10 +615,10 @@ async def test_the_disk_making_room_keeps_blocks_that_are_in_the_pool(tmp_path) 
     s = make_store(gpu_blocks=4, cpu_blocks=2, nvme=nvme)
     await s.start()
     try:
-        ns = s.open_namespace(NS).ns_id
+        ns = s.open_namespace(NS)
         ka = keys(1)
         await put_gpu(s, ns, ka, [1])
-        a = s.index.get(ka[0])
+        a = s.index.get(ns.ns_id, ka[0])
         assert a is not None
         await s.device.to_cpu([a])
         await s.mover.flush(a)
@@ -568,14 +626,16 @@ async def test_the_disk_making_room_keeps_blocks_that_are_in_the_pool(tmp_path) 
             k = keys(1, start=10 + i)
             rid, offs, _ = await s.reserve(ns, k)
             s.arena.view[offs[0] : offs[0] + BB] = block(10 + i).tobytes()
-            s.commit(rid, [block_checksum(block(10 + i))])
-            e = s.index.get(k[0])
+            s.commit(ns, rid, [xxh(block(10 + i), k[0])])
+            e = s.index.get(ns.ns_id, k[0])
             assert e is not None
             await s.mover.flush(e)
             if s.nvme_counters.evictions:
                 break
         assert s.nvme_counters.evictions
-        assert s.index.get(ka[0]) is not None and s.index.tier[a] & IN_GPU  # still in the pool
+        assert s.index.get(ns.ns_id, ka[0]) is not None and s.index.tier[a] & IN_GPU  # in the pool
+        await settle(s)
+        s.check()
     finally:
         await s.stop()
 
@@ -584,11 +644,13 @@ async def test_write_back_does_not_churn_when_the_cpu_tier_is_small() -> None:
     s = make_store(gpu_blocks=8, cpu_blocks=2, high_watermark=0.5)  # wants 4 clean, CPU holds 2
     await s.start()
     try:
-        ns = s.open_namespace(NS).ns_id
+        ns = s.open_namespace(NS)
         await put_gpu(s, ns, keys(8), list(range(8)))
         await asyncio.sleep(0.3)
         assert s.device.counters.demotions <= 2 and s.cpu.evictions == 0
         assert not s.device._cleaner.done()  # type: ignore[union-attr]
+        await settle(s)
+        s.check()
     finally:
         await s.stop()
 
@@ -597,7 +659,7 @@ async def test_a_reader_of_many_gpu_blocks_gets_the_whole_run_while_write_back_r
     s = make_store(gpu_blocks=64, cpu_blocks=128, high_watermark=0.5)
     await s.start()
     try:
-        ns = s.open_namespace(NS).ns_id
+        ns = s.open_namespace(NS)
         ks = keys(64)
         await put_gpu(s, ns, ks, list(range(64)))  # wakes the cleaner: the pool is all dirty
         copy_down = s.device._copy_down
@@ -611,6 +673,8 @@ async def test_a_reader_of_many_gpu_blocks_gets_the_whole_run_while_write_back_r
         assert len(offsets) == 64
         for i, off in enumerate(offsets):
             assert np.array_equal(read_cpu(s, off), block(i))
-        s.release(lease)
+        s.release(ns, lease)
+        await settle(s)
+        s.check()
     finally:
         await s.stop()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvstore import KVLayout, Namespace, block_hashes
 from kvstore.checksum import block_checksum
 from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig
-from kvstore.daemon.store import BlockStore
+from kvstore.daemon.store import BlockStore, Handle
 from kvstore.errors import (
     CapacityError,
     LeaseExpiredError,
@@ -60,19 +60,23 @@ def keys(n: int, start: int = 0) -> list[bytes]:
     return block_hashes(NS.seed, list(range(start * 16, (start + n) * 16)))
 
 
-async def put(store: BlockStore, ns_id: int, ks: list[bytes], fill: int = 1) -> int:
-    rid, offsets, _ = await store.reserve(ns_id, ks)
+def checksum(data: bytes, key: bytes, ns: Namespace = NS) -> int:
+    return block_checksum(data, ns.fingerprint, key)
+
+
+async def put(store: BlockStore, handle: Handle, ks: list[bytes], fill: int = 1) -> int:
+    rid, offsets, _ = await store.reserve(handle, ks)
     sums = []
-    for off in offsets:
+    for off, k in zip(offsets, ks, strict=True):
         if off >= 0:
             data = bytes([fill]) * LAYOUT.block_bytes
             store.arena.view[off : off + LAYOUT.block_bytes] = data
-            sums.append(block_checksum(data))
-    return store.commit(rid, sums) if rid else 0
+            sums.append(checksum(data, k, handle.record.namespace or NS))
+    return store.commit(handle, rid, sums) if rid else 0
 
 
 async def test_reserved_blocks_are_invisible_until_commit(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     ks = keys(3)
     rid, offsets, _ = await store.reserve(ns, ks)
     assert all(o >= HEADER_BYTES for o in offsets)
@@ -80,37 +84,37 @@ async def test_reserved_blocks_are_invisible_until_commit(store: BlockStore) -> 
     # A second writer of the same keys is told not to write them.
     rid2, offsets2, _ = await store.reserve(ns, ks)
     assert rid2 == 0 and offsets2 == [-1, -1, -1]
-    store.commit(rid, [1, 2, 3])
+    store.commit(ns, rid, [1, 2, 3])
     assert await store.lookup(ns, ks) == 3
     with pytest.raises(LeaseExpiredError):
-        store.commit(rid, [1, 2, 3])
+        store.commit(ns, rid, [1, 2, 3])
 
 
 async def test_commit_needs_one_checksum_per_block(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     rid, _, _ = await store.reserve(ns, keys(2))
     with pytest.raises(ValueError, match="2 blocks"):
-        store.commit(rid, [1])
-    assert store.commit(rid, [1, 2]) == 2  # the bad commit changed nothing
+        store.commit(ns, rid, [1])
+    assert store.commit(ns, rid, [1, 2]) == 2  # the bad commit changed nothing
 
 
 async def test_duplicate_keys_in_one_put_are_written_once(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     k = keys(1)[0]
     rid, offsets, _ = await store.reserve(ns, [k, k])
     assert offsets[1] == -1 and offsets[0] >= 0
-    store.commit(rid, [7])
+    store.commit(ns, rid, [7])
 
 
 async def test_lookup_stops_at_the_first_gap(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     ks = keys(5)
     await put(store, ns, [ks[0], ks[1], ks[3], ks[4]])
     assert await store.lookup(ns, ks) == 2
 
 
 async def test_lru_eviction_under_pressure(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     capacity = store.allocator.capacity_bytes // LAYOUT.block_bytes
     old = keys(capacity)
     await put(store, ns, old)
@@ -123,7 +127,7 @@ async def test_lru_eviction_under_pressure(store: BlockStore) -> None:
 
 
 async def test_leased_blocks_are_never_evicted(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     capacity = store.allocator.capacity_bytes // LAYOUT.block_bytes
     ks = keys(capacity)
     await put(store, ns, ks)
@@ -131,12 +135,12 @@ async def test_leased_blocks_are_never_evicted(store: BlockStore) -> None:
     assert len(offsets) == capacity
     with pytest.raises(CapacityError, match="leased"):
         await store.reserve(ns, keys(1, start=500))
-    store.release(lease)
-    assert (await store.reserve(ns, keys(1, start=500)))[0] != 0
+    store.release(ns, lease)
+    assert (await store.reserve(ns, keys(1, start=500))).reservation_id != 0
 
 
 async def test_delete_while_leased_keeps_the_slot_until_release(store: BlockStore) -> None:
-    ns = store.open_namespace(NS).ns_id
+    ns = store.open_namespace(NS)
     ks = keys(2)
     await put(store, ns, ks, fill=9)
     lease, offsets, _, _ = await store.acquire(ns, ks)
@@ -146,7 +150,7 @@ async def test_delete_while_leased_keeps_the_slot_until_release(store: BlockStor
     assert store.arena.view[offsets[0]] == 9
     used = store.tier_snapshots()[0].used_bytes
     assert used == 2 * LAYOUT.block_bytes
-    store.release(lease)
+    store.release(ns, lease)
     assert store.tier_snapshots()[0].used_bytes == 0
 
 
@@ -154,7 +158,7 @@ async def test_expired_reservations_and_leases_are_reclaimed() -> None:
     clock = Clock()
     s = make_store(clock=clock)
     try:
-        ns = s.open_namespace(NS).ns_id
+        ns = s.open_namespace(NS)
         ks = keys(2)
         await s.reserve(ns, ks)  # a client that dies before commit
         await put(s, ns, keys(1, start=50))
@@ -165,7 +169,7 @@ async def test_expired_reservations_and_leases_are_reclaimed() -> None:
         snap = s.tier_snapshots()[0]
         assert snap.blocks == 1
         assert snap.used_bytes == 3 * LAYOUT.block_bytes  # two slots quarantined (next test)
-        assert s.index.leases[s.index.get(keys(1, start=50)[0])] == 0
+        assert s.index.leases[s.index.get(ns.ns_id, keys(1, start=50)[0])] == 0
         clock.now = 22.0
         s.reap()
         assert s.tier_snapshots()[0].used_bytes == LAYOUT.block_bytes
@@ -177,7 +181,7 @@ async def test_a_late_write_of_an_expired_reservation_cannot_corrupt_a_new_block
     clock = Clock()
     s = make_store(capacity_blocks=4, clock=clock)
     try:
-        ns = s.open_namespace(NS).ns_id
+        ns = s.open_namespace(NS)
         _, stale, _ = await s.reserve(ns, keys(2))  # writer A stalls past its reservation
         clock.now = 11.0
         s.reap()
@@ -187,13 +191,13 @@ async def test_a_late_write_of_an_expired_reservation_cannot_corrupt_a_new_block
         data = [bytes([i + 1]) * LAYOUT.block_bytes for i in range(2)]
         for off, d in zip(fresh, data, strict=True):
             s.arena.view[off : off + LAYOUT.block_bytes] = d
-        s.commit(rid, [block_checksum(d) for d in data])
+        s.commit(ns, rid, [checksum(d, k) for d, k in zip(data, keys(2), strict=True)])
         for off in stale:  # A wakes up and finishes its copy
             s.arena.view[off : off + LAYOUT.block_bytes] = b"\xee" * LAYOUT.block_bytes
         lease, offsets, sums, _ = await s.acquire(ns, keys(2))
         got = [bytes(s.arena.view[o : o + LAYOUT.block_bytes]) for o in offsets]
-        assert got == data and sums == [block_checksum(d) for d in data]
-        s.release(lease)
+        assert got == data and sums == [checksum(d, k) for d, k in zip(data, keys(2), strict=True)]
+        s.release(ns, lease)
         clock.now = 22.0
         s.reap()  # the quarantine is over: the slots serve again
         assert s.allocator.free_slots(LAYOUT.block_bytes) == 2
@@ -209,18 +213,40 @@ def test_namespace_mismatch_is_refused(store: BlockStore) -> None:
     assert store.open_namespace(NS).ns_id == 1  # joining with the same fingerprint is fine
 
 
-async def test_unknown_namespace_id(store: BlockStore) -> None:
+def test_unknown_or_closed_handles_are_refused(store: BlockStore) -> None:
     with pytest.raises(UnknownNamespaceError):
-        await store.lookup(42, keys(1))
+        store.handle(b"\x00" * 16)
+    with pytest.raises(UnknownNamespaceError):
+        store.handle(b"short")
+    handle = store.open_namespace(NS)
+    assert store.handle(handle.token) is handle
+    store.close_handle(handle)
+    with pytest.raises(UnknownNamespaceError):
+        store.handle(handle.token)
 
 
 async def test_a_key_of_another_namespace_is_a_miss(store: BlockStore) -> None:
-    a = store.open_namespace(NS).ns_id
-    b = store.open_namespace(Namespace(model="m", layout=LAYOUT, tenant="t2")).ns_id
+    a = store.open_namespace(NS)
+    b = store.open_namespace(Namespace(model="m", layout=LAYOUT, tenant="t2"))
     ks = keys(2)  # hashed with NS's seed, then (wrongly) presented in tenant t2
     await put(store, a, ks)
     assert await store.lookup(b, ks) == 0
-    assert await store.acquire(b, ks) == (0, [], [], [])
+    assert tuple(await store.acquire(b, ks)) == (0, [], [], [])
+
+
+async def test_a_tenant_cannot_preempt_or_shadow_another_tenants_keys(store: BlockStore) -> None:
+    """Keys are indexed per namespace: bob writing garbage under the keys alice will use (her
+    namespace's identity is no secret) neither blocks alice's put nor reaches her reads."""
+    alice = store.open_namespace(NS)
+    bob = store.open_namespace(Namespace(model="m", layout=LAYOUT, tenant="bob"))
+    ks = keys(2)
+    assert await put(store, bob, ks, fill=0xEE) == 2  # bob first, under alice's future keys
+    assert await put(store, alice, ks, fill=0x11) == 2  # not "already present"
+    lease, offsets, _, _ = await store.acquire(alice, ks)
+    got = [bytes(store.arena.view[o : o + LAYOUT.block_bytes]) for o in offsets]
+    assert got == [b"\x11" * LAYOUT.block_bytes] * 2
+    store.release(alice, lease)
+    store.check()
 
 
 def test_arena_is_unlinked_on_close() -> None:
@@ -253,7 +279,7 @@ def test_random_operations_keep_the_books_straight(ops: list[tuple[str, int]]) -
 async def _random_operations(ops: list[tuple[str, int]]) -> None:
     s = make_store(capacity_blocks=6)
     try:
-        ns = s.open_namespace(NS).ns_id
+        ns = s.open_namespace(NS)
         all_keys = keys(12)
         leases: list[int] = []
         for op, i in ops:
@@ -268,18 +294,19 @@ async def _random_operations(ops: list[tuple[str, int]]) -> None:
                 if lease:
                     leases.append(lease)
             elif op == "r" and leases:
-                s.release(leases.pop(i % len(leases)))
+                s.release(ns, leases.pop(i % len(leases)))
             elif op == "d":
                 s.delete(ns, [k])
             elif op == "l":
                 await s.lookup(ns, [k])
+            s.check()
             snap = s.tier_snapshots()[0]
             assert 0 <= snap.used_bytes <= snap.capacity_bytes
             assert snap.blocks == len(s.policy)
             held = sum(1 for e in range(s.index.capacity) if s.index.state[e] != 0)
             assert snap.used_bytes == held * LAYOUT.block_bytes
         for lease in leases:
-            s.release(lease)
+            s.release(ns, lease)
         assert all(s.index.leases[e] == 0 for e in range(s.index.capacity))
     finally:
         s.close()

@@ -11,13 +11,13 @@ import os
 import subprocess
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import grpc
 import numpy as np
 import torch
 
-from kvstore.checksum import block_checksum
+from kvstore.checksum import checksum_seed, seeded_checksum
 from kvstore.errors import ERRORS_BY_NAME, KVStoreError, UnavailableError
 from kvstore.keys import Namespace, pack_keys
 from kvstore.layout import KVLayout
@@ -26,8 +26,21 @@ from kvstore.v1 import kvstore_pb2 as pb
 
 TRANSPORTS = ("auto", "shm", "grpc")
 
-# One gRPC message carries a whole block on the bytes path.
-MAX_MESSAGE_BYTES = 256 << 20
+# Control messages are small and bytes-path blocks travel in chunks (the daemon says how large in
+# OpenNamespace), so no message comes near this.
+MAX_MESSAGE_BYTES = 32 << 20
+
+
+class PutCount(int):
+    """How many blocks a put newly stored; ``pending``: keys another client was still writing
+    when the daemon stopped waiting for that commit (a get may miss them for a while)."""
+
+    pending: int
+
+    def __new__(cls, stored: int, pending: int = 0) -> PutCount:
+        value = super().__new__(cls, stored)
+        value.pending = pending
+        return value
 
 
 def channel_options() -> list[tuple[str, int]]:
@@ -102,7 +115,22 @@ def open_request(namespace: Namespace, priority: int) -> pb.OpenNamespaceRequest
     )
 
 
+def seeds_for(namespace: Namespace, keys: Sequence[bytes]) -> list[int]:
+    """The checksum seed of each key in this namespace (``kvstore.checksum``): what every block
+    read or written under that key is verified against, computed here, never taken from the
+    daemon."""
+    fingerprint = namespace.fingerprint
+    return [checksum_seed(fingerprint, k) for k in keys]
+
+
 def check_open_reply(namespace: Namespace, reply: pb.OpenNamespaceResponse) -> None:
+    if len(reply.handle) != 16:
+        raise KVStoreError("daemon sent no namespace handle: it speaks another protocol version")
+    if reply.fingerprint != namespace.fingerprint:
+        raise KVStoreError(
+            f"daemon computes another fingerprint for namespace {namespace.name!r}: "
+            "client and daemon disagree on the key encoding"
+        )
     if reply.seed != namespace.seed:
         raise KVStoreError(
             f"daemon computes another key seed for namespace {namespace.name!r}: "
@@ -165,13 +193,17 @@ class MappedArena:
             raise KVStoreError(f"daemon handed out slot {offset}+{nbytes} outside the arena")
         return self.bytes[offset : offset + nbytes]
 
-    def checksum(self, offset: int, nbytes: int) -> int:
-        return block_checksum(self._np[offset : offset + nbytes])
+    def checksum(self, offset: int, nbytes: int, seed: int) -> int:
+        return seeded_checksum(self._np[offset : offset + nbytes], seed)
 
-    def copy_in(self, rows: torch.Tensor, offsets: Sequence[int]) -> list[int]:
-        """Copy ``rows[i]`` into the slot at ``offsets[i]`` (skipping -1); return the checksums of
-        the written slots, in order. The checksum is read back from the slot, so it vouches for
-        what the slot holds."""
+    def copy_in(
+        self, rows: torch.Tensor, offsets: Sequence[int], seeds: Sequence[int]
+    ) -> list[int]:
+        """Copy ``rows[i]`` into the slot at ``offsets[i]`` (skipping -1; ``seeds[i]`` is key
+        i's checksum seed); return the checksums of the written blocks, in order. Each checksum
+        is of the source, taken just before its copy (the block is then in cache, so the copy
+        reads it from there): it vouches for what this client meant to store, and nothing that
+        writes into the slot meanwhile can make it vouch for other bytes."""
         nbytes = rows.shape[1]
         rows_np = rows.numpy()
         checksums = []
@@ -179,32 +211,39 @@ class MappedArena:
             if offset < 0:
                 continue
             self.slot(offset, nbytes)  # bounds check
+            checksums.append(seeded_checksum(rows_np[i], seeds[i]))
             # One thread, through numpy: torch's copy_ splits a block over its thread pool and
             # stalls whenever another process holds a core (measured 20x slower under load).
-            dest = self._np[offset : offset + nbytes]
-            np.copyto(dest, rows_np[i])
-            checksums.append(block_checksum(dest))
+            np.copyto(self._np[offset : offset + nbytes], rows_np[i])
         return checksums
 
     def copy_out(
-        self, offsets: Sequence[int], checksums: Sequence[int], rows: torch.Tensor, verify: bool
+        self,
+        offsets: Sequence[int],
+        checksums: Sequence[int],
+        seeds: Sequence[int],
+        rows: torch.Tensor,
+        verify: bool,
     ) -> int:
-        """Copy slots into ``rows``; return how many leading blocks arrived intact. A block whose
-        checksum does not match (its slot was reused after a lease expired, or scribbled on) is a
-        miss, and so is everything after it."""
+        """Copy slots into ``rows``; return how many leading blocks arrived intact. Each copy is
+        verified against the checksum of the key it was asked for (``seeds``), after the copy
+        and from the copy: a slot reused after a lease expired, or scribbled on, or holding
+        another key's block is a miss, and so is everything after it."""
         nbytes = rows.shape[1]
         rows_np = rows.numpy()
         for i, offset in enumerate(offsets):
             self.slot(offset, nbytes)  # bounds check
             np.copyto(rows_np[i], self._np[offset : offset + nbytes])
-            if verify and block_checksum(rows_np[i]) != checksums[i]:
+            if verify and seeded_checksum(rows_np[i], seeds[i]) != checksums[i]:
                 return i
         return len(offsets)
 
-    def intact(self, offsets: Sequence[int], checksums: Sequence[int], nbytes: int) -> int:
+    def intact(
+        self, offsets: Sequence[int], checksums: Sequence[int], seeds: Sequence[int], nbytes: int
+    ) -> int:
         """How many leading slots still hold the bytes their checksums name."""
         for i, offset in enumerate(offsets):
-            if self.checksum(offset, nbytes) != checksums[i]:
+            if self.checksum(offset, nbytes, seeds[i]) != checksums[i]:
                 return i
         return len(offsets)
 
@@ -269,11 +308,41 @@ class PoolLink:
             pool.close()
 
 
-def commit_request(reply: pb.ReserveResponse, checksums: list[int]) -> pb.CommitRequest:
-    """The commit of a reservation: GPU pool slots carry device checksums, arena slots xxh3."""
+def commit_request(
+    reply: pb.ReserveResponse, checksums: list[int], handle: bytes
+) -> pb.CommitRequest:
+    """The commit of a reservation: GPU pool slots carry device checksums, arena slots xxh3
+    (both bound to namespace and key)."""
     if reply.gpu:
-        return pb.CommitRequest(reservation_id=reply.reservation_id, device_checksums=checksums)
-    return pb.CommitRequest(reservation_id=reply.reservation_id, checksums=checksums)
+        return pb.CommitRequest(
+            reservation_id=reply.reservation_id, device_checksums=checksums, handle=handle
+        )
+    return pb.CommitRequest(reservation_id=reply.reservation_id, checksums=checksums, handle=handle)
+
+
+def put_messages(
+    handle: bytes,
+    keys: Sequence[bytes],
+    seeds: Sequence[int],
+    rows: np.ndarray,
+    priority: int,
+    chunk_bytes: int,
+) -> Iterator[pb.PutBlocksRequest]:
+    """The bytes path's put: each block as chunks of at most ``chunk_bytes``; its first message
+    carries the key and the checksum of the source bytes (the daemon verifies what it stored)."""
+    for i, key in enumerate(keys):
+        row = rows[i]
+        view = memoryview(row)
+        checksum = seeded_checksum(row, seeds[i])
+        yield pb.PutBlocksRequest(
+            handle=handle if i == 0 else b"",
+            key=bytes(key),
+            data=view[:chunk_bytes].tobytes(),
+            priority=priority,
+            checksum=checksum,
+        )
+        for start in range(chunk_bytes, len(view), chunk_bytes):
+            yield pb.PutBlocksRequest(data=view[start : start + chunk_bytes].tobytes())
 
 
 def cuda_device(kv_caches: Sequence[torch.Tensor]) -> torch.device | None:
@@ -293,28 +362,61 @@ def empty_blocks(layout: KVLayout, n: int) -> torch.Tensor:
     return torch.from_numpy(raw).view(layout.dtype).view(n, *layout.block_shape)
 
 
-def blocks_from_stream(
-    layout: KVLayout,
-    keys: Sequence[bytes],
-    received: Sequence[pb.BlockData],
-    out: torch.Tensor | None,
-) -> torch.Tensor:
-    """Place blocks received on the bytes path into ``out`` (or a new tensor); the run ends at the
-    first block whose key, length or checksum is wrong (fail closed: a miss, never bad data)."""
-    dest = empty_blocks(layout, len(received)) if out is None else out
-    rows = byte_rows(layout, dest).numpy()
-    m = 0
-    for i, block in enumerate(received):
-        if (
-            i >= len(keys)
-            or block.key != keys[i]
-            or len(block.data) != layout.block_bytes
-            or block_checksum(block.data) != block.checksum
-        ):
-            break
-        rows[i] = np.frombuffer(block.data, dtype=np.uint8)
-        m = i + 1
-    return dest[:m]
+class StreamAssembler:
+    """Places blocks received on the bytes path, chunk by chunk, into ``out`` (or a new tensor).
+
+    The run ends at the first block whose key is not the one asked for at its position, whose
+    length is wrong, or whose bytes do not match the checksum of the key asked for (the seed is
+    computed here, from the client's own namespace): fail closed, a miss, never bad data."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        keys: Sequence[bytes],
+        seeds: Sequence[int],
+        out: torch.Tensor | None,
+    ) -> None:
+        self.layout = layout
+        self.keys = keys
+        self.seeds = seeds
+        self._out = out
+        self._dest = empty_blocks(layout, len(keys)) if out is None else out
+        self._rows = byte_rows(layout, self._dest).numpy()
+        self.complete = 0  # leading blocks received and verified
+        self._filled = 0
+        self._checksum = 0
+        self._failed = False
+
+    def add(self, message: pb.BlockData) -> bool:
+        """Take one message; False once the run has ended (stop reading)."""
+        if self._failed:
+            return False
+        i, size = self.complete, self.layout.block_bytes
+        if message.key:
+            if self._filled or i >= len(self.keys) or message.key != self.keys[i]:
+                self._failed = True
+                return False
+            self._checksum = message.checksum
+        elif not self._filled:
+            self._failed = True  # data without a key
+            return False
+        end = self._filled + len(message.data)
+        if end > size:
+            self._failed = True
+            return False
+        row = self._rows[i]
+        row[self._filled : end] = np.frombuffer(message.data, dtype=np.uint8)
+        self._filled = end
+        if end == size:
+            self._filled = 0
+            if seeded_checksum(row, self.seeds[i]) != self._checksum:
+                self._failed = True
+                return False
+            self.complete += 1
+        return True
+
+    def result(self) -> torch.Tensor:
+        return self._dest[: self.complete]
 
 
 def wait_for_daemon(

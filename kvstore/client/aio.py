@@ -9,7 +9,7 @@ for reads and writes of distinct keys.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -21,7 +21,8 @@ from kvstore.client import paged_io
 from kvstore.client._common import (
     MappedArena,
     PoolLink,
-    blocks_from_stream,
+    PutCount,
+    StreamAssembler,
     byte_rows,
     channel_options,
     check_keys,
@@ -33,10 +34,12 @@ from kvstore.client._common import (
     commit_request,
     empty_blocks,
     open_request,
+    put_messages,
+    seeds_for,
     translate_error,
 )
 from kvstore.client.leases import AsyncReadLease, AsyncWriteReservation
-from kvstore.errors import KVStoreError, UnknownNamespaceError
+from kvstore.errors import KVStoreError, UnavailableError, UnknownNamespaceError
 from kvstore.keys import BlockKey, Namespace, block_hashes, unpack_keys
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
@@ -86,8 +89,9 @@ class AsyncKVStoreClient:
         self._stub: Any = None
         self._arena: MappedArena | None = None
         self._pool_link = PoolLink()
-        self._ns_id = 0
-        self._epoch = 0
+        self._handle = b""
+        self._stream: Any = None  # the OpenNamespace call whose life is the handle's
+        self._chunk_bytes = 1 << 20
         self._pending: set[asyncio.Task[Any]] = set()
 
     @classmethod
@@ -100,17 +104,27 @@ class AsyncKVStoreClient:
         if self._channel is None:
             self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())
             self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._close_stream()
+        # The handle lives as long as this stream: no deadline on it; ``timeout_s`` bounds only
+        # the wait for its first message.
+        call = self._stub.OpenNamespace(
+            open_request(self.namespace, self._priority), wait_for_ready=True
+        )
         try:
-            reply = await self._stub.OpenNamespace(
-                open_request(self.namespace, self._priority),
-                timeout=self.timeout_s,
-                wait_for_ready=True,
-            )
+            reply = await asyncio.wait_for(call.read(), self.timeout_s)
+        except TimeoutError:
+            call.cancel()
+            raise UnavailableError(
+                f"kvstore daemon unreachable: no answer to OpenNamespace within {self.timeout_s}s"
+            ) from None
         except grpc.RpcError as err:
             raise translate_error(err) from None
+        if reply is grpc.aio.EOF:
+            raise KVStoreError("the daemon closed the namespace stream at once")
+        self._stream = call
         check_open_reply(self.namespace, reply)
-        self._ns_id = reply.namespace_id
-        self._epoch = reply.epoch
+        self._handle = reply.handle
+        self._chunk_bytes = reply.max_chunk_bytes or self._chunk_bytes
         self._pool_link.reset(reply if self.transport != "grpc" else None)
         if self._arena is not None:
             self._arena.close()
@@ -151,8 +165,14 @@ class AsyncKVStoreClient:
     def uses_shared_memory(self) -> bool:
         return self._arena is not None
 
+    def _close_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.cancel()  # the daemon closes the handle and reclaims what it holds
+
     async def close(self) -> None:
         await self._flush()
+        self._close_stream()
         self._pool_link.close()
         if self._arena is not None:
             self._arena.close()
@@ -186,7 +206,7 @@ class AsyncKVStoreClient:
         if not keys:
             return 0
         reply = await self._call(
-            self._stub.Lookup, lambda: pb.LookupRequest(namespace_id=self._ns_id, keys=packed)
+            self._stub.Lookup, lambda: pb.LookupRequest(handle=self._handle, keys=packed)
         )
         return int(reply.found)
 
@@ -197,7 +217,7 @@ class AsyncKVStoreClient:
             await self._call(
                 self._stub.Prefetch,
                 lambda: pb.PrefetchRequest(
-                    namespace_id=self._ns_id, keys=packed, gpu=self._pool_link.pool is not None
+                    handle=self._handle, keys=packed, gpu=self._pool_link.pool is not None
                 ),
             )
 
@@ -213,7 +233,7 @@ class AsyncKVStoreClient:
             return await self._put_bytes(keys, rows, check_priority(priority))
         reservation = await self.reserve(keys, priority, _packed=packed)
         if not reservation.offsets_new:
-            return 0
+            return PutCount(0, reservation.pending)
         try:
             await self._copy(
                 len(reservation.offsets_new) * self.layout.block_bytes,
@@ -222,7 +242,7 @@ class AsyncKVStoreClient:
         except BaseException:
             await reservation.abort()
             raise
-        return await reservation.commit()
+        return PutCount(await reservation.commit(), reservation.pending)
 
     async def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
         packed = check_keys(keys)
@@ -248,7 +268,7 @@ class AsyncKVStoreClient:
         if not keys:
             return 0
         reply = await self._call(
-            self._stub.Delete, lambda: pb.DeleteRequest(namespace_id=self._ns_id, keys=packed)
+            self._stub.Delete, lambda: pb.DeleteRequest(handle=self._handle, keys=packed)
         )
         return int(reply.deleted)
 
@@ -362,31 +382,37 @@ class AsyncKVStoreClient:
         reply = await self._call(
             self._stub.Reserve,
             lambda: pb.ReserveRequest(
-                namespace_id=self._ns_id,
-                keys=packed,
-                priority=prio,
-                epoch=self._epoch,
-                gpu=_device is not None,
+                handle=self._handle, keys=packed, priority=prio, gpu=_device is not None
             ),
         )
+        handle = self._handle  # the reservation is this handle's (after any reopen)
         # Fetched after the call: a daemon restart makes the call reopen and remap the arena.
         arena = self._require_arena("reserve")
         pool = self._pool_link.for_device(_device) if reply.gpu else None
 
         async def commit(checksums: list[int]) -> int:
-            req = commit_request(reply, checksums)
+            req = commit_request(reply, checksums, handle)
             return int((await self._call(self._stub.Commit, lambda: req)).committed)
 
         async def abort() -> None:
-            req = pb.AbortRequest(reservation_id=reply.reservation_id)
+            req = pb.AbortRequest(reservation_id=reply.reservation_id, handle=handle)
             await self._call(self._stub.Abort, lambda: req)
 
         if reply.gpu and pool is None:
             await abort()
             raise KVStoreError("the daemon reserved GPU pool slots this client cannot reach")
-        return AsyncWriteReservation(
-            arena, self.layout, reply.reservation_id, list(reply.offsets), commit, abort, pool
+        reservation = AsyncWriteReservation(
+            arena,
+            self.layout,
+            reply.reservation_id,
+            list(reply.offsets),
+            seeds_for(self.namespace, unpack_keys(packed)),
+            commit,
+            abort,
+            pool,
         )
+        reservation.pending = reply.pending
+        return reservation
 
     async def acquire(
         self,
@@ -399,24 +425,26 @@ class AsyncKVStoreClient:
         self._require_arena("acquire")
         reply = await self._call(
             self._stub.Acquire,
-            lambda: pb.AcquireRequest(
-                namespace_id=self._ns_id, keys=packed, epoch=self._epoch, gpu=_device is not None
-            ),
+            lambda: pb.AcquireRequest(handle=self._handle, keys=packed, gpu=_device is not None),
         )
+        handle = self._handle
         arena = self._require_arena("acquire")
         pool = self._pool_link.for_device(_device) if any(reply.on_gpu) else None
 
         async def release() -> None:
             if reply.lease_id:
-                await self._stub.Release(
-                    pb.ReleaseRequest(lease_id=reply.lease_id), timeout=self.timeout_s
-                )
+                request = pb.ReleaseRequest(lease_id=reply.lease_id, handle=handle)
+                try:
+                    await self._stub.Release(request, timeout=self.timeout_s)
+                except grpc.RpcError:
+                    pass  # expired first, or the handle closed: the daemon already dropped it
 
         return AsyncReadLease(
             arena,
             self.layout,
             list(reply.offsets),
             list(reply.checksums),
+            seeds_for(self.namespace, unpack_keys(packed)[: len(reply.offsets)]),
             release,
             list(reply.on_gpu),
             pool,
@@ -432,15 +460,10 @@ class AsyncKVStoreClient:
     # ------------------------------------------------------------------ bytes path
     async def _put_bytes(self, keys: Sequence[bytes], rows: torch.Tensor, priority: int) -> int:
         rows_np = rows.numpy()
+        seeds = seeds_for(self.namespace, keys)
 
-        async def messages() -> AsyncIterator[pb.PutBlocksRequest]:
-            for i, key in enumerate(keys):
-                yield pb.PutBlocksRequest(
-                    namespace_id=self._ns_id,
-                    key=bytes(key),
-                    data=rows_np[i].tobytes(),
-                    priority=priority,
-                )
+        def messages() -> Iterator[pb.PutBlocksRequest]:
+            return put_messages(self._handle, keys, seeds, rows_np, priority, self._chunk_bytes)
 
         reply = await self._call(self._stub.PutBlocks, messages)
         return int(reply.stored)
@@ -448,10 +471,14 @@ class AsyncKVStoreClient:
     async def _get_bytes(self, packed: bytes, out: torch.Tensor | None) -> torch.Tensor:
         keys = unpack_keys(packed)
 
-        async def fetch(request: pb.GetBlocksRequest, timeout: float) -> list[pb.BlockData]:
-            return [block async for block in self._stub.GetBlocks(request, timeout=timeout)]
+        async def fetch(request: pb.GetBlocksRequest, timeout: float) -> StreamAssembler:
+            got = StreamAssembler(self.layout, keys, seeds_for(self.namespace, keys), out)
+            call = self._stub.GetBlocks(request, timeout=timeout)
+            async for message in call:
+                if not got.add(message):
+                    call.cancel()  # the run ended: the daemon releases the lease
+                    break
+            return got
 
-        received = await self._call(
-            fetch, lambda: pb.GetBlocksRequest(namespace_id=self._ns_id, keys=packed)
-        )
-        return blocks_from_stream(self.layout, keys, received, out)
+        got = await self._call(fetch, lambda: pb.GetBlocksRequest(handle=self._handle, keys=packed))
+        return got.result()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvstore import kernels
-from kvstore.checksum import block_checksum
+from kvstore.checksum import seeded_checksum
 from kvstore.client._common import MappedArena
 from kvstore.errors import KVStoreError
 from kvstore.layout import KVLayout
@@ -32,6 +32,7 @@ class _ReservationState:
         layout: KVLayout,
         reservation_id: int,
         offsets: list[int],
+        seeds: list[int],
         pool: MappedDevicePool | None = None,
     ) -> None:
         self.arena = arena
@@ -46,7 +47,11 @@ class _ReservationState:
         self.indices = [i for i, off in enumerate(offsets) if off >= 0]
         """Positions (in the keys passed to reserve) of the keys this reservation must write."""
         self.offsets_new = [offsets[i] for i in self.indices]
+        self.seeds = seeds
+        """Checksum seed of every key passed to reserve (namespace and key; the client's own)."""
         self.committed = 0
+        self.pending = 0
+        """Keys another client was still writing when the daemon stopped waiting for them."""
         self.done = not self.indices
         self._checksums: list[int] | None = None
 
@@ -70,22 +75,28 @@ class _ReservationState:
         """Copy ``rows[i]`` (``[n, block_bytes]`` uint8, one per key passed to reserve) into the
         slots of the keys to write."""
         if self.pool is None:
-            self._checksums = self.arena.copy_in(rows, self.offsets)
+            self._checksums = self.arena.copy_in(rows, self.offsets, self.seeds)
             return
         nbytes = self.layout.block_bytes
         for i, off in zip(self.indices, self.offsets_new, strict=True):
             self.pool.slot(off, nbytes).copy_(rows[i])
 
     def checksums(self) -> list[int]:
-        """What the commit carries: the xxh3 of each written arena slot, or, ``on_gpu``, the
-        device checksum of each pool slot (read back from the slots, so they vouch for what the
-        slots hold)."""
+        """What the commit carries, bound to namespace and key: after ``fill_from``, the
+        checksums of the source blocks taken as they were copied; after writes through
+        ``views`` (the zero-copy path, where this client's own kernels filled the slots), the
+        checksum of each arena slot, or, ``on_gpu``, the device checksum of each pool slot."""
         if self._checksums is not None:
             return self._checksums
         nbytes = self.layout.block_bytes
+        seeds = [self.seeds[i] for i in self.indices]
         if self.pool is not None:
-            return kernels.device_checksums([self.pool.slot(o, nbytes) for o in self.offsets_new])
-        return [self.arena.checksum(off, nbytes) for off in self.offsets_new]
+            raw = kernels.device_checksums([self.pool.slot(o, nbytes) for o in self.offsets_new])
+            return [r ^ seed for r, seed in zip(raw, seeds, strict=True)]
+        return [
+            self.arena.checksum(off, nbytes, seed)
+            for off, seed in zip(self.offsets_new, seeds, strict=True)
+        ]
 
     def _drop_pool(self) -> None:
         if self._pool_held and self.pool is not None:
@@ -108,11 +119,12 @@ class WriteReservation(_ReservationState):
         layout: KVLayout,
         reservation_id: int,
         offsets: list[int],
+        seeds: list[int],
         commit_fn: Callable[[list[int]], int],
         abort_fn: Callable[[], None],
         pool: MappedDevicePool | None = None,
     ) -> None:
-        super().__init__(arena, layout, reservation_id, offsets, pool)
+        super().__init__(arena, layout, reservation_id, offsets, seeds, pool)
         self._commit_fn = commit_fn
         self._abort_fn = abort_fn
 
@@ -154,11 +166,12 @@ class AsyncWriteReservation(_ReservationState):
         layout: KVLayout,
         reservation_id: int,
         offsets: list[int],
+        seeds: list[int],
         commit_fn: Callable[[list[int]], Awaitable[int]],
         abort_fn: Callable[[], Awaitable[None]],
         pool: MappedDevicePool | None = None,
     ) -> None:
-        super().__init__(arena, layout, reservation_id, offsets, pool)
+        super().__init__(arena, layout, reservation_id, offsets, seeds, pool)
         self._commit_fn = commit_fn
         self._abort_fn = abort_fn
 
@@ -203,6 +216,7 @@ class _LeaseState:
         layout: KVLayout,
         offsets: list[int],
         checksums: list[int],
+        seeds: list[int],
         on_gpu: list[bool] | None = None,
         pool: MappedDevicePool | None = None,
     ) -> None:
@@ -210,6 +224,9 @@ class _LeaseState:
         self.layout = layout
         self.offsets = offsets
         self.checksums = checksums
+        self.seeds = seeds[: len(offsets)]
+        """Checksum seed of the key asked at each position: a block is verified against the key
+        this client asked for, never against whatever the daemon says the slot holds."""
         self.on_gpu = on_gpu if on_gpu else [False] * len(offsets)
         """Per block: its slot is in the GPU pool (and its checksum a device checksum)."""
         if any(self.on_gpu) and pool is None:
@@ -255,9 +272,9 @@ class _LeaseState:
         nbytes = self.layout.block_bytes
         for i, offset in enumerate(self.offsets):
             if self.on_gpu[i]:
-                ok = device_sums[i] == self.checksums[i]
+                ok = device_sums[i] ^ self.seeds[i] == self.checksums[i]
             else:
-                ok = self.arena.checksum(offset, nbytes) == self.checksums[i]
+                ok = self.arena.checksum(offset, nbytes, self.seeds[i]) == self.checksums[i]
             if not ok:
                 return i
         return len(self.offsets)
@@ -265,14 +282,14 @@ class _LeaseState:
     def verify(self, i: int, copy: torch.Tensor) -> bool:
         """True if ``copy`` (a copy of block i taken under this lease) matches its checksum."""
         flat = copy.contiguous().view(torch.uint8).reshape(-1)
-        return block_checksum(flat.numpy()) == self.checksums[i]
+        return seeded_checksum(flat.numpy(), self.seeds[i]) == self.checksums[i]
 
     def copy_into(self, rows: torch.Tensor, verify: bool = True) -> int:
         """Copy the leased blocks into ``rows`` (``[>= n, block_bytes]`` uint8); returns how many
         leading blocks arrived intact (a checksum mismatch ends the run)."""
         if any(self.on_gpu):
             raise KVStoreError("copy_into reads the arena; this lease holds GPU pool slots")
-        return self.arena.copy_out(self.offsets, self.checksums, rows, verify)
+        return self.arena.copy_out(self.offsets, self.checksums, self.seeds, rows, verify)
 
 
 class ReadLease(_LeaseState):
@@ -282,11 +299,12 @@ class ReadLease(_LeaseState):
         layout: KVLayout,
         offsets: list[int],
         checksums: list[int],
+        seeds: list[int],
         release_fn: Callable[[], None],
         on_gpu: list[bool] | None = None,
         pool: MappedDevicePool | None = None,
     ) -> None:
-        super().__init__(arena, layout, offsets, checksums, on_gpu, pool)
+        super().__init__(arena, layout, offsets, checksums, seeds, on_gpu, pool)
         self._release_fn = release_fn
 
     def release(self) -> None:
@@ -311,11 +329,12 @@ class AsyncReadLease(_LeaseState):
         layout: KVLayout,
         offsets: list[int],
         checksums: list[int],
+        seeds: list[int],
         release_fn: Callable[[], Awaitable[None]],
         on_gpu: list[bool] | None = None,
         pool: MappedDevicePool | None = None,
     ) -> None:
-        super().__init__(arena, layout, offsets, checksums, on_gpu, pool)
+        super().__init__(arena, layout, offsets, checksums, seeds, on_gpu, pool)
         self._release_fn = release_fn
 
     async def release(self) -> None:

@@ -11,7 +11,8 @@ its own client (they are cheap; the daemon is shared).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -23,7 +24,8 @@ from kvstore.client import paged_io
 from kvstore.client._common import (
     MappedArena,
     PoolLink,
-    blocks_from_stream,
+    PutCount,
+    StreamAssembler,
     byte_rows,
     channel_options,
     check_keys,
@@ -35,6 +37,8 @@ from kvstore.client._common import (
     commit_request,
     empty_blocks,
     open_request,
+    put_messages,
+    seeds_for,
     translate_error,
 )
 from kvstore.client.leases import ReadLease, WriteReservation
@@ -90,8 +94,9 @@ class KVStoreClient:
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._arena: MappedArena | None = None
         self._pool_link = PoolLink()
-        self._ns_id = 0
-        self._epoch = 0
+        self._handle = b""
+        self._stream: Any = None  # the OpenNamespace call whose life is the handle's
+        self._chunk_bytes = 1 << 20
         try:
             self._open()
         except BaseException:
@@ -100,17 +105,31 @@ class KVStoreClient:
 
     # ------------------------------------------------------------------ plumbing
     def _open(self) -> None:
+        """Open the namespace: the daemon answers with a handle on a stream that stays open for
+        as long as this client uses it (no deadline on the stream; ``timeout_s`` bounds only
+        the wait for its first message)."""
+        self._close_stream()
+        call = self._stub.OpenNamespace(
+            open_request(self.namespace, self._priority), wait_for_ready=True
+        )
+        timer = threading.Timer(self.timeout_s, call.cancel)
+        timer.start()
         try:
-            reply = self._stub.OpenNamespace(
-                open_request(self.namespace, self._priority),
-                timeout=self.timeout_s,
-                wait_for_ready=True,
-            )
+            reply = next(call)
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.CANCELLED and not timer.is_alive():
+                raise translate_error(
+                    _Timeout(f"no answer to OpenNamespace within {self.timeout_s}s")
+                ) from None
             raise translate_error(err) from None
+        except StopIteration:
+            raise KVStoreError("the daemon closed the namespace stream at once") from None
+        finally:
+            timer.cancel()
+        self._stream = call
         check_open_reply(self.namespace, reply)
-        self._ns_id = reply.namespace_id
-        self._epoch = reply.epoch
+        self._handle = reply.handle
+        self._chunk_bytes = reply.max_chunk_bytes or self._chunk_bytes
         self._pool_link.reset(reply if self.transport != "grpc" else None)
         if self._arena is not None:
             self._arena.close()
@@ -140,7 +159,13 @@ class KVStoreClient:
     def uses_shared_memory(self) -> bool:
         return self._arena is not None
 
+    def _close_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.cancel()  # the daemon closes the handle and reclaims what it holds
+
     def close(self) -> None:
+        self._close_stream()
         self._pool_link.close()
         if self._arena is not None:
             self._arena.close()
@@ -168,7 +193,7 @@ class KVStoreClient:
         if not keys:
             return 0
         reply = self._call(
-            self._stub.Lookup, lambda: pb.LookupRequest(namespace_id=self._ns_id, keys=packed)
+            self._stub.Lookup, lambda: pb.LookupRequest(handle=self._handle, keys=packed)
         )
         return int(reply.found)
 
@@ -183,13 +208,18 @@ class KVStoreClient:
             self._call(
                 self._stub.Prefetch,
                 lambda: pb.PrefetchRequest(
-                    namespace_id=self._ns_id, keys=packed, gpu=self._pool_link.pool is not None
+                    handle=self._handle, keys=packed, gpu=self._pool_link.pool is not None
                 ),
             )
 
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor, priority: int | None = None) -> int:
         """Store ``blocks[i]`` under ``keys[i]``; returns how many were newly stored (present keys
-        are deduplicated). ``blocks`` is ``[n, *layout.block_shape]`` of the layout's dtype."""
+        are deduplicated). ``blocks`` is ``[n, *layout.block_shape]`` of the layout's dtype.
+
+        Keys another client is writing at that moment are waited for (bounded by the daemon's
+        ``write_wait_s`` and ``timeout_s``), so a ``get`` after ``put`` returns finds them; the
+        count returned is a ``PutCount`` whose ``pending`` says how many were still being
+        written by another client when that wait ended (0 normally)."""
         packed = check_keys(keys)
         rows = check_put(self.layout, keys, blocks)
         prio = check_priority(priority)
@@ -199,9 +229,9 @@ class KVStoreClient:
             return self._put_bytes(keys, rows, prio)
         with self.reserve(keys, priority, _packed=packed) as reservation:
             if not reservation.offsets_new:
-                return 0
+                return PutCount(0, reservation.pending)
             reservation.fill_from(rows)
-        return reservation.committed
+        return PutCount(reservation.committed, reservation.pending)
 
     def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
         """The leading run of stored blocks, ``[m, *block_shape]`` with ``m <= len(keys)``.
@@ -229,7 +259,7 @@ class KVStoreClient:
         if not keys:
             return 0
         reply = self._call(
-            self._stub.Delete, lambda: pb.DeleteRequest(namespace_id=self._ns_id, keys=packed)
+            self._stub.Delete, lambda: pb.DeleteRequest(handle=self._handle, keys=packed)
         )
         return int(reply.deleted)
 
@@ -319,31 +349,37 @@ class KVStoreClient:
         reply = self._call(
             self._stub.Reserve,
             lambda: pb.ReserveRequest(
-                namespace_id=self._ns_id,
-                keys=packed,
-                priority=prio,
-                epoch=self._epoch,
-                gpu=_device is not None,
+                handle=self._handle, keys=packed, priority=prio, gpu=_device is not None
             ),
         )
+        handle = self._handle  # the reservation is this handle's (after any reopen)
         # Fetched after the call: a daemon restart makes the call reopen and remap the arena.
         arena = self._require_arena("reserve")
         pool = self._pool_link.for_device(_device) if reply.gpu else None
 
         def commit(checksums: list[int]) -> int:
-            req = commit_request(reply, checksums)
+            req = commit_request(reply, checksums, handle)
             return int(self._call(self._stub.Commit, lambda: req).committed)
 
         def abort() -> None:
-            req = pb.AbortRequest(reservation_id=reply.reservation_id)
+            req = pb.AbortRequest(reservation_id=reply.reservation_id, handle=handle)
             self._call(self._stub.Abort, lambda: req)
 
         if reply.gpu and pool is None:
             abort()
             raise KVStoreError("the daemon reserved GPU pool slots this client cannot reach")
-        return WriteReservation(
-            arena, self.layout, reply.reservation_id, list(reply.offsets), commit, abort, pool
+        reservation = WriteReservation(
+            arena,
+            self.layout,
+            reply.reservation_id,
+            list(reply.offsets),
+            seeds_for(self.namespace, unpack_keys(packed)),
+            commit,
+            abort,
+            pool,
         )
+        reservation.pending = reply.pending
+        return reservation
 
     def acquire(
         self,
@@ -358,17 +394,16 @@ class KVStoreClient:
         self._require_arena("acquire")
         reply = self._call(
             self._stub.Acquire,
-            lambda: pb.AcquireRequest(
-                namespace_id=self._ns_id, keys=packed, epoch=self._epoch, gpu=_device is not None
-            ),
+            lambda: pb.AcquireRequest(handle=self._handle, keys=packed, gpu=_device is not None),
         )
+        handle = self._handle
         arena = self._require_arena("acquire")
         pool = self._pool_link.for_device(_device) if any(reply.on_gpu) else None
 
         def release() -> None:
             # Blocking: a future waited on by the next call measured slower (p50 523 vs 331 us).
             if reply.lease_id:
-                request = pb.ReleaseRequest(lease_id=reply.lease_id)
+                request = pb.ReleaseRequest(lease_id=reply.lease_id, handle=handle)
                 try:
                     self._stub.Release(request, timeout=self.timeout_s)
                 except grpc.RpcError:
@@ -379,6 +414,7 @@ class KVStoreClient:
             self.layout,
             list(reply.offsets),
             list(reply.checksums),
+            seeds_for(self.namespace, unpack_keys(packed)[: len(reply.offsets)]),
             release,
             list(reply.on_gpu),
             pool,
@@ -394,24 +430,38 @@ class KVStoreClient:
     # ------------------------------------------------------------------ bytes path
     def _put_bytes(self, keys: Sequence[bytes], rows: torch.Tensor, priority: int) -> int:
         rows_np = rows.numpy()
-
-        def messages() -> Iterator[pb.PutBlocksRequest]:
-            for i, key in enumerate(keys):
-                yield pb.PutBlocksRequest(
-                    namespace_id=self._ns_id,
-                    key=bytes(key),
-                    data=rows_np[i].tobytes(),
-                    priority=priority,
-                )
-
-        reply = self._call(self._stub.PutBlocks, messages)
+        seeds = seeds_for(self.namespace, keys)
+        reply = self._call(
+            self._stub.PutBlocks,
+            lambda: put_messages(self._handle, keys, seeds, rows_np, priority, self._chunk_bytes),
+        )
         return int(reply.stored)
 
     def _get_bytes(self, packed: bytes, out: torch.Tensor | None) -> torch.Tensor:
-        def fetch(request: pb.GetBlocksRequest, timeout: float) -> list[pb.BlockData]:
-            return list(self._stub.GetBlocks(request, timeout=timeout))
+        keys = unpack_keys(packed)
 
-        received = self._call(
-            fetch, lambda: pb.GetBlocksRequest(namespace_id=self._ns_id, keys=packed)
-        )
-        return blocks_from_stream(self.layout, unpack_keys(packed), received, out)
+        def fetch(request: pb.GetBlocksRequest, timeout: float) -> StreamAssembler:
+            got = StreamAssembler(self.layout, keys, seeds_for(self.namespace, keys), out)
+            call = self._stub.GetBlocks(request, timeout=timeout)
+            for message in call:
+                if not got.add(message):
+                    call.cancel()  # the run ended: the daemon releases the lease
+                    break
+            return got
+
+        got = self._call(fetch, lambda: pb.GetBlocksRequest(handle=self._handle, keys=packed))
+        return got.result()
+
+
+class _Timeout(grpc.RpcError):
+    """A deadline this client enforces itself (the OpenNamespace stream has none)."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(details)
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return self._details

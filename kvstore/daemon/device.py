@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore import kernels
-from kvstore.checksum import block_checksum
+from kvstore.checksum import checksum_seed, seeded_checksum
 from kvstore.daemon.room import make_room
 from kvstore.errors import CapacityError
 from kvstore.index import BELOW_GPU, IN_CPU, IN_GPU, State
@@ -276,6 +276,10 @@ class DeviceTier:
         index = self.store.index
         self.policy.touch([e for e in eids if e in self.dsum and index.state[e] == State.COMMITTED])
 
+    def _seed(self, eid: int) -> int:
+        """The checksum seed of an entry: its namespace fingerprint and key."""
+        return checksum_seed(self.store.fingerprint_of(eid), self.store.index.key(eid))
+
     # ----------------------------------------------------------------- copies (worker thread)
     def _stream_ctx(self) -> Any:
         if self._stream is None:
@@ -286,38 +290,43 @@ class DeviceTier:
         if self._stream is not None:
             self._stream.synchronize()
 
-    def _copy_down(self, block_bytes: int, moves: list[tuple[int, int, int]]) -> list[int | None]:
-        """(gpu offset, cpu offset, device checksum) -> xxh3 of each host copy, or None where
-        the GPU source did not match its device checksum."""
+    def _copy_down(
+        self, block_bytes: int, moves: list[tuple[int, int, int, int]]
+    ) -> list[int | None]:
+        """(gpu offset, cpu offset, bound device checksum, checksum seed) -> bound checksum of
+        each host copy, or None where the GPU source did not match its device checksum."""
         assert self.pool is not None and self._host is not None
-        srcs = [self.pool.slot(g, block_bytes) for g, _, _ in moves]
+        srcs = [self.pool.slot(g, block_bytes) for g, _, _, _ in moves]
         with self._stream_ctx():
-            for src, (_, c, _) in zip(srcs, moves, strict=True):
+            for src, (_, c, _, _) in zip(srcs, moves, strict=True):
                 self._host[c : c + block_bytes].copy_(src, non_blocking=True)
             sums = kernels.device_checksums(srcs)  # ordered after the copies on this stream
         self._sync()
         out: list[int | None] = []
         view = self.store.arena.view
-        for s, (_, c, dsum) in zip(sums, moves, strict=True):
-            out.append(block_checksum(view[c : c + block_bytes]) if s == dsum else None)
+        for s, (_, c, dsum, seed) in zip(sums, moves, strict=True):
+            ok = s ^ seed == dsum
+            out.append(seeded_checksum(view[c : c + block_bytes], seed) if ok else None)
         return out
 
-    def _copy_up(self, block_bytes: int, moves: list[tuple[int, int, int]]) -> list[int | None]:
-        """(cpu offset, gpu offset, xxh3) -> device checksum of each GPU copy, or None where the
-        host source did not match its xxh3. The host bytes are hashed after the copy (as a
-        client checks what it read): a source that was wrong, or changed while it was copied,
-        fails there."""
+    def _copy_up(
+        self, block_bytes: int, moves: list[tuple[int, int, int, int]]
+    ) -> list[int | None]:
+        """(cpu offset, gpu offset, bound checksum, seed) -> bound device checksum of each GPU
+        copy, or None where the host source did not match its checksum. The host bytes are
+        hashed after the copy (as a client checks what it read): a source that was wrong, or
+        changed while it was copied, fails there."""
         assert self.pool is not None and self._host is not None
-        dsts = [self.pool.slot(g, block_bytes) for _, g, _ in moves]
+        dsts = [self.pool.slot(g, block_bytes) for _, g, _, _ in moves]
         with self._stream_ctx():
-            for dst, (c, _, _) in zip(dsts, moves, strict=True):
+            for dst, (c, _, _, _) in zip(dsts, moves, strict=True):
                 dst.copy_(self._host[c : c + block_bytes], non_blocking=True)
             sums = kernels.device_checksums(dsts)  # ordered after the copies on this stream
         self._sync()
         view = self.store.arena.view
         return [
-            s if block_checksum(view[c : c + block_bytes]) == x else None
-            for s, (c, _, x) in zip(sums, moves, strict=True)
+            s ^ seed if seeded_checksum(view[c : c + block_bytes], seed) == x else None
+            for s, (c, _, x, seed) in zip(sums, moves, strict=True)
         ]
 
     # ----------------------------------------------------------------- down
@@ -366,7 +375,8 @@ class DeviceTier:
                     slots = []
                 group = group[: len(slots)]
                 moves = [
-                    (self.offset[e], c, self.dsum[e]) for e, c in zip(group, slots, strict=False)
+                    (self.offset[e], c, self.dsum[e], self._seed(e))
+                    for e, c in zip(group, slots, strict=False)
                 ]
                 try:
                     sums = await asyncio.to_thread(self._copy_down, bb, moves) if moves else []
@@ -404,13 +414,13 @@ class DeviceTier:
         loop = asyncio.get_running_loop()
         for e in eids:
             self._moving[e] = loop.create_future()
-            self.store.index.add_lease(e)
+            self.store.pin(e)
         return {}
 
     def _unclaim(self, eids: list[int], results: dict[int, bool]) -> None:
         for e in eids:
             self._moving.pop(e).set_result(results.get(e, False))
-            self.store._drop_one_lease(e)
+            self.store.unpin(e)
 
     async def _clean_loop(self) -> None:
         while True:
@@ -501,7 +511,7 @@ class DeviceTier:
         if not eids:
             return True
         for e in eids:  # pinned now, with no await since the check (see to_cpu)
-            index.add_lease(e)
+            self.store.pin(e)
         return bool(await self._shielded(self._to_gpu(eids)))
 
     async def _to_gpu(self, eids: list[int]) -> bool:
@@ -531,14 +541,15 @@ class DeviceTier:
             return len(eids) == len(leased) and all(results.get(e, False) for e in eids)
         finally:
             for e in leased:
-                store._drop_one_lease(e)
+                store.unpin(e)
 
     async def _up_group(self, bb: int, group: list[int], results: dict[int, bool]) -> None:
         store, index = self.store, self.store.index
         slots = await self.alloc(bb, len(group), partial=True)
         group = group[: len(slots)]
         moves = [
-            (index.offset[e], g, index.checksum[e]) for e, g in zip(group, slots, strict=False)
+            (index.offset[e], g, index.checksum[e], self._seed(e))
+            for e, g in zip(group, slots, strict=False)
         ]
         try:
             sums = await asyncio.to_thread(self._copy_up, bb, moves) if moves else []

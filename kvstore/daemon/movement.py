@@ -45,6 +45,14 @@ class Mover:
         self._room = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._flusher: asyncio.Task[None] | None = None
+        self._batches = 0  # write-back batches in flight
+
+    @property
+    def idle(self) -> bool:
+        """No movement in flight or due (checkers and tests wait for this)."""
+        return not (
+            self._flushing or self._promoting or self._tasks or self._batches or self._wake.is_set()
+        )
 
     # ----------------------------------------------------------------- life cycle
     async def start(self) -> None:
@@ -69,13 +77,11 @@ class Mover:
         store, index = self.store, self.store.index
         for rec in sorted(records, key=lambda r: r.seq):
             ns = store.recovered_namespace(rec.namespace, rec.length)
-            old = index.get(rec.key)
+            old = index.get(ns.ns_id, rec.key)
             if old is not None:  # an older record of the same key: keep the newest
                 store.forget(old)
-            eid = index.add(rec.key, ns.ns_id, 0, -1, 0)
-            index.commit(eid, rec.checksum)
-            store.mark_on_disk(eid, rec.slot)
-            ns.blocks += 1
+            eid = store.add_entry(rec.key, ns.ns_id, 0, -1, 0)
+            store.commit_recovered(eid, rec.checksum, rec.slot)
 
     async def stop(self) -> None:
         if self._flusher is not None:
@@ -218,12 +224,12 @@ class Mover:
             return False
         key, fingerprint = index.key(eid), store.fingerprint_of(eid)
         checksum, offset = index.checksum[eid], index.offset[eid]
-        index.add_lease(eid)
+        store.pin(eid)
         try:
             data = store.arena.view[offset : offset + block_bytes]
             # Verified on the way down: a CPU copy that no longer matches its checksum (a
             # client scribbled on its slot) must not be made durable.
-            if await asyncio.to_thread(block_checksum, data) != checksum:
+            if await asyncio.to_thread(block_checksum, data, fingerprint, key) != checksum:
                 tier.free(slot)
                 store.cpu.checksum_failures += 1
                 store.forget(eid)
@@ -236,6 +242,14 @@ class Mover:
                 store.nvme_counters.io_errors += 1
                 log.warning("nvme write failed: %s", exc)
                 return False
+            except ValueError as exc:
+                # The tier re-verifies as it copies: the slot changed after the check above (a
+                # client scribbled on it). Never made durable; the CPU copy is as suspect.
+                store.cpu.checksum_failures += 1
+                log.warning("not written down: %s", exc)
+                if index.state[eid] == State.COMMITTED:
+                    store.forget(eid)
+                return False
             if index.state[eid] != State.COMMITTED:  # deleted while writing
                 tier.free(slot)
                 return False
@@ -243,7 +257,7 @@ class Mover:
             store.nvme_counters.demotions += 1
             return True
         finally:
-            store._drop_one_lease(eid)
+            store.unpin(eid)
 
     def _disk_slot(self, block_bytes: int) -> int | None:
         """A free disk slot, evicting the coldest disk block of this size when the tier is
@@ -280,7 +294,11 @@ class Mover:
                 batch = self._next_flush_batch()
                 if not batch:
                     break
-                results = await asyncio.gather(*(self.flush(e) for e in batch))
+                self._batches += 1
+                try:
+                    results = await asyncio.gather(*(self.flush(e) for e in batch))
+                finally:
+                    self._batches -= 1
                 if not any(results):
                     break  # the disk takes nothing now (full of leased blocks, IO errors)
 
@@ -339,14 +357,21 @@ class Mover:
         return len(eids)
 
     async def _promote_many(self, eids: list[int]) -> list[bool]:
-        """Read disk-only blocks of one size into new CPU slots, concurrently."""
+        """Read disk-only blocks of one size into new CPU slots, concurrently. ``eids`` must be
+        distinct and not being promoted already (``bring_to_cpu`` and ``_prefetch`` see to
+        it). Each read is checked against the key it was started for: an entry deleted (and
+        its id perhaps reused) while room was made or the disk was read is not touched."""
         store, index, tier = self.store, self.store.index, self.store.nvme
+        if len(set(eids)) != len(eids) or any(e in self._promoting for e in eids):
+            raise AssertionError("promotion of a repeated entry or of one already promoting")
         loop = asyncio.get_running_loop()
         futures = {}
         for eid in eids:
             futures[eid] = self._promoting[eid] = loop.create_future()
-            index.add_lease(eid)  # pins the disk copy for the read
+            store.pin(eid)  # pins the disk copy (and the entry id) for the read
         results = [False] * len(eids)
+        offsets: list[int] = []
+        block_bytes = 0
         try:
             todo = [
                 i
@@ -354,42 +379,52 @@ class Mover:
                 if tier is not None
                 and index.state[e] == State.COMMITTED
                 and index.tier[e] & IN_NVME
+                and not index.tier[e] & IN_CPU
             ]
             if todo and tier is not None:
                 block_bytes = store.block_bytes_of(eids[todo[0]])
                 offsets = await self.alloc_cpu(block_bytes, len(todo), partial=True)
+                # Re-checked after the await: deleted meanwhile (an orphan now), or given a CPU
+                # copy another way, is no longer this promotion's to read.
+                todo = [
+                    i
+                    for i in todo[: len(offsets)]
+                    if index.state[eids[i]] == State.COMMITTED
+                    and index.tier[eids[i]] & IN_NVME
+                    and not index.tier[eids[i]] & IN_CPU
+                ]
+                idents = [
+                    (index.disk[eids[i]], index.key(eids[i]), store.fingerprint_of(eids[i]))
+                    for i in todo
+                ]
                 reads = []
-                for i, offset in zip(todo, offsets, strict=False):
-                    e = eids[i]
+                for (disk, key, fp), offset, i in zip(idents, offsets, todo, strict=False):
                     view = store.arena.view[offset : offset + block_bytes]
-                    reads.append(
-                        tier.read_into(  # type: ignore[union-attr]
-                            index.disk[e],
-                            index.key(e),
-                            store.fingerprint_of(e),
-                            index.checksum[e],
-                            view,
-                        )
-                    )
+                    reads.append(tier.read_into(disk, key, fp, index.checksum[eids[i]], view))
                 oks = await asyncio.gather(*reads, return_exceptions=True)
-                for i, offset, ok in zip(todo, offsets, oks, strict=False):
+                for j, (i, (_, key, _), ok) in enumerate(zip(todo, idents, oks, strict=True)):
                     e = eids[i]
-                    if index.state[e] != State.COMMITTED:  # deleted while reading
-                        store.cpu_unalloc(offset, block_bytes)
-                    elif ok is not True:
-                        # Corrupt, torn or unreadable on disk: a miss, counted; slot freed.
-                        store.cpu_unalloc(offset, block_bytes)
+                    if not index.has_key(e, index.ns[e], key) or index.state[e] != State.COMMITTED:
+                        continue  # deleted while reading: the slot goes back below
+                    if index.tier[e] & IN_CPU:
+                        continue
+                    if ok is not True:
+                        # Corrupt, torn or unreadable on disk: a miss, counted.
                         store.nvme_counters.checksum_failures += 1
                         store.forget(e)
-                    else:
-                        store.mark_in_cpu(e, offset)
-                        store.nvme_counters.promotions += 1
-                        results[i] = True
+                        continue
+                    store.mark_in_cpu(e, offsets[j])
+                    offsets[j] = -1  # taken by the entry
+                    store.nvme_counters.promotions += 1
+                    results[i] = True
         finally:
+            for offset in offsets:
+                if offset >= 0:
+                    store.cpu_unalloc(offset, block_bytes)
             for i, eid in enumerate(eids):
                 del self._promoting[eid]
                 futures[eid].set_result(results[i])
-                store._drop_one_lease(eid)
+                store.unpin(eid)
         return results
 
     def prefetch(self, ns_id: int, keys: list[bytes]) -> int:
@@ -400,7 +435,9 @@ class Mover:
         run = store.leading_run(ns_id, keys)
         # Blocks in the GPU pool are not read from disk: a CPU reader gets a copy from the pool.
         todo = [
-            e for e in run if not index.tier[e] & (IN_CPU | IN_GPU) and e not in self._promoting
+            e
+            for e in dict.fromkeys(run)  # a key asked twice is one block
+            if not index.tier[e] & (IN_CPU | IN_GPU) and e not in self._promoting
         ]
         if todo:
             self._spawn(self._prefetch(todo))

@@ -27,11 +27,10 @@ from kvstore import __version__
 from kvstore.address import default_address, unix_socket_path
 from kvstore.config import DaemonConfig
 from kvstore.daemon.metrics import MetricsServer, RpcMetrics, RpcMetricsInterceptor, render_metrics
-from kvstore.daemon.service import KVStoreServicer
+from kvstore.daemon.service import KVStoreServicer, add_to_server
 from kvstore.daemon.store import BlockStore
 from kvstore.units import format_size
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +111,19 @@ class Daemon:
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.max_send_message_length", self.config.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # A TCP client that vanishes without closing its connection is noticed by pings,
+            # so its handles (and the leases and reservations they hold) are reclaimed.
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
         ]
         interceptors = []
         if self.rpc_metrics is not None:
             interceptors.append(RpcMetricsInterceptor(self.rpc_metrics, SERVICE_NAME))
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.servicer = KVStoreServicer(self.store)
-        pb_grpc.add_KVStoreServicer_to_server(self.servicer, self.server)
+        add_to_server(self.servicer, self.server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
         reflection.enable_server_reflection(
@@ -168,6 +173,8 @@ class Daemon:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.servicer is not None:
+            self.servicer.close_streams()
         if self.server is not None:
             await self.server.stop(grace_s)
         if self.store is not None:

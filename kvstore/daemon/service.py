@@ -1,12 +1,19 @@
 """The gRPC face of the block store: decodes requests, calls ``BlockStore``, encodes replies.
 
 Every error becomes a gRPC status with a message that names the problem; the store's state is
-never left half-changed by a bad request (validation happens before any change). The servicer
-runs on the daemon's one event loop, like the store it wraps.
+never left half-changed by a bad request (validation happens before any change). A request that
+does not even decode gets INVALID_ARGUMENT, with one rate-limited log line instead of a
+traceback per request. The servicer runs on the daemon's one event loop, like the store.
+
+Handles: ``OpenNamespace`` answers with a handle and keeps its stream open; when the stream
+ends (the client closed it, or died and its connection closed) the store closes the handle,
+aborting its reservations and releasing its leases at once. Every other call presents the
+handle, and the store checks it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -16,7 +23,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvstore import __version__
-from kvstore.daemon.store import BlockStore
+from kvstore.daemon.store import BlockStore, Handle
 from kvstore.errors import (
     CapacityError,
     InvalidRequestError,
@@ -44,6 +51,46 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
+class _RateLimitedLog:
+    """At most one line per ``interval_s`` per kind; the lines skipped are counted in the next."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+
+    def warning(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -1e9) < self.interval_s:
+            self._skipped[kind] = self._skipped.get(kind, 0) + 1
+            return
+        skipped = self._skipped.pop(kind, 0)
+        self._last[kind] = now
+        more = f" ({skipped} more like it since the last line)" if skipped else ""
+        log.warning("%s%s", message, more)
+
+
+_bad_requests = _RateLimitedLog()
+
+
+class Undecodable:
+    """Stands for a request whose bytes did not decode; the handler refuses it."""
+
+    def __init__(self, method: str, error: Exception) -> None:
+        self.method = method
+        self.error = error
+
+
+def _decoder(method: str, message_type: Any) -> Callable[[bytes], Any]:
+    def decode(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except Exception as exc:  # DecodeError, or worse: never an INTERNAL for bad bytes
+            return Undecodable(method, exc)
+
+    return decode
+
+
 def _status_for(exc: BaseException) -> grpc.StatusCode:
     for exc_type, code in _STATUS:
         if isinstance(exc, exc_type):
@@ -69,6 +116,12 @@ async def abort_with(context: grpc.aio.ServicerContext, where: str, exc: BaseExc
     )
 
 
+def _check_decoded(request: Any, where: str) -> None:
+    if isinstance(request, Undecodable):
+        _bad_requests.warning("undecodable", f"{where}: undecodable request ({request.error})")
+        raise ValueError(f"the request does not decode as {where}'s message: {request.error}")
+
+
 def _rpc(method: F) -> F:
     """Turn exceptions into gRPC statuses; an unexpected one is logged and reported INTERNAL."""
 
@@ -77,6 +130,7 @@ def _rpc(method: F) -> F:
         self: KVStoreServicer, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
         try:
+            _check_decoded(request, method.__name__)
             return await method(self, request, context)
         except grpc.aio.AbortError:
             raise
@@ -86,16 +140,28 @@ def _rpc(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _keys(packed: bytes, what: str = "keys") -> list[bytes]:
+def _keys(packed: bytes, max_keys: int, what: str = "keys") -> list[bytes]:
     if len(packed) % KEY_BYTES:
         raise ValueError(f"{what} field is {len(packed)} bytes, not a multiple of {KEY_BYTES}")
+    if len(packed) // KEY_BYTES > max_keys:
+        raise ValueError(
+            f"{len(packed) // KEY_BYTES} keys, more than limits.max_keys_per_request ({max_keys})"
+        )
     return unpack_keys(packed)  # type: ignore[return-value]
 
 
-def namespace_from_request(request: pb.OpenNamespaceRequest) -> Namespace:
+def namespace_from_request(request: pb.OpenNamespaceRequest, max_name_bytes: int) -> Namespace:
     if not request.HasField("layout"):
         raise ValueError("OpenNamespace needs a layout")
+    for what in ("model", "revision", "tenant"):
+        size = len(getattr(request, what).encode("utf-8"))
+        if size > max_name_bytes:
+            raise ValueError(
+                f"{what} is {size} bytes, more than limits.max_name_bytes ({max_name_bytes})"
+            )
     lay = request.layout
+    if len(lay.dtype) > 64:
+        raise ValueError("layout dtype name is too long")
     layout = KVLayout(
         num_layers=lay.num_layers,
         num_kv_heads=lay.num_kv_heads,
@@ -114,24 +180,61 @@ def namespace_from_request(request: pb.OpenNamespaceRequest) -> Namespace:
     )
 
 
+def remaining_s(context: grpc.aio.ServicerContext) -> float:
+    """Seconds left before the call's deadline (a long time when it has none)."""
+    left = context.time_remaining()
+    return 3600.0 if left is None else max(0.0, left - 0.05)
+
+
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     """Implements ``kvstore.v1.KVStore`` over one ``BlockStore``."""
 
     def __init__(self, store: BlockStore) -> None:
         self.store = store
+        self.limits = store.config.limits
         self.started_at = time.monotonic()
+        self._closing = asyncio.Event()
 
-    @_rpc
-    async def OpenNamespace(self, request, context):
-        record = self.store.open_namespace(namespace_from_request(request), request.priority)
+    def close_streams(self) -> None:
+        """End every OpenNamespace stream (the daemon is stopping): clients see their handle
+        end now rather than after the stop's grace period."""
+        self._closing.set()
+
+    def _handle(self, token: bytes) -> Handle:
+        return self.store.handle(token)
+
+    def _keys(self, packed: bytes) -> list[bytes]:
+        return _keys(packed, self.limits.max_keys_per_request)
+
+    async def OpenNamespace(
+        self, request: pb.OpenNamespaceRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.OpenNamespaceResponse]:
+        try:
+            _check_decoded(request, "OpenNamespace")
+            namespace = namespace_from_request(request, self.limits.max_name_bytes)
+            handle = self.store.open_namespace(namespace, request.priority)
+        except Exception as exc:
+            await abort_with(context, "OpenNamespace", exc)
+            return
+        try:
+            yield self._open_reply(handle)
+            # The handle lives as long as this stream: wait for the client to close it (or
+            # its connection to drop), then reclaim what it still holds.
+            await self._closing.wait()
+        finally:
+            self.store.close_handle(handle)
+
+    def _open_reply(self, handle: Handle) -> pb.OpenNamespaceResponse:
+        record = handle.record
         arena = self.store.arena
         reply = pb.OpenNamespaceResponse(
-            namespace_id=record.ns_id,
+            handle=handle.token,
             seed=record.namespace.seed if record.namespace else b"",
             block_bytes=record.block_bytes,
             fingerprint=record.fingerprint,
-            epoch=self.store.epoch,
             arena=pb.ArenaInfo(path=arena.path, size_bytes=arena.size_bytes, token=arena.token),
+            max_keys_per_request=self.limits.max_keys_per_request,
+            max_chunk_bytes=self.limits.chunk_bytes,
         )
         pool = self.store.device.pool
         if pool is not None and pool.ipc_handle:
@@ -147,65 +250,106 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Lookup(self, request, context):
-        found = await self.store.lookup(request.namespace_id, _keys(request.keys))
+        found = await self.store.lookup(self._handle(request.handle), self._keys(request.keys))
         return pb.LookupResponse(found=found)
 
     @_rpc
     async def Reserve(self, request, context):
-        self.store.check_epoch(request.epoch)
-        reservation_id, offsets, gpu = await self.store.reserve(
-            request.namespace_id, _keys(request.keys), request.priority, gpu=request.gpu
+        result = await self.store.reserve(
+            self._handle(request.handle),
+            self._keys(request.keys),
+            request.priority,
+            gpu=request.gpu,
+            wait_s=remaining_s(context),
         )
         return pb.ReserveResponse(
-            reservation_id=reservation_id,
-            offsets=offsets,
+            reservation_id=result.reservation_id,
+            offsets=result.offsets,
             expires_in_s=self.store.config.reservation_ttl_s,
-            gpu=gpu,
+            gpu=result.gpu,
+            pending=result.pending,
         )
 
     @_rpc
     async def Commit(self, request, context):
         committed = self.store.commit(
-            request.reservation_id, list(request.checksums), list(request.device_checksums)
+            self._handle(request.handle),
+            request.reservation_id,
+            list(request.checksums),
+            list(request.device_checksums),
         )
         return pb.CommitResponse(committed=committed)
 
     @_rpc
     async def Abort(self, request, context):
-        self.store.abort(request.reservation_id)
+        self.store.abort(self._handle(request.handle), request.reservation_id)
         return pb.AbortResponse()
 
     @_rpc
     async def Acquire(self, request, context):
-        self.store.check_epoch(request.epoch)
-        lease_id, offsets, checksums, on_gpu = await self.store.acquire(
-            request.namespace_id, _keys(request.keys), gpu=request.gpu
+        result = await self.store.acquire(
+            self._handle(request.handle),
+            self._keys(request.keys),
+            gpu=request.gpu,
+            wait_s=remaining_s(context),
         )
         return pb.AcquireResponse(
-            lease_id=lease_id,
-            offsets=offsets,
-            checksums=checksums,
+            lease_id=result.lease_id,
+            offsets=result.offsets,
+            checksums=result.checksums,
             expires_in_s=self.store.config.lease_ttl_s,
-            on_gpu=on_gpu if any(on_gpu) else [],
+            on_gpu=result.on_gpu if any(result.on_gpu) else [],
+            pending=result.pending,
         )
 
     @_rpc
     async def Release(self, request, context):
-        self.store.release(request.lease_id)
+        self.store.release(self._handle(request.handle), request.lease_id)
         return pb.ReleaseResponse()
 
     @_rpc
     async def PutBlocks(self, request_iterator, context):
-        ns_id = 0
+        handle: Handle | None = None
         stored = received = 0
+        chunk_limit = self.limits.chunk_bytes
+        key = b""
+        chunks: list[bytes] = []
+        have = checksum = 0
+        priority = -1
+        block_bytes = 0
         async for message in request_iterator:
-            if received == 0:
-                ns_id = message.namespace_id
-            if len(message.key) != KEY_BYTES:
-                raise ValueError(f"block {received}: key is {len(message.key)} bytes, not 32")
-            received += 1
-            if await self.store.put_block(ns_id, message.key, message.data, message.priority):
-                stored += 1
+            _check_decoded(message, "PutBlocks")
+            if handle is None:
+                handle = self._handle(message.handle)
+                block_bytes = handle.record.block_bytes
+            if len(message.data) > chunk_limit:
+                raise ValueError(
+                    f"a data field of {len(message.data)} bytes, more than limits.chunk "
+                    f"({chunk_limit})"
+                )
+            if message.key:
+                if chunks:
+                    raise ValueError(f"block {received}: a new key before the block was whole")
+                if len(message.key) != KEY_BYTES:
+                    raise ValueError(
+                        f"block {received}: key is {len(message.key)} bytes, not {KEY_BYTES}"
+                    )
+                key, checksum, priority = message.key, message.checksum, message.priority
+            elif not key:
+                raise ValueError(f"block {received}: data before a key")
+            chunks.append(message.data)
+            have += len(message.data)
+            if have > block_bytes:
+                raise ValueError(
+                    f"block {received} is longer than the namespace's {block_bytes} bytes"
+                )
+            if have == block_bytes:
+                received += 1
+                if await self.store.put_block(handle, key, chunks, checksum, priority):
+                    stored += 1
+                key, chunks, have = b"", [], 0
+        if chunks:
+            raise ValueError(f"block {received} ended after {have} of {block_bytes} bytes")
         return pb.PutBlocksResponse(stored=stored, received=received)
 
     async def GetBlocks(
@@ -213,35 +357,48 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     ) -> AsyncIterator[pb.BlockData]:
         # A streaming handler cannot use the unary wrapper: it aborts on the first error.
         try:
-            keys = _keys(request.keys)
-            lease_id, _, _, _ = await self.store.acquire(request.namespace_id, keys)
+            _check_decoded(request, "GetBlocks")
+            handle = self._handle(request.handle)
+            keys = self._keys(request.keys)
+            result = await self.store.acquire(handle, keys, wait_s=remaining_s(context))
         except Exception as exc:
             await abort_with(context, "GetBlocks", exc)
+            return
+        lease_id = result.lease_id
         if not lease_id:
             return
+        chunk = self.limits.chunk_bytes
         try:
-            for key, eid in zip(keys, self.store.leased_entries(lease_id), strict=False):
-                data, checksum = self.store.read_block(eid)
-                yield pb.BlockData(key=key, data=data, checksum=checksum)
+            for i in range(len(result.offsets)):
+                try:
+                    # Checked and copied at once: the lease is live and the entry still
+                    # holds this key; else the stream ends here (a miss, never other bytes).
+                    key, data, checksum = self.store.read_leased(handle, lease_id, i)
+                except LeaseExpiredError:
+                    return
+                view = memoryview(data)
+                yield pb.BlockData(key=key, data=view[:chunk].tobytes(), checksum=checksum)
+                for start in range(chunk, len(data), chunk):
+                    yield pb.BlockData(data=view[start : start + chunk].tobytes())
         finally:
             try:
-                self.store.release(lease_id)
-            except Exception:  # the lease expired while the client was slow: already dropped
+                self.store.release(handle, lease_id)
+            except LeaseExpiredError:  # expired while the client was slow: already dropped
                 pass
 
     @_rpc
     async def Prefetch(self, request, context):
-        keys = _keys(request.keys)
-        self.store.namespace(request.namespace_id)
+        handle = self._handle(request.handle)
+        keys = self._keys(request.keys)
         if request.gpu and self.store.device.enabled:
-            queued = self.store.device.prefetch(request.namespace_id, keys)
+            queued = self.store.device.prefetch(handle.ns_id, keys)
         else:
-            queued = self.store.mover.prefetch(request.namespace_id, keys)
+            queued = self.store.mover.prefetch(handle.ns_id, keys)
         return pb.PrefetchResponse(queued=queued)
 
     @_rpc
     async def Delete(self, request, context):
-        deleted = self.store.delete(request.namespace_id, _keys(request.keys))
+        deleted = self.store.delete(self._handle(request.handle), self._keys(request.keys))
         return pb.DeleteResponse(deleted=deleted)
 
     @_rpc
@@ -251,6 +408,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             uptime_s=time.monotonic() - self.started_at,
             active_leases=self.store.active_leases,
             active_reservations=self.store.active_reservations,
+            open_handles=self.store.open_handles,
         )
         for tier in self.store.tier_snapshots():
             c = tier.counters
@@ -268,9 +426,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 up=tier.up,
                 extra=tier.extra,
             )
-        for ns in self.store.namespaces():
+        # The most used namespaces first, at most max_stats_namespaces of them (names are
+        # bounded too), so the reply stays small whatever clients open.
+        records = sorted(self.store.namespaces(), key=lambda r: -r.blocks * r.block_bytes)
+        limit = self.limits.max_stats_namespaces
+        for ns in records[:limit]:
             reply.namespaces.add(
-                namespace_id=ns.ns_id,
                 name=ns.name,
                 blocks=ns.blocks,
                 used_bytes=ns.blocks * ns.block_bytes,
@@ -278,4 +439,31 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 misses=ns.lookup_misses,
                 block_bytes=ns.block_bytes,
             )
+        reply.namespaces_omitted = max(0, len(records) - limit)
         return reply
+
+
+def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
+    """Register the service like the generated ``add_KVStoreServicer_to_server``, but with
+    request decoders that turn undecodable bytes into a refusal (INVALID_ARGUMENT) instead of
+    gRPC's INTERNAL and a logged traceback."""
+    service = pb.DESCRIPTOR.services_by_name["KVStore"]
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {}
+    for method in service.methods:
+        request_type = getattr(pb, method.input_type.name)
+        reply_type = getattr(pb, method.output_type.name)
+        make = kinds[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_decoder(method.name, request_type),
+            response_serializer=reply_type.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )

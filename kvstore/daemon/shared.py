@@ -97,10 +97,11 @@ class SharedTier:
         from kvstore.tiers.redis import RedisTierUnavailable
 
         store, index = self.store, self.store.index
+        ns_id = record.ns_id
         n = await self.contains(record, keys)
-        claim = [k for k in keys[:n]]
+        claim = list(dict.fromkeys(keys[:n]))
         for i, key in enumerate(claim):
-            if index.get(key) is not None:  # indexed meanwhile (a put, or another fetch)
+            if index.get(ns_id, key) is not None:  # indexed meanwhile (a put, another fetch)
                 claim = claim[:i]
                 break
         if not claim:
@@ -111,23 +112,28 @@ class SharedTier:
         # the next await; stop at a key someone indexed while room was being made.
         eids: list[int] = []
         for key, offset in zip(claim, slots, strict=False):
-            if index.get(key) is not None:
+            if index.get(ns_id, key) is not None or store.namespace_record(ns_id) is not record:
                 break
-            eids.append(index.add(key, record.ns_id, IN_CPU, offset, record.priority))
+            eids.append(store.add_entry(key, ns_id, IN_CPU, offset, record.priority))
         for offset in slots[len(eids) :]:
             store.cpu_unalloc(offset, bb)
-        store.note_reserved(len(eids))
         views = [store.arena.view[index.offset[e] : index.offset[e] + bb] for e in eids]
+        keys_of = [index.key(e) for e in eids]
         sums: list[int | None] = []
-        for part in _batches(list(range(len(eids))), bb):
-            try:
-                sums += await self.tier.get_into_checked(
-                    record.fingerprint, [(index.key(eids[i]), None, views[i]) for i in part]
-                )
-            except RedisTierUnavailable:
-                self.skipped += 1
-                sums += [None] * (len(eids) - len(sums))
-                break
+        try:
+            for part in _batches(list(range(len(eids))), bb):
+                try:
+                    sums += await self.tier.get_into_checked(
+                        record.fingerprint, [(keys_of[i], None, views[i]) for i in part]
+                    )
+                except RedisTierUnavailable:
+                    self.skipped += 1
+                    break
+        except BaseException:
+            for eid in eids:  # cancelled or failed: the daemon's own reservation ends here
+                store.discard_reserved(eid)
+            raise
+        sums += [None] * (len(eids) - len(sums))
         run: list[int] = []
         leading = True
         for eid, checksum in zip(eids, sums, strict=True):
@@ -135,8 +141,8 @@ class SharedTier:
                 store.discard_reserved(eid)
                 leading = False
                 continue
-            # The xxh3-64 the tier just verified the slot's bytes against (block_checksum of
-            # them, not hashed again): the checksum every local tier keeps from now on.
+            # The checksum the tier just verified the slot's bytes against (bound to namespace
+            # and key, not hashed again): the checksum every local tier keeps from now on.
             store.commit_fetched(eid, checksum)
             index.tier[eid] |= IN_REDIS
             self.promotions += 1
@@ -197,7 +203,7 @@ class SharedTier:
         for e in live:
             by_ns.setdefault(index.ns[e], []).append(e)
         for e in live:
-            index.add_lease(e)  # the slots stay put while Redis reads them
+            store.pin(e)  # the slots stay put while Redis reads them
         try:
             for ns_id, group in by_ns.items():
                 record = store.namespace_record(ns_id)
@@ -225,7 +231,7 @@ class SharedTier:
                 self.demotions += len(group)
         finally:
             for e in live:
-                store._drop_one_lease(e)
+                store.unpin(e)
         return True
 
     def stats(self) -> dict[str, Any]:

@@ -1,18 +1,37 @@
-"""The daemon's block store: namespaces, the index, leases, reservations, and the tiers.
+"""The daemon's block store: namespaces and their handles, the index, leases, reservations, and
+the tiers.
 
-``BlockStore`` is the one owner of the index. Every method runs on the daemon's event loop;
-bytes move in executors (the NVMe tier's IO threads, ``asyncio.to_thread`` for checksums), so
-the loop never blocks on a copy or a disk.
+``BlockStore`` is the one owner of the index and of every block state transition. Every method
+runs on the daemon's event loop; bytes move in executors (the NVMe tier's IO threads,
+``asyncio.to_thread`` for checksums), so the loop never blocks on a copy or a disk.
 
-Write protocol (two-phase): ``reserve`` allocates CPU slots and creates RESERVED entries,
-invisible to readers; the client copies into the slots; ``commit`` makes them visible with their
-checksums. A reservation not committed within ``reservation_ttl_s`` is reclaimed by ``reap``.
+Callers. A client opens a namespace and gets a ``Handle``: 16 random bytes, unguessable, known
+only to this daemon instance, alive while the client's OpenNamespace stream is open. Every
+reservation and lease belongs to one handle, under a random id; a call naming an id its handle
+does not hold is refused. Closing a handle (the client closed its stream or died) aborts its
+reservations and releases its leases at once.
+
+Write protocol (two-phase): ``reserve`` allocates slots and creates RESERVED entries, invisible
+to readers; the client copies into the slots and computes each block's checksum from what it
+copied (``kvstore.checksum``: bound to namespace and key); ``commit`` makes them visible with
+those checksums. A reservation not committed within ``reservation_ttl_s`` is reclaimed by
+``reap``. A put that meets keys another client is writing waits (bounded) for that commit, so a
+put followed by a get reads its write whoever wrote it.
 
 Read protocol: ``acquire`` takes a read lease on the leading run of committed blocks, promoting
-blocks that are only on disk into the CPU tier first (a second reader of a block being promoted
-waits for that promotion instead of reading the disk again); the client copies out, verifies the
-checksums and calls ``release``. A leased block is never evicted or freed. Leases expire after
-``lease_ttl_s``; a client copying after its lease expired detects a reused slot by checksum.
+blocks that are only on disk into the CPU tier first; the client copies out, verifies each
+block's checksum against the key it asked for, and calls ``release``. A leased block is never
+evicted or freed. A lease remembers the (namespace, key) of every entry it pins; the bytes path
+checks that each entry still holds that key at the moment it copies the bytes out.
+
+Invariants (``check`` asserts them; the tests call it after every step):
+- every keyed entry is RESERVED or COMMITTED, in a known namespace; ORPHANs are unkeyed and
+  leased; ``record.entries`` counts a namespace's keyed entries and orphans;
+- a RESERVED entry belongs to exactly one live reservation; a COMMITTED one to none;
+- each tier's policy holds exactly the COMMITTED entries with a copy in that tier;
+- an entry's lease count is the number of live leases naming it plus IO in flight on it;
+- the CPU bytes counted used are the bytes of the entries holding CPU slots plus quarantined
+  slots; the clean bytes are those of CPU blocks with a disk copy.
 
 Movement (``movement.py`` holds the background parts): puts land in the CPU tier. With an NVMe
 tier, write-back keeps at least ``1 - high_watermark`` of the CPU tier free or clean (already on
@@ -24,7 +43,7 @@ up is dropped and counted: a miss, never wrong data.
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import secrets
 import time
 from collections import deque
@@ -50,18 +69,23 @@ if TYPE_CHECKING:
     from kvstore.tiers.gpu import DevicePool
     from kvstore.tiers.nvme import NvmeTier
 
+HANDLE_BYTES = 16
 
-@dataclass
+
+@dataclass(eq=False)
 class NamespaceRecord:
     """A namespace the daemon knows. ``namespace`` is None for one recovered from disk whose
-    client has not opened it yet (only its fingerprint and block size are known)."""
+    client has not opened it yet (only its fingerprint and block size are known). The record
+    lives while a handle names it or an entry belongs to it; then its id is recycled."""
 
     ns_id: int
     namespace: Namespace | None
     fingerprint: bytes
     block_bytes: int
     priority: int
-    blocks: int = 0
+    blocks: int = 0  # COMMITTED entries
+    entries: int = 0  # keyed entries (reserved or committed) and orphans
+    handles: int = 0
     lookup_hits: int = 0
     lookup_misses: int = 0
 
@@ -84,7 +108,6 @@ class TierCounters:
 
 @dataclass
 class _Reservation:
-    ns_id: int
     eids: list[int]
     expires_at: float
     gpu: bool = False  # the slots are in the GPU pool (the commit carries device checksums)
@@ -92,8 +115,29 @@ class _Reservation:
 
 @dataclass
 class _Lease:
+    """The entries a read lease pins, each with the key it was leased for (distinct entries)."""
+
     eids: list[int]
+    keys: list[bytes]
     expires_at: float
+
+
+@dataclass(eq=False)
+class Handle:
+    """One open namespace of one client: the capability every other call presents.
+
+    ``token`` is what the client holds; the reservations and leases it made live here, so no
+    other handle can commit, abort or release them."""
+
+    token: bytes
+    record: NamespaceRecord
+    reservations: dict[int, _Reservation] = field(default_factory=dict)
+    leases: dict[int, _Lease] = field(default_factory=dict)
+    closed: bool = False
+
+    @property
+    def ns_id(self) -> int:
+        return self.record.ns_id
 
 
 @dataclass
@@ -107,9 +151,38 @@ class TierSnapshot:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class ReserveResult:
+    reservation_id: int  # 0 when nothing was reserved
+    offsets: list[int]  # per key: slot offset, or -1 (present, being written, or a repeat)
+    gpu: bool  # the offsets are GPU pool offsets
+    pending: int = 0  # keys another client was still writing when the wait ended
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter((self.reservation_id, self.offsets, self.gpu))
+
+
+@dataclass
+class AcquireResult:
+    lease_id: int  # 0 when nothing was found
+    offsets: list[int]
+    checksums: list[int]
+    on_gpu: list[bool]
+    pending: bool = False  # the run ended at a key another client was still writing
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter((self.lease_id, self.offsets, self.checksums, self.on_gpu))
+
+
+def _distinct(keys: Sequence[bytes], what: str) -> None:
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"{what}: a key is repeated (a prefix chain never repeats a key)")
+
+
 class BlockStore:
-    """Owns the namespaces, the block index, the CPU arena, the GPU and NVMe tiers (when
-    configured), one eviction policy per tier, the leases and the reservations. Event-loop only.
+    """Owns the namespaces and handles, the block index, the CPU arena, the GPU and NVMe tiers
+    (when configured), one eviction policy per tier, the leases and the reservations.
+    Event-loop only.
 
     ``gpu_pool``: a device pool made by the caller instead of the one ``config.gpu`` asks for
     (tests drive the GPU tier's logic with a pool on a CPU device).
@@ -122,6 +195,7 @@ class BlockStore:
         gpu_pool: DevicePool | None = None,
     ) -> None:
         self.config = config
+        self.limits = config.limits
         self._clock = clock
         # The header page comes on top of the capacity, so all of it holds blocks.
         self.arena = SharedMemoryArena(
@@ -143,14 +217,15 @@ class BlockStore:
         self.redis_counters = TierCounters()
         self.nvme: NvmeTier | None = None  # set by start() when configured
         self._namespaces: dict[int, NamespaceRecord] = {}
+        self._free_ns_ids: list[int] = []
         self._by_name: dict[str, NamespaceRecord] = {}
         self._by_fingerprint: dict[bytes, NamespaceRecord] = {}
-        self._reservations: dict[int, _Reservation] = {}
+        self._handles: dict[bytes, Handle] = {}
         # (until, in the GPU pool, offset, block bytes) of slots of expired reservations.
         self._quarantine: deque[tuple[float, bool, int, int]] = deque()
-        self._leases: dict[int, _Lease] = {}
-        self._ids = itertools.count(1)
-        self.epoch = secrets.randbits(63) | 1  # never 0, which means "not checked"
+        self._quarantined_cpu = 0
+        # Waiters for the commit (or the end) of RESERVED entries, by entry id.
+        self._written: dict[int, asyncio.Future[None]] = {}
         self._cpu_used = 0
         self._cpu_clean = 0  # bytes of CPU blocks that also have a disk copy
         self._nvme_blocks = 0
@@ -171,6 +246,8 @@ class BlockStore:
 
     async def stop(self) -> None:
         """Write dirty blocks down (bounded by ``drain_timeout_s``), close tiers, unlink."""
+        for handle in list(self._handles.values()):
+            self.close_handle(handle)
         await self.device.stop()
         await self.shared.stop()
         await self.mover.stop()
@@ -180,12 +257,27 @@ class BlockStore:
         self.device.close()
         self.arena.close()
 
-    # ----------------------------------------------------------------- namespaces
-    def open_namespace(self, namespace: Namespace, priority: int = 0) -> NamespaceRecord:
-        """Register or join a namespace. A name already registered with another fingerprint is
-        refused: two clients that claim to share blocks must compute the same keys."""
+    # ----------------------------------------------------------------- namespaces and handles
+    def open_namespace(self, namespace: Namespace, priority: int = 0) -> Handle:
+        """Register or join a namespace and hand out a new handle to it. A name already
+        registered with another fingerprint is refused: two clients that claim to share blocks
+        must compute the same keys."""
         if not 0 <= priority <= 255:
             raise ValueError(f"priority must be in [0, 255], got {priority}")
+        if len(self._handles) >= self.limits.max_handles:
+            raise CapacityError(
+                f"too many open namespace handles ({self.limits.max_handles}, limits.max_handles)"
+            )
+        record = self._record_for(namespace, priority)
+        token = secrets.token_bytes(HANDLE_BYTES)
+        while token in self._handles:  # pragma: no cover - 2^-128
+            token = secrets.token_bytes(HANDLE_BYTES)
+        handle = Handle(token, record)
+        record.handles += 1
+        self._handles[token] = handle
+        return handle
+
+    def _record_for(self, namespace: Namespace, priority: int) -> NamespaceRecord:
         block_bytes = namespace.layout.block_bytes
         self.allocator.check_fits(block_bytes)
         fingerprint = namespace.fingerprint
@@ -218,13 +310,25 @@ class BlockStore:
     def _new_namespace(
         self, namespace: Namespace | None, fingerprint: bytes, block_bytes: int, priority: int
     ) -> NamespaceRecord:
-        if len(self._namespaces) >= 0xFFFF:
-            raise CapacityError("too many namespaces (65535)")
-        ns_id = len(self._namespaces) + 1
+        if len(self._namespaces) >= min(self.limits.max_namespaces, 0xFFFF):
+            raise CapacityError(
+                f"too many namespaces ({len(self._namespaces)}, limits.max_namespaces)"
+            )
+        ns_id = self._free_ns_ids.pop() if self._free_ns_ids else len(self._namespaces) + 1
         record = NamespaceRecord(ns_id, namespace, fingerprint, block_bytes, priority)
         self._namespaces[ns_id] = record
         self._by_fingerprint[fingerprint] = record
         return record
+
+    def _maybe_free_namespace(self, record: NamespaceRecord) -> None:
+        """Forget a namespace no handle names and no entry belongs to; recycle its id."""
+        if record.handles or record.entries or self._namespaces.get(record.ns_id) is not record:
+            return
+        del self._namespaces[record.ns_id]
+        self._free_ns_ids.append(record.ns_id)
+        self._by_fingerprint.pop(record.fingerprint, None)
+        if record.namespace is not None and self._by_name.get(record.namespace.name) is record:
+            del self._by_name[record.namespace.name]
 
     def recovered_namespace(self, fingerprint: bytes, block_bytes: int) -> NamespaceRecord:
         record = self._by_fingerprint.get(fingerprint)
@@ -236,16 +340,46 @@ class BlockStore:
         """The record of an entry's namespace (recovered ones included)."""
         return self._namespaces[ns_id]
 
-    def check_epoch(self, epoch: int) -> None:
-        """Refuse arena offsets to a client that mapped another daemon's arena."""
-        if epoch and epoch != self.epoch:
-            raise UnknownNamespaceError("the daemon restarted: open the namespace again")
+    def handle(self, token: bytes) -> Handle:
+        """The open handle ``token`` names; UnknownNamespaceError for anything else (a closed
+        handle, another daemon instance's, a guess)."""
+        handle = self._handles.get(bytes(token)) if len(token) == HANDLE_BYTES else None
+        if handle is None:
+            raise UnknownNamespaceError(
+                "unknown namespace handle (closed, or the daemon restarted): open the namespace "
+                "again"
+            )
+        return handle
 
-    def namespace(self, ns_id: int) -> NamespaceRecord:
-        record = self._namespaces.get(ns_id)
-        if record is None or record.namespace is None:
-            raise UnknownNamespaceError(f"unknown namespace id {ns_id}: open the namespace first")
-        return record
+    def close_handle(self, handle: Handle) -> tuple[int, int]:
+        """The client is gone (or done): abort its reservations and release its leases now.
+        Returns (reservations, leases) reclaimed."""
+        if handle.closed:
+            return 0, 0
+        handle.closed = True
+        del self._handles[handle.token]
+        reservations = list(handle.reservations.values())
+        leases = list(handle.leases.values())
+        handle.reservations.clear()
+        handle.leases.clear()
+        for reservation in reservations:
+            # The writer is gone: nothing can still copy into these slots (a stalled writer
+            # of a closed stream that did would fail its readers' checksums, never pass them).
+            for eid in reservation.eids:
+                self._free_entry(eid)
+        for lease in leases:
+            for eid in lease.eids:
+                self._drop_one_lease(eid)
+        handle.record.handles -= 1
+        self._maybe_free_namespace(handle.record)
+        return len(reservations), len(leases)
+
+    @staticmethod
+    def _new_id(table: dict[int, object]) -> int:
+        while True:
+            rid = secrets.randbits(63) or 1
+            if rid not in table:
+                return rid
 
     def block_bytes_of(self, eid: int) -> int:
         return self._namespaces[self.index.ns[eid]].block_bytes
@@ -253,14 +387,47 @@ class BlockStore:
     def fingerprint_of(self, eid: int) -> bytes:
         return self._namespaces[self.index.ns[eid]].fingerprint
 
+    def check_keys(self, keys: Sequence[bytes], what: str) -> None:
+        """The per-request bounds every call with keys obeys (ValueError names the bound)."""
+        if len(keys) > self.limits.max_keys_per_request:
+            raise ValueError(
+                f"{what}: {len(keys)} keys, more than limits.max_keys_per_request "
+                f"({self.limits.max_keys_per_request})"
+            )
+        for i, key in enumerate(keys):
+            if len(key) != KEY_BYTES:
+                raise ValueError(f"{what}: key {i} is {len(key)} bytes, not {KEY_BYTES}")
+
+    # ----------------------------------------------------------------- waiting for writers
+    def _note_written(self, eid: int) -> None:
+        """A RESERVED entry was committed or freed: wake whoever waits for it."""
+        waiter = self._written.pop(eid, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait_for_writers(self, ns_id: int, keys: Sequence[bytes], wait_s: float) -> int:
+        """Wait (at most ``wait_s``) until none of ``keys`` is being written; returns how many
+        still are then."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, min(wait_s, self.limits.write_wait_s))
+        while True:
+            pending = []
+            for key in keys:
+                eid = self.index.get(ns_id, key)
+                if eid is not None and self.index.state[eid] == State.RESERVED:
+                    waiter = self._written.get(eid)
+                    if waiter is None:
+                        waiter = self._written[eid] = loop.create_future()
+                    pending.append(waiter)
+            remaining = deadline - loop.time()
+            if not pending or remaining <= 0:
+                return len(pending)
+            await asyncio.wait(set(pending), timeout=remaining)
+
     # ----------------------------------------------------------------- reads
     def _committed(self, ns_id: int, key: bytes) -> int | None:
-        eid = self.index.get(key)
+        eid = self.index.get(ns_id, key)
         if eid is None or self.index.state[eid] != State.COMMITTED:
-            return None
-        if self.index.ns[eid] != ns_id:
-            # Keys are seeded by namespace, so this means a client hashed with another seed.
-            # Serving it would hand one namespace's KV to another: treat it as a miss.
             return None
         return eid
 
@@ -273,8 +440,10 @@ class BlockStore:
             eids.append(eid)
         return eids
 
-    async def lookup(self, ns_id: int, keys: Sequence[bytes]) -> int:
-        record = self.namespace(ns_id)
+    async def lookup(self, handle: Handle, keys: Sequence[bytes]) -> int:
+        self.check_keys(keys, "lookup")
+        record = handle.record
+        ns_id = record.ns_id
         run = self.leading_run(ns_id, keys)
         local = len(run)
         shared = 0
@@ -304,23 +473,47 @@ class BlockStore:
         return found
 
     async def acquire(
-        self, ns_id: int, keys: Sequence[bytes], gpu: bool = False
-    ) -> tuple[int, list[int], list[int], list[bool]]:
+        self,
+        handle: Handle,
+        keys: Sequence[bytes],
+        gpu: bool = False,
+        wait_s: float | None = None,
+    ) -> AcquireResult:
         """Lease the leading run of present blocks, bringing the ones the reader cannot reach
-        into the CPU tier: (lease id or 0, offsets, checksums, on_gpu).
+        into the CPU tier.
 
         ``gpu``: the reader maps the GPU pool, so a block there is served from its pool slot
         (``on_gpu``; its offset is a pool offset and its checksum the device checksum).
-        Otherwise every block is served from the CPU arena (xxh3 checksums).
+        Otherwise every block is served from the CPU arena. A run that meets a key another
+        client is writing waits (at most ``wait_s``, default ``limits.write_wait_s``) for it.
+        Keys must be distinct.
         """
-        record = self.namespace(ns_id)
+        self.check_keys(keys, "acquire")
+        _distinct(keys, "acquire")
+        if len(handle.leases) >= self.limits.max_leases_per_handle:
+            raise CapacityError(
+                f"this handle holds {len(handle.leases)} leases "
+                "(limits.max_leases_per_handle): release some first"
+            )
+        record = handle.record
+        ns_id = record.ns_id
+        wait = self.limits.write_wait_s if wait_s is None else wait_s
         eids = self.leading_run(ns_id, keys)
-        for eid in eids:  # pin the whole run before anything awaits
-            self.index.add_lease(eid)
-        # From here ``eids`` is always exactly what this call holds leases on: a call cancelled
-        # (a client's deadline) or failing in an await gives them back, since no lease id
-        # exists yet that the reaper could reclaim.
+        pending = False
+        if len(eids) < len(keys):
+            eid = self.index.get(ns_id, keys[len(eids)])
+            if eid is not None and self.index.state[eid] == State.RESERVED:
+                # Read your writes: another client is committing this very block.
+                pending = await self._wait_for_writers(ns_id, [keys[len(eids)]], wait) > 0
+                eids = self.leading_run(ns_id, keys)
+        # ``held`` is exactly what this call holds leases on: a call cancelled (a client's
+        # deadline) or failing anywhere gives them back, since no lease id exists yet that
+        # a release or close could reclaim.
+        held: list[int] = []
         try:
+            for eid in eids:  # pin the whole run before anything awaits
+                self.index.add_lease(eid)
+                held.append(eid)
             local_run = len(eids)
             tiers = self.index.tier
             gpu = gpu and self.device.enabled
@@ -335,29 +528,37 @@ class BlockStore:
                 if self.index.state[eid] != State.COMMITTED or not servable:
                     ready = i
                     break
-            for eid in eids[ready:]:
+            for eid in held[ready:]:
                 self._drop_one_lease(eid)
+            del held[ready:]
             eids = eids[:ready]
-            if ready == local_run < len(keys) and self.shared.enabled:
+            if ready == local_run < len(keys) and self.shared.enabled and not pending:
                 # The local run ended at a missing block: the shared tier may hold the rest.
                 fetched = await self.shared.fetch(record, list(keys[ready:]))
                 for eid in fetched:  # committed just now, no await since: lease them at once
                     self.index.add_lease(eid)
+                    held.append(eid)
                 eids = eids + fetched
         except BaseException:
-            for eid in eids:
+            for eid in held:
                 self._drop_one_lease(eid)
             raise
+        if handle.closed:  # the client went away while this call waited
+            for eid in held:
+                self._drop_one_lease(eid)
+            raise UnknownNamespaceError("the namespace handle was closed during the call")
         if not eids:
-            return 0, [], [], []
+            return AcquireResult(0, [], [], [], pending)
         self.mover.note_read(eids)
         # Committed only: an entry deleted during an await above is an orphan, out of policies.
         self.policy.touch(
             [e for e in eids if tiers[e] & IN_CPU and self.index.state[e] == State.COMMITTED]
         )
         self.device.note_read(eids)
-        lease_id = next(self._ids)
-        self._leases[lease_id] = _Lease(eids, self._clock() + self.config.lease_ttl_s)
+        lease_id = self._new_id(handle.leases)  # type: ignore[arg-type]
+        handle.leases[lease_id] = _Lease(
+            eids, list(keys[: len(eids)]), self._clock() + self.config.lease_ttl_s
+        )
         on_gpu = [bool(gpu and tiers[e] & IN_GPU) for e in eids]
         offsets = [
             self.device.offset[e] if g else self.index.offset[e]
@@ -367,12 +568,12 @@ class BlockStore:
             self.device.dsum[e] if g else self.index.checksum[e]
             for e, g in zip(eids, on_gpu, strict=True)
         ]
-        return lease_id, offsets, checksums, on_gpu
+        return AcquireResult(lease_id, offsets, checksums, on_gpu, pending)
 
-    def release(self, lease_id: int) -> None:
-        lease = self._leases.pop(lease_id, None)
+    def release(self, handle: Handle, lease_id: int) -> None:
+        lease = handle.leases.pop(lease_id, None)
         if lease is None:
-            raise LeaseExpiredError(f"lease {lease_id} is unknown or already expired")
+            raise LeaseExpiredError(f"lease {lease_id} is unknown to this handle or expired")
         for eid in lease.eids:
             self._drop_one_lease(eid)
 
@@ -380,65 +581,105 @@ class BlockStore:
         if self.index.drop_lease(eid) == 0 and self.index.state[eid] == State.ORPHAN:
             self._free_entry(eid)
 
-    def leased_entries(self, lease_id: int) -> list[int]:
-        lease = self._leases.get(lease_id)
-        if lease is None:
-            raise LeaseExpiredError(f"lease {lease_id} is unknown or already expired")
-        return lease.eids
+    def pin(self, eid: int) -> None:
+        """Pin an entry for IO in flight (a write down, a promotion): its slots stay put."""
+        self.index.add_lease(eid)
 
-    def read_block(self, eid: int) -> tuple[bytes, int]:
-        """Copy one leased CPU block's bytes out of the arena (the bytes path)."""
-        size = self.block_bytes_of(eid)
-        offset = self.index.offset[eid]
-        return bytes(self.arena.view[offset : offset + size]), self.index.checksum[eid]
+    def unpin(self, eid: int) -> None:
+        self._drop_one_lease(eid)
+
+    def read_leased(self, handle: Handle, lease_id: int, i: int) -> tuple[bytes, bytes, int]:
+        """Block ``i`` of a lease, copied out of the arena now (the bytes path): (key, bytes,
+        checksum). Checked at the moment of the copy: the lease is live and its entry still
+        holds the key it was leased for, committed, in the CPU tier. LeaseExpiredError
+        otherwise, never another block's bytes."""
+        lease = handle.leases.get(lease_id)
+        if lease is None:
+            raise LeaseExpiredError(f"lease {lease_id} expired while its blocks were streamed")
+        eid, key = lease.eids[i], lease.keys[i]
+        index = self.index
+        if (
+            not index.has_key(eid, handle.ns_id, key)
+            or index.state[eid] != State.COMMITTED
+            or not index.tier[eid] & IN_CPU
+        ):
+            raise LeaseExpiredError(f"block {i} of lease {lease_id} no longer holds its key")
+        size = handle.record.block_bytes
+        offset = index.offset[eid]
+        return key, bytes(self.arena.view[offset : offset + size]), index.checksum[eid]
+
+    def lease_size(self, handle: Handle, lease_id: int) -> int:
+        lease = handle.leases.get(lease_id)
+        return 0 if lease is None else len(lease.eids)
 
     # ----------------------------------------------------------------- writes
     async def reserve(
-        self, ns_id: int, keys: Sequence[bytes], priority: int = -1, gpu: bool = False
-    ) -> tuple[int, list[int], bool]:
-        """Reserve a slot for each key not present: (reservation id or 0, offset or -1 per key,
-        whether the offsets are in the GPU pool).
+        self,
+        handle: Handle,
+        keys: Sequence[bytes],
+        priority: int = -1,
+        gpu: bool = False,
+        wait_s: float | None = None,
+    ) -> ReserveResult:
+        """Reserve a slot for each key not present: offsets (-1 where a key is present, being
+        written, or repeats an earlier key of the call), whether they are in the GPU pool.
 
         ``gpu``: the writer maps the GPU pool and would rather write there (a device-to-device
         copy); the slots come from the pool when it can make room for all of them, else from
         the CPU arena. All or nothing: when the CPU tier cannot make room for every new key (the
         rest is leased or being written) nothing is reserved and CapacityError says how many
-        slots were missing.
+        slots were missing. Keys another client is writing are waited for (at most ``wait_s``,
+        default ``limits.write_wait_s``), so that a put returning means the block is readable;
+        those still being written then are counted in ``pending``.
         """
-        record = self.namespace(ns_id)
+        self.check_keys(keys, "reserve")
+        record = handle.record
         priority = record.priority if priority < 0 else priority
         if priority > 255:
             raise ValueError(f"priority must be in [0, 255], got {priority}")
-        for i, key in enumerate(keys):
-            if len(key) != KEY_BYTES:
-                raise ValueError(f"key {i} is {len(key)} bytes, not {KEY_BYTES}")
+        if len(handle.reservations) >= self.limits.max_reservations_per_handle:
+            raise CapacityError(
+                f"this handle holds {len(handle.reservations)} reservations "
+                "(limits.max_reservations_per_handle): commit or abort some first"
+            )
+        wait = self.limits.write_wait_s if wait_s is None else wait_s
+        pending = await self._wait_for_writers(record.ns_id, keys, wait)
+        if handle.closed:
+            raise UnknownNamespaceError("the namespace handle was closed during the call")
         offsets = [-1] * len(keys)
         if gpu and self.device.enabled:
-            reserved = await self._reserve_gpu(record, keys, priority, offsets)
+            reserved = await self._reserve_gpu(handle, keys, priority, offsets)
             if reserved is not None:
-                return reserved, offsets, True
+                return ReserveResult(reserved, offsets, True, pending)
+        bb = record.block_bytes
         slots: list[int] = []
-        for _ in range(8):
-            todo = self._new_positions(keys)
-            if len(slots) >= len(todo):
-                break
-            # Making room may wait for dirty victims to reach the disk; other calls run
-            # meanwhile and may reserve some of these keys, hence the loop.
-            slots += await self.mover.alloc_cpu(record.block_bytes, len(todo) - len(slots))
-        else:
+        try:
+            for _ in range(8):
+                todo = self._new_positions(record.ns_id, keys)
+                if len(slots) >= len(todo):
+                    break
+                # Making room may wait for dirty victims to reach the disk; other calls run
+                # meanwhile and may reserve some of these keys, hence the loop.
+                slots += await self.mover.alloc_cpu(bb, len(todo) - len(slots))
+            else:
+                raise CapacityError("cpu tier full: the keys to reserve kept changing")
+            if handle.closed:
+                raise UnknownNamespaceError("the namespace handle was closed during the call")
+        except BaseException:
             for offset in slots:
-                self.cpu_unalloc(offset, record.block_bytes)
-            raise CapacityError("cpu tier full: the keys to reserve kept changing")
+                self.cpu_unalloc(offset, bb)
+            raise
         # No await from here on.
         for offset in slots[len(todo) :]:
-            self.cpu_unalloc(offset, record.block_bytes)
+            self.cpu_unalloc(offset, bb)
         if not todo:
-            return 0, offsets, False
-        return self._add_reservation(ns_id, keys, todo, slots, priority, offsets), offsets, False
+            return ReserveResult(0, offsets, False, pending)
+        rid = self._add_reservation(handle, keys, todo, slots, priority, offsets)
+        return ReserveResult(rid, offsets, False, pending)
 
     def _add_reservation(
         self,
-        ns_id: int,
+        handle: Handle,
         keys: Sequence[bytes],
         todo: list[int],
         slots: list[int],
@@ -449,62 +690,75 @@ class BlockStore:
         """RESERVED entries for ``keys[todo[j]]`` in ``slots[j]`` (arena or, ``gpu``, pool
         slots), noted in ``offsets``; returns the new reservation's id. No await."""
         eids = []
+        ns_id = handle.ns_id
         for i, offset in zip(todo, slots, strict=False):
             if gpu:
-                eid = self.index.add(keys[i], ns_id, 0, -1, priority)
+                eid = self.add_entry(keys[i], ns_id, 0, -1, priority)
                 self.device.place(eid, offset)
             else:
-                eid = self.index.add(keys[i], ns_id, IN_CPU, offset, priority)
+                eid = self.add_entry(keys[i], ns_id, IN_CPU, offset, priority)
             eids.append(eid)
             offsets[i] = offset
-        self._reserved_blocks += len(eids)
-        reservation_id = next(self._ids)
-        self._reservations[reservation_id] = _Reservation(
-            ns_id, eids, self._clock() + self.config.reservation_ttl_s, gpu=gpu
+        reservation_id = self._new_id(handle.reservations)  # type: ignore[arg-type]
+        handle.reservations[reservation_id] = _Reservation(
+            eids, self._clock() + self.config.reservation_ttl_s, gpu=gpu
         )
         return reservation_id
 
+    def add_entry(self, key: bytes, ns_id: int, tier: int, offset: int, priority: int) -> int:
+        """A new RESERVED entry (counted as reserved and as one of its namespace's entries)."""
+        eid = self.index.add(key, ns_id, tier, offset, priority)
+        self._namespaces[ns_id].entries += 1
+        self._reserved_blocks += 1
+        return eid
+
     async def _reserve_gpu(
-        self, record: NamespaceRecord, keys: Sequence[bytes], priority: int, offsets: list[int]
+        self, handle: Handle, keys: Sequence[bytes], priority: int, offsets: list[int]
     ) -> int | None:
         """Reserve pool slots for the new keys (filling ``offsets``): the reservation id, 0 when
         every key is present, or None when the pool cannot take them all (use the CPU tier)."""
+        bb = handle.record.block_bytes
         try:
-            slots = await self.device.alloc(record.block_bytes, len(self._new_positions(keys)))
+            slots = await self.device.alloc(bb, len(self._new_positions(handle.ns_id, keys)))
         except (CapacityError, ValueError):
             return None
-        todo = self._new_positions(keys)  # no await from here on
-        if len(slots) < len(todo):
+        todo = self._new_positions(handle.ns_id, keys)  # no await from here on
+        if len(slots) < len(todo) or handle.closed:
             for offset in slots:
-                self.device.unalloc(offset, record.block_bytes)
+                self.device.unalloc(offset, bb)
+            if handle.closed:
+                raise UnknownNamespaceError("the namespace handle was closed during the call")
             return None
         for offset in slots[len(todo) :]:
-            self.device.unalloc(offset, record.block_bytes)
+            self.device.unalloc(offset, bb)
         if not todo:
             return 0
-        return self._add_reservation(record.ns_id, keys, todo, slots, priority, offsets, gpu=True)
+        return self._add_reservation(handle, keys, todo, slots, priority, offsets, gpu=True)
 
-    def _new_positions(self, keys: Sequence[bytes]) -> list[int]:
+    def _new_positions(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
+        """Positions of the keys to write: not indexed, first occurrence in the call."""
         todo: list[int] = []
         seen: set[bytes] = set()
         for i, key in enumerate(keys):
-            if key not in seen and self.index.get(key) is None:
+            if key not in seen and self.index.get(ns_id, key) is None:
                 todo.append(i)
             seen.add(key)
         return todo
 
     def commit(
         self,
+        handle: Handle,
         reservation_id: int,
         checksums: Sequence[int],
         device_checksums: Sequence[int] = (),
     ) -> int:
-        """Make a reservation's blocks visible. A CPU reservation carries the xxh3 of each block
-        (``checksums``), a GPU one their device checksums (``device_checksums``)."""
-        reservation = self._reservations.get(reservation_id)
+        """Make a reservation's blocks visible. A CPU reservation carries each block's bound
+        checksum (``checksums``), a GPU one their bound device checksums."""
+        reservation = handle.reservations.get(reservation_id)
         if reservation is None:
             raise LeaseExpiredError(
-                f"reservation {reservation_id} is unknown or expired; nothing was stored"
+                f"reservation {reservation_id} is unknown to this handle or expired; nothing "
+                "was stored"
             )
         given, other, kind = (
             (device_checksums, checksums, "device checksums")
@@ -518,18 +772,12 @@ class BlockStore:
                 f"{'gpu' if reservation.gpu else 'cpu'} reservation: it needs one of the {kind} "
                 "per block and none of the other"
             )
-        del self._reservations[reservation_id]
-        record = self._namespaces[reservation.ns_id]
+        del handle.reservations[reservation_id]
         eids = reservation.eids
         for eid, checksum in zip(eids, given, strict=True):
+            self._commit_entry(eid, 0 if reservation.gpu else checksum)
             if reservation.gpu:
-                self.index.commit(eid, 0)  # the xxh3 is made when a CPU copy is
-                self.device.mark(eid, checksum)
-            else:
-                self.index.commit(eid, checksum)
-                self.policy.insert(eid, self.index.priority[eid])
-        self._reserved_blocks -= len(eids)
-        record.blocks += len(eids)
+                self.device.mark(eid, checksum)  # the host checksum is made with a CPU copy
         if reservation.gpu:
             self.device.policy.touch(eids)
             self.device.note_committed(eids)
@@ -539,42 +787,71 @@ class BlockStore:
             self.shared.note_committed(eids)
         return len(eids)
 
-    def note_reserved(self, n: int) -> None:
-        """``n`` RESERVED entries were added outside ``reserve`` (a fetch from Redis)."""
-        self._reserved_blocks += n
+    def _commit_entry(self, eid: int, checksum: int) -> None:
+        """RESERVED -> COMMITTED: the one place an entry becomes visible."""
+        self.index.commit(eid, checksum)
+        if self.index.tier[eid] & IN_CPU:
+            self.policy.insert(eid, self.index.priority[eid])
+        self._reserved_blocks -= 1
+        self._namespaces[self.index.ns[eid]].blocks += 1
+        self._note_written(eid)
+
+    def commit_fetched(self, eid: int, checksum: int) -> None:
+        """Make a block fetched from the shared tier into a RESERVED entry visible (the same
+        transition as ``commit``; the fetch is a reservation the daemon itself holds)."""
+        self._commit_entry(eid, checksum)
+        self.mover.note_committed([eid])
+
+    def commit_recovered(self, eid: int, checksum: int, disk_slot: int) -> None:
+        """Make a block found on disk at start-up (a RESERVED entry just added) visible."""
+        self._commit_entry(eid, checksum)
+        self.mark_on_disk(eid, disk_slot)
 
     def discard_reserved(self, eid: int) -> None:
         self._free_entry(eid)
 
-    def commit_fetched(self, eid: int, checksum: int) -> None:
-        """Make a block fetched from the shared tier into a RESERVED entry visible."""
-        self.index.commit(eid, checksum)
-        self.policy.insert(eid, self.index.priority[eid])
-        self._reserved_blocks -= 1
-        self._namespaces[self.index.ns[eid]].blocks += 1
-        self.mover.note_committed([eid])
-
-    def abort(self, reservation_id: int) -> None:
-        reservation = self._reservations.pop(reservation_id, None)
+    def abort(self, handle: Handle, reservation_id: int) -> None:
+        reservation = handle.reservations.pop(reservation_id, None)
         if reservation is None:
-            raise LeaseExpiredError(f"reservation {reservation_id} is unknown or expired")
+            raise LeaseExpiredError(
+                f"reservation {reservation_id} is unknown to this handle or expired"
+            )
         for eid in reservation.eids:
             self._free_entry(eid)
 
-    async def put_block(self, ns_id: int, key: bytes, data: bytes, priority: int = -1) -> bool:
-        """The bytes path: store one block whose bytes arrived over gRPC. True if newly stored."""
-        record = self.namespace(ns_id)
-        if len(data) != record.block_bytes:
+    async def put_block(
+        self,
+        handle: Handle,
+        key: bytes,
+        chunks: Sequence[bytes],
+        checksum: int,
+        priority: int = -1,
+    ) -> bool:
+        """The bytes path: store one block whose bytes arrived over gRPC in ``chunks``. The
+        client's checksum (bound to namespace and key) is verified against what was copied
+        into the slot before the block is committed. True if newly stored."""
+        record = handle.record
+        size = sum(len(c) for c in chunks)
+        if size != record.block_bytes:
             raise ValueError(
-                f"block for key {key.hex()[:16]}… is {len(data)} bytes, "
+                f"block for key {key.hex()[:16]}… is {size} bytes, "
                 f"the namespace's blocks are {record.block_bytes}"
             )
-        reservation_id, offsets, _ = await self.reserve(ns_id, [key], priority)
-        if not reservation_id:
+        reserved = await self.reserve(handle, [key], priority)
+        if not reserved.reservation_id:
             return False
-        offset = offsets[0]
-        self.arena.view[offset : offset + len(data)] = data
-        self.commit(reservation_id, [block_checksum(data)])
+        offset = reserved.offsets[0]
+        view = self.arena.view
+        for chunk in chunks:
+            view[offset : offset + len(chunk)] = chunk
+            offset += len(chunk)
+        data = view[reserved.offsets[0] : reserved.offsets[0] + size]
+        if block_checksum(data, record.fingerprint, key) != checksum:
+            self.abort(handle, reserved.reservation_id)
+            raise ValueError(
+                f"block for key {key.hex()[:16]}… does not match its checksum: not stored"
+            )
+        self.commit(handle, reserved.reservation_id, [checksum])
         return True
 
     # ----------------------------------------------------------------- slots and removal
@@ -640,6 +917,10 @@ class BlockStore:
     def forget(self, eid: int) -> None:
         """Remove a committed entry from every tier (evicted from the last tier holding it, or
         found corrupt). A leased entry keeps its slots until its last lease goes."""
+        if self.index.state[eid] != State.COMMITTED:
+            raise AssertionError(
+                f"forget of entry {eid} in state {State(self.index.state[eid]).name}"
+            )
         if self.index.tier[eid] & IN_CPU:
             self.policy.remove(eid)
         if self.index.tier[eid] & IN_NVME:
@@ -652,11 +933,11 @@ class BlockStore:
         else:
             self._free_entry(eid)
 
-    def delete(self, ns_id: int, keys: Sequence[bytes]) -> int:
-        self.namespace(ns_id)
+    def delete(self, handle: Handle, keys: Sequence[bytes]) -> int:
+        self.check_keys(keys, "delete")
         deleted = 0
-        for key in keys:
-            eid = self._committed(ns_id, key)
+        for key in dict.fromkeys(keys):  # a repeated key is deleted once
+            eid = self._committed(handle.ns_id, key)
             if eid is not None:
                 self.forget(eid)
                 deleted += 1
@@ -668,6 +949,7 @@ class BlockStore:
         index, bb = self.index, self.block_bytes_of(eid)
         if index.tier[eid] & IN_CPU:
             self._quarantine.append((until, False, index.offset[eid], bb))
+            self._quarantined_cpu += bb
             index.offset[eid] = -1
             index.tier[eid] &= ~IN_CPU
         if index.tier[eid] & IN_GPU:
@@ -685,42 +967,141 @@ class BlockStore:
             self.device.free_slot(eid)
         if state == State.RESERVED:
             self._reserved_blocks -= 1
+        record = self._namespaces[self.index.ns[eid]]
         self.index.drop(eid)
+        if state == State.RESERVED:
+            self._note_written(eid)  # waiters see the key free and may write it themselves
+        record.entries -= 1
+        self._maybe_free_namespace(record)
 
     def reap(self) -> tuple[int, int]:
         """Reclaim expired reservations and leases: (reservations, leases) reclaimed.
 
         The slots of an expired reservation are quarantined for one more ``reservation_ttl_s``
         before reuse: its writer may be alive but stalled, and could resume copying into them.
-        Were they reused at once, such a late copy could land between the new owner's copy and
-        its checksum, and the checksum would vouch for the wrong bytes."""
+        A late copy into a reused slot cannot pass for the new owner's block (checksums are
+        computed from what the writer copied, and readers verify them), but it would turn that
+        block into a miss; the quarantine keeps such late copies harmless."""
         now = self._clock()
         while self._quarantine and self._quarantine[0][0] <= now:
             _, gpu, offset, block_bytes = self._quarantine.popleft()
             if gpu:
                 self.device.unalloc(offset, block_bytes)
             else:
+                self._quarantined_cpu -= block_bytes
                 self.cpu_unalloc(offset, block_bytes)
-        dead_res = [r for r, v in self._reservations.items() if v.expires_at <= now]
         until = now + self.config.reservation_ttl_s
-        for rid in dead_res:
-            for eid in self._reservations.pop(rid).eids:
-                self._quarantine_slots(eid, until)
-                self._free_entry(eid)
-        dead_leases = [lid for lid, v in self._leases.items() if v.expires_at <= now]
-        for lid in dead_leases:
-            for eid in self._leases.pop(lid).eids:
-                self._drop_one_lease(eid)
-        return len(dead_res), len(dead_leases)
+        reservations = leases = 0
+        for handle in list(self._handles.values()):
+            for rid in [r for r, v in handle.reservations.items() if v.expires_at <= now]:
+                for eid in handle.reservations.pop(rid).eids:
+                    self._quarantine_slots(eid, until)
+                    self._free_entry(eid)
+                reservations += 1
+            for lid in [lid for lid, v in handle.leases.items() if v.expires_at <= now]:
+                for eid in handle.leases.pop(lid).eids:
+                    self._drop_one_lease(eid)
+                leases += 1
+        return reservations, leases
+
+    # ----------------------------------------------------------------- the checker
+    def check(self, io_idle: bool = True) -> None:
+        """Assert the invariants of the module docstring; AssertionError names the first one
+        broken. ``io_idle``: no IO is in flight (lease counts must then be exact)."""
+        index = self.index
+        leased: dict[int, int] = {}
+        reserved: dict[int, int] = {}
+        for handle in self._handles.values():
+            assert not handle.closed and self._handles[handle.token] is handle
+            assert self._namespaces.get(handle.ns_id) is handle.record, "handle's record gone"
+            for reservation in handle.reservations.values():
+                for eid in reservation.eids:
+                    reserved[eid] = reserved.get(eid, 0) + 1
+                    assert index.state[eid] == State.RESERVED, f"reservation of {eid} not RESERVED"
+                    assert index.ns[eid] == handle.ns_id, f"reservation of {eid}: other namespace"
+            for lease in handle.leases.values():
+                assert len(set(lease.eids)) == len(lease.eids), "a lease names an entry twice"
+                for eid, key in zip(lease.eids, lease.keys, strict=True):
+                    leased[eid] = leased.get(eid, 0) + 1
+                    state = index.state[eid]
+                    assert state in (State.COMMITTED, State.ORPHAN), f"leased {eid} is {state}"
+                    if state == State.COMMITTED:
+                        assert index.has_key(eid, handle.ns_id, key), f"lease of {eid}: key moved"
+        entries: dict[int, int] = {}
+        blocks: dict[int, int] = {}
+        in_cpu: set[int] = set()
+        in_nvme: set[int] = set()
+        cpu_bytes = clean = 0
+        n_reserved = 0
+        for eid in range(index.capacity):
+            state = index.state[eid]
+            if state == State.FREE:
+                assert not index.leases[eid], f"free entry {eid} is leased"
+                continue
+            ns = index.ns[eid]
+            assert ns in self._namespaces, f"entry {eid} of unknown namespace {ns}"
+            entries[ns] = entries.get(ns, 0) + 1
+            bb = self._namespaces[ns].block_bytes
+            tier = index.tier[eid]
+            if tier & IN_CPU:
+                assert index.offset[eid] >= 0, f"entry {eid} in the CPU tier without a slot"
+                cpu_bytes += bb
+                if tier & IN_NVME:
+                    clean += bb
+            if state == State.RESERVED:
+                n_reserved += 1
+                assert reserved.get(eid, 0) <= 1, f"entry {eid} in two reservations"
+            elif state == State.COMMITTED:
+                blocks[ns] = blocks.get(ns, 0) + 1
+                assert eid not in reserved, f"committed entry {eid} still reserved"
+                if tier & IN_CPU:
+                    in_cpu.add(eid)
+                if tier & IN_NVME:
+                    in_nvme.add(eid)
+            else:
+                assert state == State.ORPHAN and index.leases[eid], f"orphan {eid} not leased"
+            if io_idle:
+                assert index.leases[eid] == leased.get(eid, 0), (
+                    f"entry {eid}: {index.leases[eid]} leases counted, {leased.get(eid, 0)} held"
+                )
+            else:
+                assert index.leases[eid] >= leased.get(eid, 0), f"entry {eid}: leases lost"
+        for ns, record in self._namespaces.items():
+            assert record.ns_id == ns
+            assert record.entries == entries.get(ns, 0), (
+                f"namespace {record.name}: {record.entries} entries counted, "
+                f"{entries.get(ns, 0)} held"
+            )
+            assert record.blocks == blocks.get(ns, 0), f"namespace {record.name}: blocks count"
+            assert record.handles or record.entries, f"namespace {record.name} not freed"
+        assert n_reserved == self._reserved_blocks, "reserved count"
+        if io_idle:
+            assert set(self.policy.order()) == in_cpu, "cpu policy != committed CPU entries"
+            assert set(self.nvme_policy.order()) == in_nvme, "nvme policy != committed disk ones"
+            assert self._cpu_used == cpu_bytes + self._quarantined_cpu, (
+                f"cpu used {self._cpu_used} != {cpu_bytes} in entries + "
+                f"{self._quarantined_cpu} quarantined"
+            )
+            assert self._cpu_clean == clean, f"cpu clean {self._cpu_clean} != {clean}"
+            if self.nvme is not None:
+                assert self._nvme_blocks == len(in_nvme) + sum(
+                    1
+                    for e in range(index.capacity)
+                    if index.state[e] == State.ORPHAN and index.tier[e] & IN_NVME
+                ), "nvme block count"
 
     # ----------------------------------------------------------------- stats
     @property
     def active_leases(self) -> int:
-        return len(self._leases)
+        return sum(len(h.leases) for h in self._handles.values())
 
     @property
     def active_reservations(self) -> int:
-        return len(self._reservations)
+        return sum(len(h.reservations) for h in self._handles.values())
+
+    @property
+    def open_handles(self) -> int:
+        return len(self._handles)
 
     @property
     def cpu_used_bytes(self) -> int:

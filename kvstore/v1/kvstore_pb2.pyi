@@ -41,22 +41,24 @@ class OpenNamespaceRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., tenant: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class OpenNamespaceResponse(_message.Message):
-    __slots__ = ("namespace_id", "seed", "block_bytes", "arena", "fingerprint", "epoch", "gpu")
-    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("handle", "seed", "block_bytes", "arena", "fingerprint", "max_keys_per_request", "max_chunk_bytes", "gpu")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
-    namespace_id: int
+    handle: bytes
     seed: bytes
     block_bytes: int
     arena: ArenaInfo
     fingerprint: bytes
-    epoch: int
+    max_keys_per_request: int
+    max_chunk_bytes: int
     gpu: DevicePoolInfo
-    def __init__(self, namespace_id: _Optional[int] = ..., seed: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., fingerprint: _Optional[bytes] = ..., epoch: _Optional[int] = ..., gpu: _Optional[_Union[DevicePoolInfo, _Mapping]] = ...) -> None: ...
+    def __init__(self, handle: _Optional[bytes] = ..., seed: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., fingerprint: _Optional[bytes] = ..., max_keys_per_request: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., gpu: _Optional[_Union[DevicePoolInfo, _Mapping]] = ...) -> None: ...
 
 class DevicePoolInfo(_message.Message):
     __slots__ = ("device_uuid", "ipc_handle", "size_bytes", "token")
@@ -81,12 +83,12 @@ class ArenaInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys")
-    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("handle", "keys")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    namespace_id: int
+    handle: bytes
     keys: bytes
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("found",)
@@ -95,40 +97,42 @@ class LookupResponse(_message.Message):
     def __init__(self, found: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "priority", "epoch", "gpu")
-    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("handle", "keys", "priority", "gpu")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
-    namespace_id: int
+    handle: bytes
     keys: bytes
     priority: int
-    epoch: int
     gpu: bool
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., priority: _Optional[int] = ..., epoch: _Optional[int] = ..., gpu: _Optional[bool] = ...) -> None: ...
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., priority: _Optional[int] = ..., gpu: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "offsets", "expires_in_s", "gpu")
+    __slots__ = ("reservation_id", "offsets", "expires_in_s", "gpu", "pending")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     expires_in_s: float
     gpu: bool
-    def __init__(self, reservation_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., gpu: _Optional[bool] = ...) -> None: ...
+    pending: int
+    def __init__(self, reservation_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., gpu: _Optional[bool] = ..., pending: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("reservation_id", "checksums", "device_checksums")
+    __slots__ = ("reservation_id", "handle", "checksums", "device_checksums")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
+    handle: bytes
     checksums: _containers.RepeatedScalarFieldContainer[int]
     device_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reservation_id: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., device_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, reservation_id: _Optional[int] = ..., handle: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., device_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed",)
@@ -137,62 +141,68 @@ class CommitResponse(_message.Message):
     def __init__(self, committed: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("reservation_id",)
+    __slots__ = ("reservation_id", "handle")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
-    def __init__(self, reservation_id: _Optional[int] = ...) -> None: ...
+    handle: bytes
+    def __init__(self, reservation_id: _Optional[int] = ..., handle: _Optional[bytes] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "epoch", "gpu")
-    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("handle", "keys", "gpu")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
-    namespace_id: int
+    handle: bytes
     keys: bytes
-    epoch: int
     gpu: bool
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., epoch: _Optional[int] = ..., gpu: _Optional[bool] = ...) -> None: ...
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., gpu: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "offsets", "checksums", "expires_in_s", "on_gpu")
+    __slots__ = ("lease_id", "offsets", "checksums", "expires_in_s", "on_gpu", "pending")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     ON_GPU_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     expires_in_s: float
     on_gpu: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., on_gpu: _Optional[_Iterable[bool]] = ...) -> None: ...
+    pending: bool
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., on_gpu: _Optional[_Iterable[bool]] = ..., pending: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "handle")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+    handle: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., handle: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class PutBlocksRequest(_message.Message):
-    __slots__ = ("namespace_id", "key", "data", "priority")
-    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("handle", "key", "data", "priority", "checksum")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
-    namespace_id: int
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
     key: bytes
     data: bytes
     priority: int
-    def __init__(self, namespace_id: _Optional[int] = ..., key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., priority: _Optional[int] = ...) -> None: ...
+    checksum: int
+    def __init__(self, handle: _Optional[bytes] = ..., key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., priority: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PutBlocksResponse(_message.Message):
     __slots__ = ("stored", "received")
@@ -203,12 +213,12 @@ class PutBlocksResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., received: _Optional[int] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys")
-    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("handle", "keys")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    namespace_id: int
+    handle: bytes
     keys: bytes
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
 class BlockData(_message.Message):
     __slots__ = ("key", "data", "checksum")
@@ -221,14 +231,14 @@ class BlockData(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "gpu")
-    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("handle", "keys", "gpu")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
-    namespace_id: int
+    handle: bytes
     keys: bytes
     gpu: bool
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., gpu: _Optional[bool] = ...) -> None: ...
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., gpu: _Optional[bool] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
     __slots__ = ("queued",)
@@ -237,12 +247,12 @@ class PrefetchResponse(_message.Message):
     def __init__(self, queued: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys")
-    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("handle", "keys")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    namespace_id: int
+    handle: bytes
     keys: bytes
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
     __slots__ = ("deleted",)
@@ -290,35 +300,37 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., up: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace_id", "name", "blocks", "used_bytes", "hits", "misses", "block_bytes")
-    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("name", "blocks", "used_bytes", "hits", "misses", "block_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
-    namespace_id: int
     name: str
     blocks: int
     used_bytes: int
     hits: int
     misses: int
     block_bytes: int
-    def __init__(self, namespace_id: _Optional[int] = ..., name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "version", "uptime_s", "active_leases", "active_reservations")
+    __slots__ = ("tiers", "namespaces", "version", "uptime_s", "active_leases", "active_reservations", "open_handles", "namespaces_omitted")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_OMITTED_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     version: str
     uptime_s: float
     active_leases: int
     active_reservations: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ...) -> None: ...
+    open_handles: int
+    namespaces_omitted: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., open_handles: _Optional[int] = ..., namespaces_omitted: _Optional[int] = ...) -> None: ...

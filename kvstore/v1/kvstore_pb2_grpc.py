@@ -34,7 +34,7 @@ class KVStoreStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.OpenNamespace = channel.unary_unary(
+        self.OpenNamespace = channel.unary_stream(
                 '/kvstore.v1.KVStore/OpenNamespace',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.OpenNamespaceRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.OpenNamespaceResponse.FromString,
@@ -100,7 +100,8 @@ class KVStoreServicer:
     """Missing associated documentation comment in .proto file."""
 
     def OpenNamespace(self, request, context):
-        """Register (or join) a namespace: model identity + layout fingerprint + tenant.
+        """Register (or join) a namespace: model identity + layout fingerprint + tenant. The first (and
+        only) message carries the handle; the stream stays open for as long as the handle is used.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -180,7 +181,7 @@ class KVStoreServicer:
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'OpenNamespace': grpc.unary_unary_rpc_method_handler(
+            'OpenNamespace': grpc.unary_stream_rpc_method_handler(
                     servicer.OpenNamespace,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.OpenNamespaceRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.OpenNamespaceResponse.SerializeToString,
@@ -262,7 +263,7 @@ class KVStore:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/kvstore.v1.KVStore/OpenNamespace',

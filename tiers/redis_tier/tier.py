@@ -262,7 +262,7 @@ class RedisTier:
         return found
 
     async def put(self, namespace: bytes, blocks: Sequence[tuple[bytes, Any, int]]) -> int:
-        """Store ``(key, block bytes, xxh3-64 checksum)`` blocks; returns how many were newly
+        """Store ``(key, block bytes, bound checksum)`` blocks; returns how many were newly
         stored (a present key is left as it is; a batch larger than the namespace's bound counts
         the tail blocks it stored and at once evicted). Raises ValueError, before sending
         anything, if a block does not match its checksum."""
@@ -273,7 +273,7 @@ class RedisTier:
         for key, data, checksum in blocks:
             fmt.check_key(key)
             view = _flat(data, writable=False)
-            if block_checksum(view) != checksum:
+            if block_checksum(view, namespace, key) != checksum:
                 self._counters["checksum_failures"] += 1
                 raise ValueError(f"block {key.hex()} does not match its checksum")
             head = fmt.pack_header(key, namespace, len(view), checksum)
@@ -346,8 +346,8 @@ class RedisTier:
     async def get_into_checked(
         self, namespace: bytes, items: Sequence[tuple[bytes, int | None, Any]]
     ) -> list[int | None]:
-        """``get_into``, returning for each item the xxh3-64 that ``out``'s bytes were verified
-        against (equal to ``block_checksum(out)``), or None for a miss. Test ``is None``: a
+        """``get_into``, returning for each item the checksum that ``out``'s bytes were verified
+        against (``block_checksum(out, namespace, key)``), or None for a miss. Test ``is None``: a
         checksum may be 0."""
         prefix = fmt.namespace_prefix(self.key_prefix, fmt.check_namespace(namespace))
         names, outs = [], []
@@ -373,7 +373,7 @@ class RedisTier:
             verified = None
             if result is True:
                 stated = fmt.header_checksum(head, key, namespace, len(out), expected)
-                if stated is not None and block_checksum(out) == stated:
+                if stated is not None and block_checksum(out, namespace, key) == stated:
                     verified = stated
             if verified is not None:
                 self._counters["hits"] += 1

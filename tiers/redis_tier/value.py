@@ -21,7 +21,7 @@ import xxhash
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
 
 MAGIC = b"KVRB"
-VERSION = 1
+VERSION = 2  # 2: the checksum is bound to namespace and key (kvstore.checksum)
 CODEC_NONE = 0
 _FIELDS = struct.Struct("<4sBBHQQ32s16s")
 _U64 = struct.Struct("<Q")
