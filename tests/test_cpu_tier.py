@@ -261,6 +261,30 @@ def test_a_draining_slab_is_not_refilled_and_goes_to_another_class(
         alloc.begin_drain(alloc.num_slabs - 1)  # the tail slab was never taken
 
 
+def test_a_small_tier_serves_several_block_sizes() -> None:
+    """The slab adapts: at most capacity/16, not under 16 MiB, never over the configured size.
+    A 64 MiB tier with the 64 MiB default used to be one slab: one block size only."""
+    for capacity, configured, slab in (
+        (64 * MiB, 64 * MiB, 16 * MiB),
+        (256 * MiB, 64 * MiB, 16 * MiB),
+        (1 << 30, 64 * MiB, 64 * MiB),
+        (2 << 30, 64 * MiB, 64 * MiB),
+        (8 * MiB, 64 * MiB, 8 * MiB),
+        (64 * KiB, 16 * KiB, 16 * KiB),
+    ):
+        alloc = SlabAllocator(HEADER_BYTES + capacity, configured)
+        assert alloc.slab_bytes == slab, (capacity, configured)
+        assert alloc.num_slabs * slab == capacity
+    alloc = SlabAllocator(HEADER_BYTES + 64 * MiB, 64 * MiB)
+    offsets = [alloc.allocate(b) for b in (2 * MiB, 5 * MiB, 12 * MiB + 512 * KiB, 16 * MiB)]
+    assert None not in offsets and len({alloc.slab_of(o) for o in offsets if o}) == 4
+    alloc.check()
+    with pytest.raises(ValueError, match="does not fit"):
+        alloc.check_fits(16 * MiB + 1)
+    with pytest.raises(ValueError, match="does not fit"):
+        alloc.allocate(16 * MiB + 1)
+
+
 def test_a_slot_freed_twice_or_with_the_wrong_size_is_refused(arena: SharedMemoryArena) -> None:
     alloc = SlabAllocator(arena.size_bytes, 256 * KiB)
     a, b = alloc.allocate(64 * KiB), alloc.allocate(64 * KiB)

@@ -34,6 +34,17 @@ first step (the slab's free slots stop being handed out and stop being counted),
 pool by itself when its last slot is freed; ``end_drain`` gives up. Which slab to drain and when
 is the daemon's policy, as the daemon's eviction policy knows which blocks are cold and which
 leased (memcached's retry of busy items).
+
+Slab size. One size for all slabs keeps reassignment trivial (any slab fits any class), so the
+size is a compromise: big slabs waste less to the tail a slot does not fill (under one slot per
+slab, so under ``slot/slab`` of the capacity) and accept bigger blocks (``check_fits``); small
+slabs let more classes share a small arena and make a drain cheaper. The configured size is an
+upper bound: slabs are at most ``capacity / 16`` (so from 256 MiB up at least 16 classes can
+hold memory at once), but not under ``min_slab_bytes`` (16 MiB by default), because the
+largest block is not known when the arena is made and shrinking slabs further would refuse blocks
+that the configured size accepts (a bf16 16-token block is 2 MiB for an 8B GQA model, 5 MiB for
+70B, 12.5 MiB for a 13B model without GQA). A 64 MiB tier thus gets four 16 MiB slabs, a 256 MiB
+tier sixteen; from 1 GiB up the 64 MiB default holds.
 """
 
 from __future__ import annotations
@@ -53,6 +64,10 @@ HEADER_BYTES = 4096
 TOKEN_BYTES = 16
 SLOT_ALIGN = 4096
 """Slots are page aligned: copies run at full speed and O_DIRECT IO can use them as buffers."""
+MIN_SLABS = 16
+"""Slabs are at most ``capacity / MIN_SLABS`` (but see ``MIN_SLAB_BYTES``)."""
+MIN_SLAB_BYTES = 16 << 20
+"""The capacity/16 rule never shrinks slabs below this (nor above the configured size)."""
 
 
 def _round_up(n: int, align: int) -> int:
@@ -289,13 +304,18 @@ class SlabAllocator:
         slab_bytes: int,
         *,
         reserve_backing: Callable[[int, int], None] | None = None,
+        min_slab_bytes: int = MIN_SLAB_BYTES,
     ) -> None:
         usable = (arena_bytes - HEADER_BYTES) // SLOT_ALIGN * SLOT_ALIGN
         if usable <= 0:
             raise ValueError(f"arena of {arena_bytes} bytes has no room for a slab")
         if slab_bytes <= 0:
             raise ValueError(f"slab size must be positive, got {slab_bytes}")
-        self.slab_bytes = min(_round_up(slab_bytes, SLOT_ALIGN), usable)
+        self._min_slab_bytes = min_slab_bytes
+        adaptive = max(usable // MIN_SLABS, min_slab_bytes, SLOT_ALIGN)
+        self.slab_bytes = min(
+            _round_up(slab_bytes, SLOT_ALIGN), usable, adaptive // SLOT_ALIGN * SLOT_ALIGN
+        )
         sizes = [self.slab_bytes] * (usable // self.slab_bytes)
         if usable % self.slab_bytes:
             sizes.append(usable % self.slab_bytes)
@@ -350,8 +370,10 @@ class SlabAllocator:
         """Raise ValueError unless a block of this size fits in one slab."""
         if self.slot_bytes_for(block_bytes) > self.slab_bytes:
             raise ValueError(
-                f"a {block_bytes}-byte block does not fit a {self.slab_bytes}-byte slab; "
-                "raise the cpu slab size (and capacity)"
+                f"a {block_bytes}-byte block does not fit a {self.slab_bytes}-byte slab "
+                f"(slabs are at most the configured size, and at most capacity/{MIN_SLABS} "
+                f"unless that is under {self._min_slab_bytes} bytes); raise the cpu slab size "
+                "(and capacity)"
             )
 
     def slots_per_slab(self, block_bytes: int) -> int:
