@@ -2,26 +2,72 @@
 
 The daemon creates one file under ``/dev/shm`` (tmpfs), maps it shared and hands its path to
 same-host clients, which map it too and copy blocks straight into and out of slots: a block
-crosses memory once. The arena is carved into slabs; each slab holds slots of one size, so
-layouts of different block sizes can share one arena without fragmenting it.
+crosses memory once. The arena is carved into equal slabs (the last may be shorter); each slab
+holds slots of one size, so layouts of different block sizes share one arena.
 
 This module knows nothing of keys, leases or eviction policy: it hands out and takes back slot
-offsets. The daemon's store decides which block lives in which slot and which one goes.
+offsets, and says which slots of a slab are in use. The daemon's store decides which block lives
+in which slot and which one goes.
+
+Backing (never SIGBUS). A page of a tmpfs file that tmpfs cannot back kills whoever touches it
+first with SIGBUS: a client, then the daemon. So no slot is handed out in memory that is not
+backed: with ``prefault`` the arena allocates every page at start-up (and refuses to start,
+naming the directory and the sizes, when the directory cannot hold it); without, the allocator
+backs a slab (``posix_fallocate`` of its range) the first time a class takes it, and a slab that
+cannot be backed is set aside and never used until ``retry_backing``.
+
+Mixed block sizes (what was chosen, and why). A slab whose last used slot is freed goes back to
+a pool of unassigned slabs that any size class can take, as jemalloc and the kernel's SLUB
+return empty slabs. A class allocates from its lowest-addressed slab that has a free slot, and
+takes a new slab only when none has: address-ordered first fit keeps live slots packed into few
+slabs (with best fit, the least fragmenting policy in Johnstone and Wilson's measurements;
+jemalloc likewise takes the oldest, lowest-addressed of its non-full slabs), so the highest
+slabs of a shrinking class empty on their own. That cannot bound fragmentation alone: one live
+slot pins a whole slab, and only moving or evicting blocks frees it. memcached solves this with
+a page mover (``slab_reassign``): a policy (``slab_automove``) picks a source class, either one
+with more than 2.5 pages' worth of free chunks or the one whose items are oldest while another
+class evicts young items; the mover stops handing out the chosen page's free chunks, then
+rescues (copies into free chunks elsewhere in the class) or evicts each item of the page and
+hands the empty page over. The same split is kept here: ``begin_drain(slab)`` is the mover's
+first step (the slab's free slots stop being handed out and stop being counted),
+``used_offsets(slab)`` says which blocks must be moved or evicted, and the slab returns to the
+pool by itself when its last slot is freed; ``end_drain`` gives up. Which slab to drain and when
+is the daemon's policy, as the daemon's eviction policy knows which blocks are cold and which
+leased (memcached's retry of busy items).
+
+Slab size. One size for all slabs keeps reassignment trivial (any slab fits any class), so the
+size is a compromise: big slabs waste less to the tail a slot does not fill (under one slot per
+slab, so under ``slot/slab`` of the capacity) and accept bigger blocks (``check_fits``); small
+slabs let more classes share a small arena and make a drain cheaper. The configured size is an
+upper bound: slabs are at most ``capacity / 16`` (so from 256 MiB up at least 16 classes can
+hold memory at once), but not under ``min_slab_bytes`` (16 MiB by default), because the
+largest block is not known when the arena is made and shrinking slabs further would refuse blocks
+that the configured size accepts (a bf16 16-token block is 2 MiB for an 8B GQA model, 5 MiB for
+70B, 12.5 MiB for a 13B model without GQA). A 64 MiB tier thus gets four 16 MiB slabs, a 256 MiB
+tier sixteen; from 1 GiB up the 64 MiB default holds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import errno
+import heapq
 import mmap
 import os
 import secrets
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 HEADER_BYTES = 4096
 """Offset 0 holds a 16-byte random token that proves a client mapped the right arena."""
 TOKEN_BYTES = 16
 SLOT_ALIGN = 4096
 """Slots are page aligned: copies run at full speed and O_DIRECT IO can use them as buffers."""
+MIN_SLABS = 16
+"""Slabs are at most ``capacity / MIN_SLABS`` (but see ``MIN_SLAB_BYTES``)."""
+MIN_SLAB_BYTES = 16 << 20
+"""The capacity/16 rule never shrinks slabs below this (nor above the configured size)."""
 
 
 def _round_up(n: int, align: int) -> int:
@@ -54,39 +100,80 @@ def remove_stale_arenas(directory: str = "/dev/shm") -> int:
     return removed
 
 
+def free_bytes(directory: str) -> int:
+    """Bytes an unprivileged writer can still allocate in ``directory``'s filesystem."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
 class SharedMemoryArena:
-    """Owns one shared-memory file and its mapping for the daemon's lifetime.
+    """Owns one shared-memory file, its descriptor and its mapping for the daemon's lifetime.
 
     ``path`` is what clients map; ``token`` (16 random bytes at offset 0) lets a client check that
-    the file it mapped is this arena and not a stale one of the same name. Pages are allocated and
-    mapped up front when ``prefault`` is set, because first touch of new memory costs 10-50x a
-    copy on virtual machines.
+    the file it mapped is this arena and not a stale one of the same name.
+
+    Invariant: every page anyone touches is backed by the filesystem, so no touch can SIGBUS.
+    With ``prefault`` every page is allocated up front (first touch of new memory costs 10-50x a
+    copy on virtual machines); construction fails with ``OSError(ENOSPC)`` naming the directory
+    and the sizes when ``directory`` cannot hold the whole arena. Without, only the header page
+    is allocated here, and ``reserve_backing`` must be called for a range before any byte of it
+    is handed out (``SlabAllocator`` does, per slab).
     """
 
     def __init__(self, size_bytes: int, prefault: bool = True, directory: str = "/dev/shm") -> None:
         if size_bytes <= HEADER_BYTES:
             raise ValueError(f"arena size {size_bytes} too small (header alone is {HEADER_BYTES})")
         self.size_bytes = _round_up(size_bytes, SLOT_ALIGN)
+        self.directory = directory
+        self.prefault = prefault
         remove_stale_arenas(directory)
+        needed = self.size_bytes if prefault else HEADER_BYTES
+        free = free_bytes(directory)
+        if free < needed:
+            raise OSError(errno.ENOSPC, self._no_room(needed, free))
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.path = os.path.join(directory, f"kvstore-{os.getpid()}-{secrets.token_hex(6)}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, self.size_bytes)
-            if prefault:
-                # Allocates (and zeroes) every page now. The daemon's own mapping is not
-                # populated: it touches slot bytes only on the bytes path and when moving
-                # blocks between tiers, and page tables cost 2 KiB per MiB per process.
-                os.posix_fallocate(fd, 0, self.size_bytes)
-            self._mmap = mmap.mmap(fd, self.size_bytes, flags=mmap.MAP_SHARED)
+            os.ftruncate(self._fd, self.size_bytes)
+            # Allocates the pages now (tmpfs still zeroes each at its first touch). The daemon's
+            # own mapping is not populated: it touches slot bytes only on the bytes path and
+            # when moving blocks between tiers, and page tables cost 2 KiB per MiB per process.
+            self._fallocate(0, needed)
+            self._mmap = mmap.mmap(self._fd, self.size_bytes, flags=mmap.MAP_SHARED)
         except BaseException:
-            os.close(fd)
+            os.close(self._fd)
             os.unlink(self.path)
             raise
-        os.close(fd)
-        self._mmap[:TOKEN_BYTES] = self.token
+        self._mmap[:TOKEN_BYTES] = self.token  # the header page is backed: no SIGBUS
         self.view = memoryview(self._mmap)
         self._closed = False
+
+    def _no_room(self, needed: int, free: int) -> str:
+        return (
+            f"{self.directory} has {free} bytes free, the cpu arena needs {needed} more "
+            f"(arena of {self.size_bytes} bytes): free space in {self.directory}, enlarge it "
+            "(mount -o remount,size=...) or lower the cpu tier's capacity"
+        )
+
+    def _fallocate(self, offset: int, nbytes: int) -> None:
+        try:
+            os.posix_fallocate(self._fd, offset, nbytes)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise OSError(errno.ENOSPC, self._no_room(nbytes, free_bytes(self.directory))) from e
+
+    def reserve_backing(self, offset: int, nbytes: int) -> None:
+        """Allocate the filesystem pages of ``[offset, offset + nbytes)`` so that touching them
+        can never SIGBUS. Raises ``OSError(ENOSPC)`` naming the directory, the bytes free and
+        needed when the filesystem is full (tmpfs undoes a failed fallocate: nothing leaks).
+        A no-op for a prefaulted arena. Blocks: about 0.5 ms per MiB on the reference VM (8 ms
+        for a 16 MiB slab); owned by the daemon's event loop like the allocator that calls it."""
+        if not 0 <= offset <= offset + nbytes <= self.size_bytes:
+            raise ValueError(f"range [{offset}, {offset + nbytes}) outside the arena")
+        if not self.prefault and nbytes:
+            self._fallocate(offset, nbytes)
 
     @property
     def buffer(self) -> mmap.mmap:
@@ -104,51 +191,176 @@ class SharedMemoryArena:
         except BufferError:
             # A torch/numpy view still exports the buffer; the mapping goes when it is collected.
             pass
+        os.close(self._fd)
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
 
 
-@dataclass
-class _SizeClass:
+class _State(enum.Enum):
+    POOL = "unassigned, backed"
+    UNTRIED = "unassigned, never backed"
+    UNBACKABLE = "unassigned, backing failed"
+    CLASS = "assigned to a size class"
+
+
+@dataclass(frozen=True)
+class SlabInfo:
+    """One slab as ``SlabAllocator.slab_info`` reports it."""
+
+    index: int
+    base: int
+    """Arena offset of its first byte."""
+    size_bytes: int
     slot_bytes: int
-    free: list[int] = field(default_factory=list)
-    slabs: int = 0
-    used: int = 0
+    """Its class's slot size; 0 when the slab is unassigned."""
+    slots: int
+    """Slots it holds for its class (0 when unassigned); the tail past them is waste."""
+    used: int
+    draining: bool
+    backed: bool
+    backing_failed: bool
+
+
+class _Slab:
+    """A slab's bookkeeping; only ``SlabAllocator`` touches it.
+
+    Slots ``[0, fresh)`` have been handed out since the slab was assigned: each is either used
+    (``used_map[i] == 1``) or on the ``freed`` stack, never both; slots ``[fresh, slots)`` are
+    free and were never handed out, so assigning a slab costs O(1) whatever its slot count.
+    """
+
+    __slots__ = (
+        "base", "draining", "freed", "fresh", "index", "size", "slot_bytes", "slots", "state",
+        "used", "used_map",
+    )  # fmt: skip
+
+    def __init__(self, index: int, base: int, size: int, state: _State) -> None:
+        self.index, self.base, self.size, self.state = index, base, size, state
+        self._reset()
+
+    def _reset(self) -> None:
+        self.slot_bytes = 0
+        self.slots = 0
+        self.fresh = 0
+        self.freed: list[int] = []
+        self.used_map = bytearray()
+        self.used = 0
+        self.draining = False
+
+
+class _SizeClass:
+    """The slabs of one slot size. ``partial`` is a heap of exactly the class's slabs that are
+    not draining and have a free slot (lowest index first); ``free`` counts those slabs' free
+    slots; ``used`` counts used slots in all its slabs; ``slabs`` is never empty (a class whose
+    last slab goes back to the pool is dropped)."""
+
+    __slots__ = ("free", "partial", "slabs", "slot_bytes", "used")
+
+    def __init__(self, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.slabs: set[int] = set()
+        self.partial: list[int] = []
+        self.free = 0
+        self.used = 0
 
 
 class SlabAllocator:
     """Hands out slot offsets inside ``[HEADER_BYTES, arena_bytes)``.
 
-    The usable region is cut into ``slab_bytes`` slabs. A size class (slot size rounded up to a
-    page) takes a whole free slab when it runs out of slots and carves it into slots; a slab stays
-    with its class once taken. ``allocate`` returns None when the class has no free slot and no
-    slab is free: the caller then evicts a block of the same class and frees its slot.
+    The usable region is cut into slabs of ``slab_bytes`` (the last may be shorter); slab ``i``
+    starts at ``HEADER_BYTES + i * slab_bytes``. A size class (slot size: block size rounded up
+    to a page) allocates from its lowest-indexed slab with a free slot and takes a new slab from
+    the pool only when it has none; a slab whose slots are all free goes back to the pool at
+    once, so any class can take it. ``allocate`` returns None when the class has no free slot
+    and no unassigned slab fits (or the one slab tried could not be backed): the caller then
+    evicts a block of the same class, or drains a slab of another class (``begin_drain``,
+    ``used_offsets``) to free a whole slab.
 
-    Owned by the daemon's event loop; not thread-safe.
+    ``reserve_backing(offset, nbytes)``, when given, must allocate the memory of a range or raise
+    OSError (``SharedMemoryArena.reserve_backing``): slab 0 is backed at construction (so an
+    arena that cannot hold even one slab refuses to start) and every other slab the first time a
+    class takes it; without it (the GPU pool) all memory counts as backed.
+
+    Invariants (``check`` verifies them all, raising AssertionError):
+    - every slab is in exactly one state: in the pool (backed, unassigned), untried (never
+      backed), unbackable (its backing failed) or assigned to exactly one class;
+    - an assigned slab has at least one used slot, and its slots lie inside it; a slot is used
+      or free, never both, and slots never overlap (slabs tile the usable region);
+    - ``free_slots`` and the counters it reads (per-class free slots, pooled full-size slabs,
+      whether the short tail slab is pooled) agree with the slabs themselves;
+    - a draining slab is never allocated from and its free slots are not counted as free.
+
+    Owned by the daemon's event loop; not thread-safe. Every method is O(1) or O(log slabs)
+    except ``used_offsets`` (O(slots of the slab)), ``begin_drain`` and freeing a slab's last
+    slot (O(slabs of its class)), a first backing (a ``posix_fallocate`` of one slab, which
+    blocks for milliseconds) and ``check`` (everything).
     """
 
-    def __init__(self, arena_bytes: int, slab_bytes: int) -> None:
+    def __init__(
+        self,
+        arena_bytes: int,
+        slab_bytes: int,
+        *,
+        reserve_backing: Callable[[int, int], None] | None = None,
+        min_slab_bytes: int = MIN_SLAB_BYTES,
+    ) -> None:
         usable = (arena_bytes - HEADER_BYTES) // SLOT_ALIGN * SLOT_ALIGN
         if usable <= 0:
             raise ValueError(f"arena of {arena_bytes} bytes has no room for a slab")
-        self.slab_bytes = min(_round_up(slab_bytes, SLOT_ALIGN), usable)
-        # Slab i starts at HEADER_BYTES + i * slab_bytes; the last one may be shorter.
-        self._slab_sizes = [self.slab_bytes] * (usable // self.slab_bytes)
+        if slab_bytes <= 0:
+            raise ValueError(f"slab size must be positive, got {slab_bytes}")
+        self._min_slab_bytes = min_slab_bytes
+        adaptive = max(usable // MIN_SLABS, min_slab_bytes, SLOT_ALIGN)
+        self.slab_bytes = min(
+            _round_up(slab_bytes, SLOT_ALIGN), usable, adaptive // SLOT_ALIGN * SLOT_ALIGN
+        )
+        sizes = [self.slab_bytes] * (usable // self.slab_bytes)
         if usable % self.slab_bytes:
-            self._slab_sizes.append(usable % self.slab_bytes)
+            sizes.append(usable % self.slab_bytes)
         self._capacity = usable
-        self._next_slab = 0
+        self._tail = len(sizes) - 1 if sizes[-1] < self.slab_bytes else -1
+        self._reserve_backing = reserve_backing
+        state = _State.UNTRIED if reserve_backing is not None else _State.POOL
+        self._slabs = [
+            _Slab(i, HEADER_BYTES + i * self.slab_bytes, size, state)
+            for i, size in enumerate(sizes)
+        ]
         self._classes: dict[int, _SizeClass] = {}
+        # Unassigned slabs, lowest index first: backed ones, then ones never backed.
+        self._pool: list[int] = list(range(len(sizes))) if reserve_backing is None else []
+        self._untried: list[int] = list(range(len(sizes))) if reserve_backing is not None else []
+        self._unbackable: list[int] = []
+        self._pooled_full = len(sizes) - (self._tail >= 0)  # full-size slabs in both heaps
+        self._tail_pooled = self._tail >= 0
+        self.backing_error: str | None = None
+        """Why the last slab that could not be backed was not (None if none failed)."""
+        if reserve_backing is not None:
+            first = self._slabs[0]
+            reserve_backing(first.base, first.size)  # OSError: the daemon cannot start
+            heapq.heappop(self._untried)
+            first.state = _State.POOL
+            heapq.heappush(self._pool, 0)
 
+    # ----------------------------------------------------------------- sizes
     @property
     def num_slabs(self) -> int:
-        return len(self._slab_sizes)
+        return len(self._slabs)
 
     @property
     def capacity_bytes(self) -> int:
         return self._capacity
+
+    @property
+    def unassigned_slabs(self) -> int:
+        """Slabs no class holds that a class may still take (backed or not yet tried)."""
+        return len(self._pool) + len(self._untried)
+
+    @property
+    def unbackable_slabs(self) -> int:
+        """Slabs set aside because their memory could not be backed (see ``retry_backing``)."""
+        return len(self._unbackable)
 
     @staticmethod
     def slot_bytes_for(block_bytes: int) -> int:
@@ -158,51 +370,294 @@ class SlabAllocator:
         """Raise ValueError unless a block of this size fits in one slab."""
         if self.slot_bytes_for(block_bytes) > self.slab_bytes:
             raise ValueError(
-                f"a {block_bytes}-byte block does not fit a {self.slab_bytes}-byte slab; "
-                "raise the cpu slab size (and capacity)"
+                f"a {block_bytes}-byte block does not fit a {self.slab_bytes}-byte slab "
+                f"(slabs are at most the configured size, and at most capacity/{MIN_SLABS} "
+                f"unless that is under {self._min_slab_bytes} bytes); raise the cpu slab size "
+                "(and capacity)"
             )
 
     def slots_per_slab(self, block_bytes: int) -> int:
         return self.slab_bytes // self.slot_bytes_for(block_bytes)
 
-    def _class(self, block_bytes: int) -> _SizeClass:
+    def free_slots(self, block_bytes: int) -> int:
+        """Slots a class could still hand out without eviction: its own free slots (draining
+        slabs' excluded) plus those of every unassigned slab it fits. O(1)."""
+        slot = self.slot_bytes_for(block_bytes)
+        if slot > self.slab_bytes:
+            return 0
+        cls = self._classes.get(slot)
+        n = (cls.free if cls is not None else 0) + self._pooled_full * (self.slab_bytes // slot)
+        if self._tail_pooled:
+            n += self._slabs[self._tail].size // slot
+        return n
+
+    # ----------------------------------------------------------------- slots
+    def allocate(self, block_bytes: int) -> int | None:
+        """A free slot's offset, or None (see the class docstring). ValueError if the block
+        cannot fit a slab at all."""
+        self.check_fits(block_bytes)
         slot = self.slot_bytes_for(block_bytes)
         cls = self._classes.get(slot)
-        if cls is None:
-            cls = self._classes[slot] = _SizeClass(slot)
-        return cls
-
-    def allocate(self, block_bytes: int) -> int | None:
-        cls = self._class(block_bytes)
-        while not cls.free:
-            if self._next_slab >= self.num_slabs:
+        if cls is None or not cls.partial:
+            s = self._take_unassigned(slot)
+            if s is None:
                 return None
-            base = HEADER_BYTES + self._next_slab * self.slab_bytes
-            count = self._slab_sizes[self._next_slab] // cls.slot_bytes
-            self._next_slab += 1
-            cls.slabs += 1
-            # Reverse so slots are handed out in address order.
-            cls.free.extend(base + i * cls.slot_bytes for i in range(count - 1, -1, -1))
+            if cls is None:
+                cls = self._classes[slot] = _SizeClass(slot)
+            s.state, s.slot_bytes, s.slots = _State.CLASS, slot, s.size // slot
+            s.used_map = bytearray(s.slots)
+            cls.slabs.add(s.index)
+            cls.free += s.slots
+            heapq.heappush(cls.partial, s.index)
+        s = self._slabs[cls.partial[0]]
+        if s.freed:
+            i = s.freed.pop()
+        else:
+            i = s.fresh
+            s.fresh += 1
+        s.used_map[i] = 1
+        s.used += 1
         cls.used += 1
-        return cls.free.pop()
+        cls.free -= 1
+        if s.used == s.slots:
+            heapq.heappop(cls.partial)
+        return s.base + i * slot
+
+    def _take_unassigned(self, slot: int) -> _Slab | None:
+        """Take the lowest fitting unassigned slab, backed ones first; back it if it never was.
+        (The short tail has the highest index, so it is at a heap's top only when alone.)"""
+        for heap in (self._pool, self._untried):
+            if heap and self._slabs[heap[0]].size >= slot:
+                s = self._slabs[heapq.heappop(heap)]
+                if s.index == self._tail:
+                    self._tail_pooled = False
+                else:
+                    self._pooled_full -= 1
+                if s.state is _State.UNTRIED:
+                    assert self._reserve_backing is not None
+                    try:
+                        self._reserve_backing(s.base, s.size)
+                    except OSError as e:
+                        self.backing_error = str(e)
+                        self._set_aside(s)
+                        return None
+                return s
+        return None
+
+    def _set_aside(self, s: _Slab) -> None:
+        """``s`` could not be backed: set it aside, and with it every other never-backed slab
+        at least as large (the filesystem had less room than one of them), so that
+        ``free_slots`` stops counting them at once and the caller evicts instead."""
+        failed = [s]
+        if s.index != self._tail:
+            failed += [self._slabs[i] for i in self._untried if i != self._tail]
+            self._pooled_full -= len(failed) - 1
+            self._untried = [i for i in self._untried if i == self._tail]
+        for f in failed:
+            f.state = _State.UNBACKABLE
+            self._unbackable.append(f.index)
 
     def free(self, offset: int, block_bytes: int) -> None:
-        cls = self._classes.get(self.slot_bytes_for(block_bytes))
-        if cls is None or cls.used <= 0:
-            raise AssertionError(f"free of slot {offset} in a class with no slot in use")
+        """Take back a slot from ``allocate``. AssertionError if it is not a used slot of this
+        block size's class (a double free, a wrong size, an offset never handed out)."""
+        slot = self.slot_bytes_for(block_bytes)
+        s = self._slabs[self._slab_index(offset, AssertionError)]
+        i, rest = divmod(offset - s.base, slot) if s.slot_bytes == slot else (0, 1)
+        if rest or i >= s.slots or not s.used_map[i]:
+            raise AssertionError(
+                f"free of slot {offset} ({block_bytes}-byte block), which is not in use "
+                f"(its slab holds {s.slot_bytes or 'no'}-byte slots)"
+            )
+        cls = self._classes[slot]
+        had_free = s.used < s.slots
+        s.used_map[i] = 0
+        s.freed.append(i)
+        s.used -= 1
         cls.used -= 1
-        cls.free.append(offset)
+        if s.draining:
+            if s.used == 0:
+                self._release(s, cls)
+            return
+        cls.free += 1
+        if s.used == 0:
+            cls.free -= s.slots
+            if had_free:
+                _heap_remove(cls.partial, s.index)
+            self._release(s, cls)
+        elif not had_free:
+            heapq.heappush(cls.partial, s.index)
 
-    def free_slots(self, block_bytes: int) -> int:
-        """Slots a class could still hand out without eviction (its own plus unassigned slabs)."""
-        cls = self._class(block_bytes)
-        unassigned = self.num_slabs - self._next_slab
-        if unassigned == 0:
-            return len(cls.free)
-        # Every unassigned slab is full-size but perhaps the last: O(1), not a scan.
-        last = self._slab_sizes[-1]
-        return (
-            len(cls.free)
-            + (unassigned - 1) * (self.slab_bytes // cls.slot_bytes)
-            + last // cls.slot_bytes
+    def _release(self, s: _Slab, cls: _SizeClass) -> None:
+        """An empty slab (already out of ``cls.partial`` and ``cls.free``) goes to the pool."""
+        cls.slabs.discard(s.index)
+        if not cls.slabs:
+            del self._classes[cls.slot_bytes]
+        s._reset()
+        s.state = _State.POOL
+        heapq.heappush(self._pool, s.index)
+        if s.index == self._tail:
+            self._tail_pooled = True
+        else:
+            self._pooled_full += 1
+
+    def retry_backing(self) -> int:
+        """Offer the slabs whose backing failed again (after space was freed in the arena's
+        directory); returns how many. The next allocations that need a slab retry them."""
+        for i in self._unbackable:
+            self._slabs[i].state = _State.UNTRIED
+            heapq.heappush(self._untried, i)
+            if i == self._tail:
+                self._tail_pooled = True
+            else:
+                self._pooled_full += 1
+        n = len(self._unbackable)
+        self._unbackable.clear()
+        return n
+
+    # ----------------------------------------------------------------- slabs, for the daemon
+    def _slab_index(self, offset: int, error: type[Exception] = ValueError) -> int:
+        if not HEADER_BYTES <= offset < HEADER_BYTES + self._capacity:
+            raise error(f"offset {offset} is outside the arena's slabs")
+        return (offset - HEADER_BYTES) // self.slab_bytes
+
+    def slab_of(self, offset: int) -> int:
+        """The index of the slab holding arena offset ``offset`` (ValueError if none does)."""
+        return self._slab_index(offset)
+
+    def slab_info(self, slab: int) -> SlabInfo:
+        s = self._slabs[slab]
+        return SlabInfo(
+            index=s.index,
+            base=s.base,
+            size_bytes=s.size,
+            slot_bytes=s.slot_bytes,
+            slots=s.slots,
+            used=s.used,
+            draining=s.draining,
+            backed=s.state in (_State.POOL, _State.CLASS),
+            backing_failed=s.state is _State.UNBACKABLE,
         )
+
+    def class_slabs(self, block_bytes: int) -> list[int]:
+        """The slabs this block size's class holds, lowest index first."""
+        cls = self._classes.get(self.slot_bytes_for(block_bytes))
+        return sorted(cls.slabs) if cls is not None else []
+
+    def used_offsets(self, slab: int) -> list[int]:
+        """Offsets of the slab's used slots, lowest first ([] if unassigned). O(slots)."""
+        s = self._slabs[slab]
+        out: list[int] = []
+        i = s.used_map.find(1)
+        while i >= 0:
+            out.append(s.base + i * s.slot_bytes)
+            i = s.used_map.find(1, i + 1)
+        return out
+
+    def begin_drain(self, slab: int) -> None:
+        """Stop handing out the slab's free slots (they no longer count in ``free_slots``), so
+        that freeing its used slots (``used_offsets``: the daemon evicts or moves those blocks)
+        empties it; it then goes back to the pool by itself. ValueError if it is unassigned;
+        a no-op if it already drains."""
+        s = self._slabs[slab]
+        if s.state is not _State.CLASS:
+            raise ValueError(f"slab {slab} belongs to no class ({s.state.value}): nothing to drain")
+        if s.draining:
+            return
+        cls = self._classes[s.slot_bytes]
+        s.draining = True
+        if s.used < s.slots:
+            cls.free -= s.slots - s.used
+            _heap_remove(cls.partial, s.index)
+
+    def end_drain(self, slab: int) -> bool:
+        """Give up draining: the slab's free slots serve its class again. False (and nothing
+        done) if it was not draining, e.g. because it emptied and went back to the pool."""
+        s = self._slabs[slab]
+        if not s.draining:
+            return False
+        s.draining = False
+        if s.used < s.slots:
+            self._classes[s.slot_bytes].free += s.slots - s.used
+            heapq.heappush(self._classes[s.slot_bytes].partial, s.index)
+        return True
+
+    # ----------------------------------------------------------------- invariants
+    def check(self) -> None:
+        """Verify every invariant of the class docstring; AssertionError says which broke."""
+
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(f"slab allocator out of sync: {what}")
+
+        n = len(self._slabs)
+        need(sum(s.size for s in self._slabs) == self._capacity, "slabs do not tile the capacity")
+        for s in self._slabs:
+            need(s.base == HEADER_BYTES + s.index * self.slab_bytes, f"slab {s.index} misplaced")
+            need(s.size == self.slab_bytes or s.index == self._tail, f"slab {s.index} short")
+        where: dict[int, str] = {}
+        for name, ids in (("pool", self._pool), ("untried", self._untried)):
+            need(_is_heap(ids), f"{name} is not a heap")
+        for name, ids, state in (
+            ("pool", self._pool, _State.POOL),
+            ("untried", self._untried, _State.UNTRIED),
+            ("unbackable", self._unbackable, _State.UNBACKABLE),
+        ):
+            for i in ids:
+                need(0 <= i < n and i not in where, f"slab {i} in {name} and {where.get(i)}")
+                where[i] = name
+                s = self._slabs[i]
+                need(s.state is state, f"slab {i} in {name} but {s.state.value}")
+                need(s.used == 0 and not s.draining and s.slot_bytes == 0, f"pooled slab {i} used")
+        full = sum(1 for i in [*self._pool, *self._untried] if i != self._tail)
+        need(full == self._pooled_full, f"{self._pooled_full} full slabs counted pooled, {full}")
+        tail = self._tail >= 0 and self._tail in where and where[self._tail] != "unbackable"
+        need(tail == self._tail_pooled, "pooled tail flag wrong")
+        if self._reserve_backing is None:
+            need(not self._untried and not self._unbackable, "unbacked slabs without backing")
+        for slot, cls in self._classes.items():
+            need(cls.slot_bytes == slot and bool(cls.slabs), f"class {slot} empty or misfiled")
+            need(_is_heap(cls.partial), f"class {slot}'s partial slabs are not a heap")
+            partial, free, used = set(), 0, 0
+            for i in cls.slabs:
+                need(0 <= i < n and i not in where, f"slab {i} in class {slot} and {where.get(i)}")
+                where[i] = f"class {slot}"
+                s = self._slabs[i]
+                need(s.state is _State.CLASS and s.slot_bytes == slot, f"slab {i} not of {slot}")
+                self._check_slots(s, need)
+                used += s.used
+                if not s.draining and s.used < s.slots:
+                    partial.add(i)
+                    free += s.slots - s.used
+            need(sorted(cls.partial) == sorted(partial), f"class {slot} partial heap wrong")
+            need(cls.free == free and cls.used == used, f"class {slot} counts wrong")
+        for s in self._slabs:
+            need(s.index in where, f"slab {s.index} ({s.state.value}) is nowhere")
+        pooled = [self._slabs[i].size for i in [*self._pool, *self._untried]]
+        for slot, cls in self._classes.items():
+            free = cls.free + sum(size // slot for size in pooled)
+            need(self.free_slots(slot) == free, f"free_slots({slot}) is not {free}")
+
+    @staticmethod
+    def _check_slots(s: _Slab, need: Callable[[bool, str], None]) -> None:
+        i = s.index
+        need(1 <= s.slots == s.size // s.slot_bytes, f"slab {i} slot count wrong")
+        need(s.slots * s.slot_bytes <= s.size, f"slab {i} slots overflow it")
+        need(len(s.used_map) == s.slots and 0 <= s.fresh <= s.slots, f"slab {i} maps wrong")
+        need(s.used >= 1 and s.used == s.used_map.count(1), f"slab {i} used count wrong")
+        need(s.used_map.count(0) + s.used_map.count(1) == s.slots, f"slab {i} map not 0/1")
+        freed = set(s.freed)
+        need(len(freed) == len(s.freed), f"slab {i} has a slot freed twice")
+        for j in freed:
+            need(0 <= j < s.fresh and not s.used_map[j], f"slab {i} slot {j} free and used")
+        need(not any(s.used_map[s.fresh :]), f"slab {i} uses a slot never handed out")
+        need(s.used + len(freed) == s.fresh, f"slab {i} lost a slot")
+
+
+def _heap_remove(heap: list[int], item: int) -> None:
+    """Remove ``item`` from a heap: O(len). Used when a slab empties or starts draining."""
+    heap.remove(item)
+    heapq.heapify(heap)
+
+
+def _is_heap(heap: list[int]) -> bool:
+    return all(heap[(k - 1) // 2] <= heap[k] for k in range(1, len(heap)))
