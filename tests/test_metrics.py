@@ -222,7 +222,7 @@ def test_rpc_histogram_counts_calls_and_errors(metrics_daemon: MetricsDaemon) ->
         with grpc.insecure_channel(metrics_daemon.address) as channel:
             stub = pb_grpc.KVStoreStub(channel)
             with pytest.raises(grpc.RpcError) as err:
-                stub.Lookup(pb.LookupRequest(namespace_id=987654, keys=b"\0" * 32), timeout=10)
+                stub.Lookup(pb.LookupRequest(handle=b"\7" * 16, keys=b"\0" * 32), timeout=10)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert kv_bytes.put(keys, random_blocks(SMALL_LAYOUT, 3, seed=4)) == 3  # PutBlocks
         assert kv_bytes.get(keys).shape[0] == 3  # GetBlocks, a response stream
@@ -264,7 +264,7 @@ def test_a_cancelled_stream_is_timed_and_gives_its_lease_back(
         before = metrics_daemon.scrape()
         with grpc.insecure_channel(metrics_daemon.address) as channel:
             stream = pb_grpc.KVStoreStub(channel).GetBlocks(
-                pb.GetBlocksRequest(namespace_id=kv._ns_id, keys=b"".join(keys)), timeout=30
+                pb.GetBlocksRequest(handle=kv._handle, keys=b"".join(keys)), timeout=30
             )
             next(stream)
             stream.cancel()

@@ -146,3 +146,38 @@ def test_two_hosts_share_through_a_redis_cluster(daemon_factory, cluster) -> Non
         assert kv_b.lookup(keys) == 12
         assert same_bytes(kv_b.get(keys), blocks)
         assert tiers(kv_b)["redis"].promotions == 12
+
+
+def test_blocks_queued_during_an_outage_survive_eviction_until_redis_is_back(
+    daemon_factory, redis_server
+) -> None:
+    """Blocks committed while Redis was down used to be evicted like any other (LRU) and so
+    never reached Redis afterwards. While Redis is down, eviction takes blocks Redis already
+    holds first."""
+    a = daemon_factory(redis_url=redis_server.url, cpu_capacity="128KiB", slab="128KiB")
+    b = daemon_factory(redis_url=redis_server.url)
+    with client(a) as kv_a, client(b) as kv_b:
+        shared = kv_a.hash_tokens(tokens(8))
+        kv_a.put(shared, random_blocks(SMALL_LAYOUT, 8, seed=20))
+        wait_for(lambda: tiers(kv_a)["redis"].demotions >= 8, what="write-through")
+        redis_server.stop()
+        unknown = kv_a.hash_tokens(tokens(1, offset=7777))
+        wait_for(
+            lambda: kv_a.lookup(unknown) == 0 and not tiers(kv_a)["redis"].up,
+            what="redis marked down",
+        )
+        during = kv_a.hash_tokens(tokens(4, offset=500))
+        during_blocks = random_blocks(SMALL_LAYOUT, 4, seed=21)
+        assert kv_a.put(during, during_blocks) == 4
+        kv_a.get(shared)  # the blocks Redis holds are now the hot ones
+        # 8 KiB blocks in a 128 KiB tier: 16 slots, 12 used. Four more push four out.
+        assert (
+            kv_a.put(
+                kv_a.hash_tokens(tokens(8, offset=900))[:8], random_blocks(SMALL_LAYOUT, 8, seed=22)
+            )
+            == 8
+        )
+        assert kv_a.lookup(during) == 4  # spared: Redis does not have them yet
+        redis_server.start()
+        wait_for(lambda: kv_b.lookup(during) == 4, what="queued blocks reaching redis")
+        assert same_bytes(kv_b.get(during), during_blocks)

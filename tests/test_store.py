@@ -310,3 +310,56 @@ async def _random_operations(ops: list[tuple[str, int]]) -> None:
         assert all(s.index.leases[e] == 0 for e in range(s.index.capacity))
     finally:
         s.close()
+
+
+async def test_a_second_block_size_evicts_the_first_once_it_filled_the_tier() -> None:
+    """A slab once given to a size was never taken back: after one model filled the tier, a
+    model with another block size got CapacityError on every put, for good, with nothing
+    leased. Now the coldest slab of the other size is drained (blocks moved or evicted)."""
+    big_layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16)  # 8 KiB
+    big_ns = Namespace(model="big", layout=big_layout)
+    s = make_store(capacity_blocks=16)  # four 16 KiB slabs... of 8 KiB (2 blocks) each
+    try:
+        small = s.open_namespace(NS)
+        big = s.open_namespace(big_ns)
+        for i in range(16):  # the small model fills every slab
+            assert await put(s, small, keys(1, start=i)) == 1
+        s.check()
+        bkeys = list(block_hashes(big_ns.seed, list(range(8 * 16))))
+        for i in range(8):  # the big model now stores, evicting small blocks, coldest first
+            assert await put(s, big, bkeys[i : i + 1]) == 1
+            s.check()
+        assert await s.lookup(big, bkeys) == 8
+        assert await s.lookup(small, keys(16)) == 0  # they were the coldest
+        for i in range(16):  # and back: the small model takes slabs from the big one
+            assert await put(s, small, keys(1, start=100 + i)) == 1
+            s.check()
+    finally:
+        s.close()
+
+
+async def test_draining_moves_hot_blocks_instead_of_evicting_them() -> None:
+    big_layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16)  # 8 KiB
+    big_ns = Namespace(model="big", layout=big_layout)
+    s = make_store(capacity_blocks=8)  # four 8 KiB slabs: two small slots each
+    try:
+        small = s.open_namespace(NS)
+        big = s.open_namespace(big_ns)
+        for i in range(6):  # slabs 0-2 hold small blocks 0-5, block 0 the coldest
+            assert await put(s, small, keys(1, start=i)) == 1
+        bkeys = list(block_hashes(big_ns.seed, list(range(2 * 16))))
+        assert await put(s, big, bkeys[:1]) == 1  # slab 3
+        assert s.delete(small, keys(1, start=3)) == 1  # a free small slot in slab 1
+        # The big block needs a slab: the coldest block (small 0) goes, and its neighbour in
+        # slab 0 (small 1) moves into the free slot instead of being evicted with it.
+        assert await put(s, big, bkeys[1:2]) == 1
+        assert await s.lookup(big, bkeys) == 2
+        assert await s.lookup(small, keys(1)) == 0
+        assert await s.lookup(small, keys(1, start=1)) == 1
+        lease, offsets, _, _ = await s.acquire(small, keys(1, start=1))
+        got = bytes(s.arena.view[offsets[0] : offsets[0] + LAYOUT.block_bytes])
+        assert got == bytes([1]) * LAYOUT.block_bytes  # moved intact
+        s.release(small, lease)
+        s.check()
+    finally:
+        s.close()

@@ -35,7 +35,7 @@ import torch
 
 from kvstore import kernels
 from kvstore.checksum import checksum_seed, seeded_checksum
-from kvstore.daemon.room import make_room
+from kvstore.daemon.room import TierSlots, make_room
 from kvstore.errors import CapacityError
 from kvstore.index import BELOW_GPU, IN_CPU, IN_GPU, State
 from kvstore.policy import EvictionPolicy, make_policy
@@ -82,7 +82,8 @@ class DeviceTier:
         )
         self.policy: EvictionPolicy = make_policy(self.config.policy)
         self.counters = TierCounters()
-        self.offset: dict[int, int] = {}
+        self.offset: dict[int, int] = {}  # entry -> pool slot
+        self._owner: dict[int, int] = {}  # pool slot -> entry (quarantined slots: none)
         self.dsum: dict[int, int] = {}
         self.used_bytes = 0
         self._moving: dict[int, asyncio.Future[bool]] = {}
@@ -168,12 +169,11 @@ class DeviceTier:
         return await asyncio.shield(task)
 
     # ----------------------------------------------------------------- slots
-    def _alloc_one(self, block_bytes: int) -> int:
+    def _alloc_one(self, block_bytes: int) -> int | None:
         assert self.allocator is not None
         offset = self.allocator.allocate(block_bytes)
-        if offset is None:
-            raise AssertionError("gpu allocator out of slots after room was made")
-        self.used_bytes += block_bytes
+        if offset is not None:
+            self.used_bytes += block_bytes
         return offset
 
     def unalloc(self, offset: int, block_bytes: int) -> None:
@@ -185,7 +185,8 @@ class DeviceTier:
     def place(self, eid: int, offset: int) -> None:
         """Record that a (reserved or committed) entry's GPU copy is in slot ``offset``."""
         self.offset[eid] = offset
-        self.store.index.tier[eid] |= IN_GPU
+        self._owner[offset] = eid
+        self.store.mark_in_gpu(eid)
 
     def mark(self, eid: int, dsum: int) -> None:
         """The entry's GPU copy is complete and has device checksum ``dsum``."""
@@ -195,9 +196,18 @@ class DeviceTier:
     def free_slot(self, eid: int) -> None:
         """Free an entry's GPU slot (does not touch the policy)."""
         bb = self.store.block_bytes_of(eid)
-        self.unalloc(self.offset.pop(eid), bb)
+        offset = self.offset.pop(eid)
+        del self._owner[offset]
+        self.unalloc(offset, bb)
         self.dsum.pop(eid, None)
-        self.store.index.tier[eid] &= ~IN_GPU
+        self.store.unmark_in_gpu(eid)
+
+    def take_slot_away(self, eid: int) -> int:
+        """Detach an entry's pool slot without freeing it (a quarantine); returns it."""
+        offset = self.offset.pop(eid)
+        del self._owner[offset]
+        self.dsum.pop(eid, None)
+        return offset
 
     def drop_copy(self, eid: int) -> None:
         """Drop a GPU copy that has a copy below (the block stays stored there)."""
@@ -218,23 +228,25 @@ class DeviceTier:
         assert self.allocator is not None
         store, index, allocator = self.store, self.store.index, self.allocator
         allocator.check_fits(block_bytes)
-        slot_size = allocator.slot_bytes_for(block_bytes)
 
         def protected(eid: int) -> bool:
-            return (
-                bool(index.leases[eid])
-                or eid in self._moving
-                or allocator.slot_bytes_for(store.block_bytes_of(eid)) != slot_size
-            )
+            return bool(index.leases[eid]) or eid in self._moving
 
+        slots = TierSlots(
+            name="gpu",
+            allocator=allocator,
+            take_slot=self._alloc_one,
+            give_back=self.unalloc,
+            slot_of=lambda eid: self.offset[eid],
+            owner_of=self._owner.get,
+            slot_bytes_of=lambda eid: allocator.slot_bytes_for(store.block_bytes_of(eid)),
+        )
         async with self._room:
             return await make_room(
-                "gpu",
+                slots,
                 block_bytes,
                 n,
                 partial=partial,
-                free_slots=allocator.free_slots,
-                take_slot=self._alloc_one,
                 policy=self.policy,
                 protected=protected,
                 evict=self._evict,
@@ -393,7 +405,7 @@ class DeviceTier:
                         self.counters.checksum_failures += 1
                         store.forget(e)
                     else:
-                        index.checksum[e] = xxh
+                        store.set_host_checksum(e, xxh)
                         store.mark_in_cpu(e, c)
                         self.counters.demotions += 1
                         results[e] = True

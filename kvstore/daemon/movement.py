@@ -18,7 +18,8 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from kvstore.checksum import block_checksum
-from kvstore.daemon.room import make_room
+from kvstore.daemon.room import TierSlots, make_room
+from kvstore.errors import CapacityError
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, State
 
 if TYPE_CHECKING:
@@ -46,6 +47,17 @@ class Mover:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._flusher: asyncio.Task[None] | None = None
         self._batches = 0  # write-back batches in flight
+        allocator = store.allocator
+        self._slots = TierSlots(
+            name="cpu",
+            allocator=allocator,
+            take_slot=store.cpu_alloc,
+            give_back=store.cpu_unalloc,
+            slot_of=lambda eid: store.index.offset[eid],
+            owner_of=store.cpu_owner,
+            slot_bytes_of=lambda eid: allocator.slot_bytes_for(store.block_bytes_of(eid)),
+            relocate=store.relocate_cpu,
+        )
 
     @property
     def idle(self) -> bool:
@@ -143,26 +155,38 @@ class Mover:
         a victim, since dropping it would make that GPU block dirty again (churn, no room won).
         """
         store, index = self.store, self.store.index
-        slot_size = store.allocator.slot_bytes_for(block_bytes)
         keep = keep_gpu_copies and store.nvme is None
 
         def protected(eid: int) -> bool:
-            # A block being written down is still a fine victim: its write is awaited below
-            # (flush() joins the write in flight) and then only its CPU copy is dropped.
-            return (
-                bool(index.leases[eid])
-                or store.allocator.slot_bytes_for(store.block_bytes_of(eid)) != slot_size
-                or (keep and bool(index.tier[eid] & IN_GPU))
-            )
+            return bool(index.leases[eid]) or (keep and bool(index.tier[eid] & IN_GPU))
+
+        shared = store.shared
+
+        def spare_unshared(eid: int) -> bool:
+            # While Redis is down, blocks that exist nowhere else yet go last: they are what
+            # the other hosts would lose.
+            return protected(eid) or shared.must_reach_redis(eid)
 
         async with self._room:
+            if shared.enabled and shared.down:
+                try:
+                    return await make_room(
+                        self._slots,
+                        block_bytes,
+                        n,
+                        partial=False,
+                        policy=store.policy,
+                        protected=spare_unshared,
+                        evict=self._evict_cpu,
+                        busy="leased or being written",
+                    )
+                except CapacityError:
+                    pass  # then they go too (counted in dropped_while_down)
             return await make_room(
-                "cpu",
+                self._slots,
                 block_bytes,
                 n,
                 partial=partial,
-                free_slots=store.allocator.free_slots,
-                take_slot=store.cpu_alloc,
                 policy=store.policy,
                 protected=protected,
                 evict=self._evict_cpu,

@@ -27,12 +27,10 @@ log = logging.getLogger(__name__)
 
 # Blocks per Redis call: each call must fit its deadline (a 64 MiB put measured ~0.15-0.7 s).
 BATCH_BYTES = 16 << 20
+# A write-through batch pins its blocks while Redis reads them: at most this share of the CPU
+# tier, so that puts always find unpinned blocks to evict while write-through catches up.
+BATCH_SHARE = 1 / 8
 MAX_PENDING = 4096  # write-through blocks queued while Redis is down; the oldest go first
-
-
-def _batches(eids: list[int], block_bytes: int) -> list[list[int]]:
-    per_call = max(1, BATCH_BYTES // max(1, block_bytes))
-    return [eids[i : i + per_call] for i in range(0, len(eids), per_call)]
 
 
 class SharedTier:
@@ -42,7 +40,12 @@ class SharedTier:
         self.store = store
         self.config = store.config.redis
         self.tier: Any = None  # kvstore.tiers.redis.RedisTier once started
-        self._queue: deque[int] = deque()
+        # Write-through queue: (entry, namespace id, key); an entry is written only if it still
+        # holds that key when its turn comes (entry ids are recycled).
+        self._queue: deque[tuple[int, int, bytes]] = deque()
+        cpu_bytes = store.config.cpu.capacity_bytes
+        self.batch_bytes = max(1, min(BATCH_BYTES, int(cpu_bytes * BATCH_SHARE)))
+        self.dropped_while_down = 0  # blocks that left the last local tier unwritten to Redis
         self._wake = asyncio.Event()
         self._putter: asyncio.Task[None] | None = None
         self.promotions = 0
@@ -52,6 +55,26 @@ class SharedTier:
     @property
     def enabled(self) -> bool:
         return self.tier is not None
+
+    @property
+    def down(self) -> bool:
+        return self.tier is not None and not self.tier.up
+
+    def _batches(self, eids: list[int], block_bytes: int) -> list[list[int]]:
+        per_call = max(1, self.batch_bytes // max(1, block_bytes))
+        return [eids[i : i + per_call] for i in range(0, len(eids), per_call)]
+
+    def must_reach_redis(self, eid: int) -> bool:
+        """A block that exists in no tier below the CPU tier and not yet in Redis: evicting it
+        while Redis is down would lose it for every other host. Eviction spares such blocks
+        while it can (``Mover.alloc_cpu``)."""
+        index = self.store.index
+        return (
+            self.tier is not None
+            and self.store.nvme is None
+            and not index.tier[eid] & IN_REDIS
+            and (self.config.write_through or self.down)
+        )
 
     async def start(self) -> None:
         if not self.config.url:
@@ -121,7 +144,7 @@ class SharedTier:
         keys_of = [index.key(e) for e in eids]
         sums: list[int | None] = []
         try:
-            for part in _batches(list(range(len(eids))), bb):
+            for part in self._batches(list(range(len(eids))), bb):
                 try:
                     sums += await self.tier.get_into_checked(
                         record.fingerprint, [(keys_of[i], None, views[i]) for i in part]
@@ -144,7 +167,7 @@ class SharedTier:
             # The checksum the tier just verified the slot's bytes against (bound to namespace
             # and key, not hashed again): the checksum every local tier keeps from now on.
             store.commit_fetched(eid, checksum)
-            index.tier[eid] |= IN_REDIS
+            store.mark_in_redis(eid)
             self.promotions += 1
             if leading:
                 run.append(eid)
@@ -156,18 +179,27 @@ class SharedTier:
             return
         # Queued even while Redis is down: the put loop waits for it to come back, so a block
         # committed during an outage still reaches the other hosts afterwards (bounded).
-        self._queue.extend(eids)
+        index = self.store.index
+        self._queue.extend((e, index.ns[e], index.key(e)) for e in eids)
         while len(self._queue) > MAX_PENDING:
             self._queue.popleft()
             self.skipped += 1
         self._wake.set()
 
     async def demote(self, eids: list[int]) -> None:
-        """Write CPU blocks that are about to leave the last local tier to Redis first."""
-        todo = [e for e in eids if not self.store.index.tier[e] & IN_REDIS]
-        if todo:
-            for part in _batches(todo, self.store.block_bytes_of(todo[0])):
-                if not await self._put(part):
+        """Write CPU blocks that are about to leave the last local tier to Redis first; the
+        ones Redis could not take (it is down) are counted in ``dropped_while_down``."""
+        index = self.store.index
+        todo = [(e, index.ns[e], index.key(e)) for e in eids if not index.tier[e] & IN_REDIS]
+        by_size: dict[int, list[tuple[int, int, bytes]]] = {}
+        for item in todo:
+            by_size.setdefault(self.store.block_bytes_of(item[0]), []).append(item)
+        for bb, items in by_size.items():
+            for part in self._batches(items, bb):  # type: ignore[arg-type]
+                if not await self._put(part):  # type: ignore[arg-type]
+                    self.dropped_while_down += sum(
+                        1 for e, _, _ in todo if not index.tier[e] & IN_REDIS
+                    )
                     return
 
     async def _put_loop(self) -> None:
@@ -178,56 +210,62 @@ class SharedTier:
                 if self.tier is not None and not self.tier.up:
                     await asyncio.sleep(0.2)  # the tier reconnects by itself; keep the queue
                     continue
-                bb = self.store.block_bytes_of(self._queue[0])
-                n = max(1, min(len(self._queue), BATCH_BYTES // max(1, bb)))
+                bb = self.store.namespace_record(self._queue[0][1]).block_bytes
+                n = max(1, min(len(self._queue), self.batch_bytes // max(1, bb)))
                 batch = [self._queue.popleft() for _ in range(n)]
                 if not await self._put(batch):
                     self._queue.extendleft(reversed(batch))  # retried once Redis is back
 
-    async def _put(self, eids: list[int]) -> bool:
-        """Write CPU blocks to Redis; False when Redis was unreachable (nothing is lost: the
-        caller may retry)."""
+    async def _put(self, items: list[tuple[int, int, bytes]]) -> bool:
+        """Write CPU blocks, each (entry, namespace id, key), to Redis; False when Redis was
+        unreachable (nothing is lost: the caller may retry). An entry that no longer holds its
+        key, or left the CPU tier, is skipped."""
         from kvstore.tiers.redis import RedisTierUnavailable
 
         store, index = self.store, self.store.index
-        live = [
-            e
-            for e in eids
-            if index.state[e] == State.COMMITTED
-            and index.tier[e] & IN_CPU
-            and not index.tier[e] & IN_REDIS
-        ]
-        if not live or self.tier is None:
+        by_ns: dict[int, list[tuple[int, bytes]]] = {}
+        for e, ns_id, key in items:
+            if (
+                index.has_key(e, ns_id, key)
+                and index.state[e] == State.COMMITTED
+                and index.tier[e] & IN_CPU
+                and not index.tier[e] & IN_REDIS
+            ):
+                by_ns.setdefault(ns_id, []).append((e, key))
+        if not by_ns or self.tier is None:
             return True
-        by_ns: dict[int, list[int]] = {}
-        for e in live:
-            by_ns.setdefault(index.ns[e], []).append(e)
+        live = [e for group in by_ns.values() for e, _ in group]
         for e in live:
             store.pin(e)  # the slots stay put while Redis reads them
         try:
+            # Everything Redis will read is named now, before the first await: an entry deleted
+            # meanwhile keeps its slot (pinned) but loses its key.
+            calls = []
             for ns_id, group in by_ns.items():
                 record = store.namespace_record(ns_id)
                 bb = record.block_bytes
                 blocks = [
                     (
-                        index.key(e),
+                        key,
                         store.arena.view[index.offset[e] : index.offset[e] + bb],
                         index.checksum[e],
                     )
-                    for e in group
+                    for e, key in group
                 ]
+                calls.append((record.fingerprint, ns_id, group, blocks))
+            for fingerprint, ns_id, group, blocks in calls:
                 try:
-                    await self.tier.put(record.fingerprint, blocks)
+                    await self.tier.put(fingerprint, blocks)
                 except RedisTierUnavailable:
                     self.skipped += 1
                     return False
                 except ValueError as exc:  # a CPU copy that no longer matches its checksum
                     log.warning("not sent to redis: %s", exc)
                     store.cpu.checksum_failures += 1
-                    return True
-                for e in group:
-                    if index.state[e] == State.COMMITTED:
-                        index.tier[e] |= IN_REDIS
+                    continue
+                for e, key in group:
+                    if index.has_key(e, ns_id, key) and index.state[e] == State.COMMITTED:
+                        store.mark_in_redis(e)
                 self.demotions += len(group)
         finally:
             for e in live:

@@ -59,7 +59,7 @@ from kvstore.errors import (
     NamespaceMismatchError,
     UnknownNamespaceError,
 )
-from kvstore.index import IN_CPU, IN_GPU, IN_NVME, BlockIndex, State
+from kvstore.index import IN_CPU, IN_GPU, IN_NVME, IN_REDIS, BlockIndex, State
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.layout import KVLayout
 from kvstore.policy import EvictionPolicy, make_policy
@@ -208,7 +208,18 @@ class BlockStore:
         except BaseException:
             self.arena.close()
             raise
-        self.allocator = SlabAllocator(self.arena.size_bytes, config.cpu.slab_bytes)
+        try:
+            # Without prefault, each slab is backed (posix_fallocate) when first used, so a
+            # full /dev/shm is a CapacityError naming it, never a SIGBUS in a client.
+            self.allocator = SlabAllocator(
+                self.arena.size_bytes,
+                config.cpu.slab_bytes,
+                reserve_backing=self.arena.reserve_backing,
+            )
+        except BaseException:
+            self.arena.close()
+            raise
+        self._cpu_owner: dict[int, int] = {}  # CPU slot offset -> the entry in it
         self.index = BlockIndex()
         self.policy: EvictionPolicy = make_policy(config.cpu.policy)
         self.nvme_policy: EvictionPolicy = make_policy(config.nvme.policy)
@@ -708,6 +719,8 @@ class BlockStore:
     def add_entry(self, key: bytes, ns_id: int, tier: int, offset: int, priority: int) -> int:
         """A new RESERVED entry (counted as reserved and as one of its namespace's entries)."""
         eid = self.index.add(key, ns_id, tier, offset, priority)
+        if tier & IN_CPU:
+            self._cpu_owner[offset] = eid
         self._namespaces[ns_id].entries += 1
         self._reserved_blocks += 1
         return eid
@@ -855,11 +868,12 @@ class BlockStore:
         return True
 
     # ----------------------------------------------------------------- slots and removal
-    def cpu_alloc(self, block_bytes: int) -> int:
+    def cpu_alloc(self, block_bytes: int) -> int | None:
+        """A CPU slot, counted as used; None when none is free (or its slab could not be
+        backed)."""
         offset = self.allocator.allocate(block_bytes)
-        if offset is None:
-            raise AssertionError("cpu allocator out of slots after room was made")
-        self._cpu_used += block_bytes
+        if offset is not None:
+            self._cpu_used += block_bytes
         return offset
 
     def cpu_unalloc(self, offset: int, block_bytes: int) -> None:
@@ -883,6 +897,7 @@ class BlockStore:
 
     def _free_cpu_slot(self, eid: int) -> None:
         bb = self.block_bytes_of(eid)
+        del self._cpu_owner[self.index.offset[eid]]
         self.allocator.free(self.index.offset[eid], bb)
         self._cpu_used -= bb
         if self.index.tier[eid] & IN_NVME:
@@ -907,7 +922,62 @@ class BlockStore:
             self._cpu_clean += self.block_bytes_of(eid)
         self.nvme_policy.insert(eid, self.index.priority[eid])
 
+    def mark_in_redis(self, eid: int) -> None:
+        """This host wrote the block to the shared tier."""
+        self.index.tier[eid] |= IN_REDIS
+
+    def mark_in_gpu(self, eid: int) -> None:
+        self.index.tier[eid] |= IN_GPU
+
+    def unmark_in_gpu(self, eid: int) -> None:
+        self.index.tier[eid] &= ~IN_GPU
+
+    def set_host_checksum(self, eid: int, checksum: int) -> None:
+        """The checksum of a block's first host copy (a GPU block copied down)."""
+        self.index.checksum[eid] = checksum
+
+    def cpu_owner(self, offset: int) -> int | None:
+        """The entry whose CPU copy is in slot ``offset`` (None: a quarantined slot)."""
+        return self._cpu_owner.get(offset)
+
+    def relocate_cpu(self, eid: int, avoid_slab: int) -> bool:
+        """Move a committed, unleased block to a free slot of its class outside ``avoid_slab``
+        (a slab being drained), verifying the copy against the block's checksum. False when
+        its class has no such free slot (taking a new slab would defeat the drain)."""
+        index, allocator = self.index, self.allocator
+        if index.state[eid] != State.COMMITTED or index.leases[eid]:
+            return False
+        bb = self.block_bytes_of(eid)
+        if not any(
+            info.used < info.slots and not info.draining
+            for info in map(allocator.slab_info, allocator.class_slabs(bb))
+        ):
+            return False
+        new = allocator.allocate(bb)
+        if new is None:
+            return False
+        if allocator.slab_of(new) == avoid_slab:  # cannot happen while it drains; be sure
+            allocator.free(new, bb)
+            return False
+        old = index.offset[eid]
+        view = self.arena.view
+        view[new : new + bb] = view[old : old + bb]
+        if (
+            block_checksum(view[new : new + bb], self.fingerprint_of(eid), index.key(eid))
+            != (index.checksum[eid])
+        ):
+            allocator.free(new, bb)  # the block was damaged where it was: a miss, counted
+            self.cpu.checksum_failures += 1
+            self.forget(eid)
+            return True  # its slot is free all the same
+        allocator.free(old, bb)
+        del self._cpu_owner[old]
+        self._cpu_owner[new] = eid
+        index.offset[eid] = new
+        return True
+
     def mark_in_cpu(self, eid: int, offset: int) -> None:
+        self._cpu_owner[offset] = eid
         self.index.offset[eid] = offset
         self.index.tier[eid] |= IN_CPU
         if self.index.tier[eid] & IN_NVME:
@@ -950,10 +1020,11 @@ class BlockStore:
         if index.tier[eid] & IN_CPU:
             self._quarantine.append((until, False, index.offset[eid], bb))
             self._quarantined_cpu += bb
+            del self._cpu_owner[index.offset[eid]]
             index.offset[eid] = -1
             index.tier[eid] &= ~IN_CPU
         if index.tier[eid] & IN_GPU:
-            self._quarantine.append((until, True, self.device.offset.pop(eid), bb))
+            self._quarantine.append((until, True, self.device.take_slot_away(eid), bb))
             index.tier[eid] &= ~IN_GPU
 
     def _free_entry(self, eid: int) -> None:
@@ -1045,6 +1116,7 @@ class BlockStore:
             tier = index.tier[eid]
             if tier & IN_CPU:
                 assert index.offset[eid] >= 0, f"entry {eid} in the CPU tier without a slot"
+                assert self._cpu_owner.get(index.offset[eid]) == eid, f"slot owner of {eid}"
                 cpu_bytes += bb
                 if tier & IN_NVME:
                     clean += bb
@@ -1075,6 +1147,10 @@ class BlockStore:
             assert record.blocks == blocks.get(ns, 0), f"namespace {record.name}: blocks count"
             assert record.handles or record.entries, f"namespace {record.name} not freed"
         assert n_reserved == self._reserved_blocks, "reserved count"
+        assert len(self._cpu_owner) == sum(
+            1 for e in range(index.capacity) if index.state[e] and index.tier[e] & IN_CPU
+        ), "a CPU slot owner without its entry"
+        self.allocator.check()
         if io_idle:
             assert set(self.policy.order()) == in_cpu, "cpu policy != committed CPU entries"
             assert set(self.nvme_policy.order()) == in_nvme, "nvme policy != committed disk ones"
@@ -1177,6 +1253,7 @@ class BlockStore:
                 if k in ("bytes_written", "bytes_read", "errors", "reconnects", "unavailable")
             }
             extra["skipped_while_down"] = float(self.shared.skipped)
+            extra["dropped_while_down"] = float(self.shared.dropped_while_down)
             bound = self.config.redis.max_bytes_per_namespace
             snaps.append(
                 TierSnapshot(
