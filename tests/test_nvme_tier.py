@@ -11,10 +11,12 @@ import asyncio
 import contextlib
 import errno
 import itertools
+import logging
 import mmap
 import os
 import random
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -23,20 +25,27 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.checksum import block_checksum
-from kvstore.tiers.nvme import FILE_NAME, PAGE, NvmeIOError, NvmeTier
+from kvstore.tiers.nvme import FILE_NAME, PAGE, NvmeIOError, NvmeTier, ondisk
 from kvstore.tiers.nvme.alloc import SlotAllocator
 from kvstore.tiers.nvme.ondisk import Geometry
 
 NS = bytes(range(16))
+OTHER_NS = bytes(range(1, 17))
 CHILD_SIZES = (16384, 65536 + 100, 262144)
 
 
 def key(i: int) -> bytes:
     return i.to_bytes(32, "big")
+
+
+def cs(i: int, data: bytes) -> int:
+    """Block ``i``'s checksum: bound to its key and namespace."""
+    return block_checksum(data, NS, key(i))
 
 
 def block(i: int, n: int, compressible: bool = False) -> bytes:
@@ -56,7 +65,7 @@ async def put(tier: NvmeTier, i: int, n: int, compressible: bool = False) -> tup
     data = block(i, n, compressible)
     slot = tier.allocate(n)
     assert slot is not None
-    await tier.write(slot, key(i), NS, data, block_checksum(data))
+    await tier.write(slot, key(i), NS, data, cs(i, data))
     return slot, data
 
 
@@ -109,12 +118,12 @@ async def test_round_trip_bit_exact(opened, codec, direct_io):
         src = aligned(n)  # the zero-copy path takes page-aligned sources
         src[:] = data
         slot = tier.allocate(n)
-        await tier.write(slot, key(i), NS, src if i % 3 else data, block_checksum(data))
+        await tier.write(slot, key(i), NS, src if i % 3 else data, cs(i, data))
         written.append((slot, i, data))
     for slot, i, data in written:
-        assert await read(tier, slot, i, len(data), block_checksum(data)) == data
+        assert await read(tier, slot, i, len(data), cs(i, data)) == data
         out = aligned(len(data))
-        assert await tier.read_into(slot, key(i), NS, block_checksum(data), out)
+        assert await tier.read_into(slot, key(i), NS, cs(i, data), out)
         assert out == data
     s = tier.stats()
     assert s["writes"] == len(written) and s["blocks"] == len(written)
@@ -134,15 +143,12 @@ async def test_concurrent_writes_share_flushes(opened):
     datas = [block(i, n) for i in range(48)]
     await asyncio.gather(
         *(
-            tier.write(s, key(i), NS, d, block_checksum(d))
+            tier.write(s, key(i), NS, d, cs(i, d))
             for i, (s, d) in enumerate(zip(slots, datas, strict=True))
         )
     )
     reads = await asyncio.gather(
-        *(
-            read(tier, s, i, n, block_checksum(d))
-            for i, (s, d) in enumerate(zip(slots, datas, strict=True))
-        )
+        *(read(tier, s, i, n, cs(i, d)) for i, (s, d) in enumerate(zip(slots, datas, strict=True)))
     )
     assert reads == datas
     # Two barriers per write one at a time would be 96 fdatasyncs; group commit shares them.
@@ -184,7 +190,7 @@ async def test_capacity_never_exceeded_under_churn(opened, tmp_path):
     # Committed records count their whole slot against capacity.
     for i, slot in enumerate(sorted(held)[:6]):
         d = block(i, held[slot])
-        await tier.write(slot, key(i), NS, d, block_checksum(d))
+        await tier.write(slot, key(i), NS, d, cs(i, d))
     s = tier.stats()
     assert s["blocks"] == 6 and s["used_bytes"] <= capacity
     assert s["used_bytes"] == sum(NvmeTier.slot_bytes_for(held[x]) for x in sorted(held)[:6])
@@ -239,7 +245,7 @@ async def test_restart_recovers_every_record_bit_exact(opened, tmp_path, direct_
             slot,
             NS,
             len(data),
-            block_checksum(data),
+            cs(i, data),
         )
         assert await read(tier2, slot, i, len(data), r.checksum) == data
         # lz4 keeps what it shrinks by a page or more; random bytes are stored raw.
@@ -268,7 +274,7 @@ async def test_newest_copy_of_a_key_wins(opened):
     await tier.close()
     tier2, records = await opened()
     assert [(r.key, r.slot) for r in records] == [(key(5), second)]
-    assert await read(tier2, second, 5, 8192, block_checksum(data)) == data
+    assert await read(tier2, second, 5, 8192, cs(5, data)) == data
     await tier2.drain()
     assert tier2.check().ok  # the older copy was tombstoned, not left as an orphan
 
@@ -318,7 +324,7 @@ async def _child(directory: str, mode: str) -> None:
                 else:
                     await asyncio.sleep(0.001)
             data = block(i, n)
-            await tier.write(slot, key(i), NS, data, block_checksum(data))
+            await tier.write(slot, key(i), NS, data, cs(i, data))
             print(f"W {i} {slot}", flush=True)
             live[i % len(CHILD_SIZES)].append((i, slot))
 
@@ -396,7 +402,7 @@ async def test_flipped_payload_byte_is_a_miss(opened, tmp_path, codec):
     tier2, records = await opened(codec=codec)
     assert len(records) == 5  # the header is intact: only reading finds the damage
     for i, (slot, data) in enumerate(put_):
-        got = await read(tier2, slot, i, 65536, block_checksum(data))
+        got = await read(tier2, slot, i, 65536, cs(i, data))
         assert got == (None if i == 2 else data)
     s = tier2.stats()
     assert s["checksum_failures"] == 1 and s["misses"] == 1
@@ -447,13 +453,65 @@ async def test_check_finds_and_fixes_corruption(opened, tmp_path):
     assert sorted(r.key for r in records) == [key(i) for i in (3, 4, 5)]
 
 
+# ---------------------------------------------------------------------------- bound checksums
+async def test_unbound_checksum_is_refused(opened):
+    """A checksum of the bytes alone (or bound to another key) does not describe a block."""
+    tier, _ = await opened()
+    data = block(1, 8192)
+    unbound = xxhash.xxh3_64_intdigest(data)
+    for wrong in (unbound, cs(2, data), block_checksum(data, OTHER_NS, key(1))):
+        slot = tier.allocate(8192)
+        with pytest.raises(ValueError, match="checksum"):
+            await tier.write(slot, key(1), NS, data, wrong)
+    assert tier.stats()["reserved_slots"] == 0
+
+
+async def test_header_naming_another_key_is_a_miss(opened, tmp_path):
+    """The field bug: bytes served under a key they were not committed for. A header whose key
+    was rewritten (and its header checksum made valid again) is recovered as a record of the
+    other key, but its bytes never verify as that key's block."""
+    tier, _ = await opened()
+    s1, data = await put(tier, 1, 16384)
+    await tier.close()
+    path = tmp_path / "nvme" / FILE_NAME
+    with open(path, "r+b") as f:
+        f.seek(s1)
+        h = ondisk.parse_header(f.read(PAGE))
+        assert h is not None
+        f.seek(s1)
+        f.write(ondisk.pack_header(h._replace(key=key(7))))
+    tier2, records = await opened()
+    assert [(r.key, r.slot, r.checksum) for r in records] == [(key(7), s1, cs(1, data))]
+    assert await read(tier2, s1, 7, 16384, records[0].checksum) is None
+    assert tier2.stats()["checksum_failures"] == 1
+
+
+async def test_a_file_of_format_version_1_is_reformatted_not_misread(opened, tmp_path, caplog):
+    """Version 1 stored unbound checksums: its records are recognised by the version in the
+    superblock and dropped, never read as records of this version."""
+    tier, _ = await opened()
+    await put(tier, 1, 16384)
+    await tier.close()
+    path = tmp_path / "nvme" / FILE_NAME
+    with open(path, "r+b") as f:  # what version 1 wrote: the same layout, version 1
+        page = bytearray(f.read(PAGE))
+        struct.pack_into("<I", page, 8, 1)
+        struct.pack_into("<Q", page, 48, xxhash.xxh3_64_intdigest(bytes(page[:48])))
+        f.seek(0)
+        f.write(page)
+    with caplog.at_level(logging.WARNING):
+        _, records = await opened()
+    assert records == []
+    assert "format version 1" in caplog.text
+
+
 # ---------------------------------------------------------------------------- failures
 async def test_write_with_a_wrong_checksum_is_refused(opened):
     tier, _ = await opened()
     slot = tier.allocate(8192)
     data = block(1, 8192)
     with pytest.raises(ValueError, match="checksum"):
-        await tier.write(slot, key(1), NS, data, block_checksum(data) ^ 1)
+        await tier.write(slot, key(1), NS, data, cs(1, data) ^ 1)
     assert tier.stats()["reserved_slots"] == 0
     with pytest.raises(ValueError):
         await tier.read_into(slot, key(1), NS, 0, bytearray(8192))
@@ -464,12 +522,12 @@ async def test_free_or_cancel_during_a_write_frees_after_it(opened):
     tier, _ = await opened()
     data = block(1, 65536)
     slot = tier.allocate(65536)
-    task = asyncio.ensure_future(tier.write(slot, key(1), NS, data, block_checksum(data)))
+    task = asyncio.ensure_future(tier.write(slot, key(1), NS, data, cs(1, data)))
     await asyncio.sleep(0)
     tier.free(slot)
     await task
     slot2 = tier.allocate(65536)
-    task2 = asyncio.ensure_future(tier.write(slot2, key(2), NS, data, block_checksum(data)))
+    task2 = asyncio.ensure_future(tier.write(slot2, key(2), NS, data, cs(2, data)))
     await asyncio.sleep(0)
     task2.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -480,7 +538,7 @@ async def test_free_or_cancel_during_a_write_frees_after_it(opened):
     assert slot2 == slot  # the first slot was freed after its write, and handed out again
     assert tier.allocate(65536) == slot2  # and so was the cancelled write's
     # free() and then cancel() of one write: the slot is freed once, not twice.
-    task3 = asyncio.ensure_future(tier.write(slot2, key(3), NS, data, block_checksum(data)))
+    task3 = asyncio.ensure_future(tier.write(slot2, key(3), NS, data, cs(3, data)))
     await asyncio.sleep(0)
     tier.free(slot2)
     while tier.stats()["reserved_slots"]:  # until the write has committed and freed the slot
@@ -517,7 +575,7 @@ async def test_full_disk_raises_and_leaves_the_tier_usable(opened, tiny_fs):
             slot = tier.allocate(n)
             assert slot is not None, "ran out of slots before the disk filled"
             data = block(i, n)
-            await tier.write(slot, key(i), NS, data, block_checksum(data))
+            await tier.write(slot, key(i), NS, data, cs(i, data))
             good.append((i, slot, data))
     assert info.value.errno == errno.ENOSPC
     assert len(good) > 10
@@ -526,14 +584,14 @@ async def test_full_disk_raises_and_leaves_the_tier_usable(opened, tiny_fs):
     assert tier.allocate(n) == slot  # the failed slot is free again
     tier.free(slot)
     for i, s_, data in good:
-        assert await read(tier, s_, i, n, block_checksum(data)) == data
+        assert await read(tier, s_, i, n, cs(i, data)) == data
     # Freeing a written record gives back space that is already on disk: writes succeed again.
     _, s0, _ = good.pop(0)
     tier.free(s0)
     reused = tier.allocate(n)
     new = block(999, n)
-    await tier.write(reused, key(999), NS, new, block_checksum(new))
-    assert await read(tier, reused, 999, n, block_checksum(new)) == new
+    await tier.write(reused, key(999), NS, new, cs(999, new))
+    assert await read(tier, reused, 999, n, cs(999, new)) == new
     await tier.close()
     _, records = await opened(directory=tiny_fs, capacity=32 << 20)
     assert sorted(r.key for r in records) == sorted([key(i) for i, _, _ in good] + [key(999)])

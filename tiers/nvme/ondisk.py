@@ -1,4 +1,4 @@
-"""The NVMe tier's on-disk format (version 1): layout, record headers, superblock and state.
+"""The NVMe tier's on-disk format (version 2): layout, record headers, superblock and state.
 
 Integers are little-endian; every region is 4096-aligned; the file is exactly
 ``capacity_bytes`` long and preallocated, so the bytes the tier counts are the bytes it holds.
@@ -13,7 +13,8 @@ Integers are little-endian; every region is 4096-aligned; the file is exactly
   size, ``4096 + round_up(block_bytes, 4096)``: a header page, then the payload.
 * A record header: magic, version, kind (record or tombstone), codec, slot size in pages, the
   slot's own offset, sequence number, format id, key (32 bytes), namespace fingerprint (16), raw
-  length, stored length, xxh3-64 of the raw bytes, then xxh3-64 of all those fields (within the
+  length, stored length, the block's checksum (``kvstore.checksum.block_checksum``: bound to key
+  and namespace; version 1 stored an unbound xxh3-64), then xxh3-64 of all those fields (within the
   first 512-byte sector, so a torn header page is never half-valid). A header counts for a slot
   only if its checksum, format id, offset and slot size all match (``header_fits``): stale
   headers of an earlier format, or written to the wrong place, are never taken for records.
@@ -32,7 +33,9 @@ import xxhash
 PAGE = 4096
 """Alignment of every IO and region, and the size of a record header (O_DIRECT needs both)."""
 FILE_NAME = "kvstore-nvme.slab"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: block checksums bound to key and namespace. A file of another version is recognised by its
+superblock (``superblock_version``) and never read as this one."""
 
 KIND_RECORD, KIND_TOMBSTONE = 1, 2
 CODEC_NONE, CODEC_LZ4 = 0, 1
@@ -148,6 +151,15 @@ def pack_superblock(geo: Geometry, format_id: int) -> bytearray:
     _SUPER.pack_into(page, 0, _SUPER_MAGIC, FORMAT_VERSION, *fields)
     _U64.pack_into(page, _SUPER.size, xxhash.xxh3_64_intdigest(page[: _SUPER.size]))
     return page
+
+
+def superblock_version(page: bytes) -> int | None:
+    """The format version of a superblock of any version (its checksum holds), else None."""
+    if len(page) < PAGE or _SUPER.unpack_from(page)[0] != _SUPER_MAGIC:
+        return None
+    if _U64.unpack_from(page, _SUPER.size)[0] != xxhash.xxh3_64_intdigest(page[: _SUPER.size]):
+        return None
+    return int(_SUPER.unpack_from(page)[1])
 
 
 def parse_superblock(page: bytes, geo: Geometry) -> int:

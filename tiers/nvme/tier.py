@@ -12,8 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import xxhash
-
+from kvstore.checksum import block_checksum
 from kvstore.errors import KVStoreError
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
 from kvstore.tiers.nvme import ondisk as fmt
@@ -97,6 +96,11 @@ class NvmeTier:
     release the GIL): ``io_threads`` threads for reads and ``io_threads`` more for writes, so a
     read never queues behind writes, and one thread for fdatasync. ``check`` is sync and blocks
     its caller while it reads the whole tier: for start-up, the CLI and tests.
+
+    Checksums: every checksum the tier takes, stores and hands out is
+    ``kvstore.checksum.block_checksum(data, namespace, key)``, and every read verifies the bytes
+    against the key and namespace they are read for, so a header that names another key never
+    vouches for a payload.
 
     Slot life: ``allocate`` -> ``write`` (once) -> any number of ``read_into`` -> ``free``. A
     ``write`` that raises has freed the slot. ``free`` during a write takes effect when the write
@@ -314,9 +318,10 @@ class NvmeTier:
     async def write(
         self, slot: int, key: bytes, namespace: bytes, data: Any, checksum: int
     ) -> None:
-        """Store a block durably in an allocated slot. Raises NvmeIOError on an IO failure and
-        ValueError if ``data`` does not match ``checksum``; after either the slot is free again.
-        """
+        """Store a block durably in an allocated slot. ``checksum`` is the block's checksum bound
+        to its key and namespace, ``block_checksum(data, namespace, key)``. Raises NvmeIOError on
+        an IO failure and ValueError if ``data`` does not match ``checksum``; after either the
+        slot is free again."""
         self._require_open()
         i = self._alloc.ordinal(slot)
         if i >= len(self._table) or self._table.state[i] != ALLOCATED:
@@ -351,7 +356,7 @@ class NvmeTier:
         try:
             await self._settle_tombstone(slot)
             stored, codec = await self._run(
-                self._write_pool, self._io_write_payload, slot, view, checksum
+                self._write_pool, self._io_write_payload, slot, key, namespace, view, checksum
             )
             # Recovery looks for headers only where the slab map on disk says slots are.
             await self._write_state(clean=False, if_stale=True)
@@ -480,10 +485,13 @@ class NvmeTier:
         scratch[: len(data)] = data
         pwrite_all(self._fd, [scratch[: len(data)]], offset)
 
-    def _io_write_payload(self, slot: int, data: memoryview, checksum: int) -> tuple[int, int]:
+    def _io_write_payload(
+        self, slot: int, key: bytes, namespace: bytes, data: memoryview, checksum: int
+    ) -> tuple[int, int]:
         n = data.nbytes
-        # Verified here, while moving down a tier: the checksum on disk must describe these bytes.
-        if xxhash.xxh3_64_intdigest(data) != checksum:
+        # Verified here, while moving down a tier: the checksum on disk must describe these bytes
+        # as this key's block of this namespace.
+        if block_checksum(data, namespace, key) != checksum:
             raise ValueError(f"data for slot {slot} does not match its checksum")
         span = round_up(n)
         if self._codec == CODEC_LZ4 and span > PAGE and self._worth_compressing(data):
@@ -539,7 +547,9 @@ class NvmeTier:
                 return "corrupt"
         elif not direct:
             out[:length] = scratch[PAGE : PAGE + length]
-        if xxhash.xxh3_64_intdigest(out[:length]) != want.checksum:
+        # Bound to the key and namespace the bytes are served for: a header that names another
+        # key (stale, or damaged and re-checksummed) never vouches for these bytes.
+        if block_checksum(out[:length], want.namespace, want.key) != want.checksum:
             return "corrupt"
         return None
 
@@ -572,11 +582,20 @@ class NvmeTier:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
             raise RuntimeError(f"{self.path} is in use by another process") from exc
-        self._format_id = fmt.parse_superblock(os.pread(fd, PAGE, 0), geo)
+        page = os.pread(fd, PAGE, 0)
+        self._format_id = fmt.parse_superblock(page, geo)
         size = os.fstat(fd).st_size
         fresh = self._format_id == 0 or size != geo.capacity_bytes
         if fresh:
-            if size:
+            version = fmt.superblock_version(page)
+            if version is not None and version != fmt.FORMAT_VERSION:
+                log.warning(
+                    "nvme tier %s: a file of format version %d (this is version %d), reformatting",
+                    self.path,
+                    version,
+                    fmt.FORMAT_VERSION,
+                )
+            elif size:
                 log.warning("nvme tier %s: format or geometry changed, reformatting", self.path)
             os.ftruncate(fd, 0)  # drops every old record with the blocks that held it
             os.ftruncate(fd, geo.capacity_bytes)
