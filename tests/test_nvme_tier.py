@@ -294,6 +294,125 @@ async def test_geometry_change_reformats(opened, tmp_path):
     assert os.stat(tmp_path / "nvme" / FILE_NAME).st_size == 8 << 20
 
 
+# ---------------------------------------------------------------------------- damaged metadata
+async def fill(tier: NvmeTier, n: int, count: int | None = None) -> dict[int, tuple[int, bytes]]:
+    """Blocks 0, 1, ... of ``n`` bytes until the tier is full (or ``count`` are written)."""
+    written: dict[int, tuple[int, bytes]] = {}
+    for i in itertools.count():
+        if i == count or (slot := tier.allocate(n)) is None:
+            return written
+        data = block(i, n)
+        await tier.write(slot, key(i), NS, data, cs(i, data))
+        written[i] = (slot, data)
+    raise AssertionError("unreachable")
+
+
+async def recovered(opened, **kw) -> tuple[NvmeTier, dict[int, int]]:
+    """Reopen and read back every recovered record: {block number: slot}; asserts each is
+    bit-exact."""
+    tier, records = await opened(**kw)
+    found = {int.from_bytes(r.key, "big"): r.slot for r in records}
+    for r in records:
+        i = int.from_bytes(r.key, "big")
+        assert await read(tier, r.slot, i, r.length, r.checksum) == block(i, r.length)
+    return tier, found
+
+
+def slabs_of(tier: NvmeTier, slots) -> set[int]:
+    return {tier.geometry.slab_of(s) for s in slots}
+
+
+@pytest.mark.parametrize("copy", [0, 1])
+async def test_a_damaged_metadata_byte_loses_no_record(opened, tmp_path, copy):
+    """The bug: one damaged superblock byte (page 0) made the next open reformat the tier."""
+    tier, _ = await opened()
+    written = await fill(tier, 65536, 40)
+    if copy:
+        assert tier.geometry.meta_offset(copy) == PAGE
+    await tier.close()
+    for offset in (8, 60, 100):  # version, sequence hint, slab map: each voids the copy
+        flip(tmp_path / "nvme" / FILE_NAME, copy * PAGE + offset)
+        tier2, found = await recovered(opened)
+        assert found == {i: slot for i, (slot, _) in written.items()}
+        assert tier2.check().ok
+        await tier2.close()  # the damaged copy was rewritten at open
+
+
+async def test_both_metadata_copies_lost_rebuilt_from_slab_descriptors(opened, tmp_path):
+    tier, _ = await opened()
+    written = await fill(tier, 65536, 40)
+    geo = tier.geometry
+    assert len(slabs_of(tier, (s for s, _ in written.values()))) == 3
+    await tier.close()
+    with open(tmp_path / "nvme" / FILE_NAME, "r+b") as f:
+        f.write(bytes(geo.data_start))
+    tier2, found = await recovered(opened)
+    assert found == {i: slot for i, (slot, _) in written.items()}
+    await put(tier2, 100, 65536)  # and the tier goes on, with both copies written again
+    await tier2.close()
+    _, found = await recovered(opened)
+    assert len(found) == 41
+
+
+async def test_a_damaged_slab_descriptor_falls_back_to_the_metadata(opened, tmp_path):
+    tier, _ = await opened()
+    written = await fill(tier, 65536, 40)
+    geo = tier.geometry
+    await tier.close()
+    path = tmp_path / "nvme" / FILE_NAME
+    flip(path, geo.slab_start(1) + 40)
+    tier2, found = await recovered(opened)
+    assert found == {i: slot for i, (slot, _) in written.items()}
+    await tier2.close()
+    # The descriptor was rewritten at open: now the metadata copies may go too.
+    with open(path, "r+b") as f:
+        f.write(bytes(geo.data_start))
+    _, found = await recovered(opened)
+    assert len(found) == 40
+
+
+async def test_descriptor_and_metadata_both_damaged_lose_only_that_slab(opened, tmp_path):
+    tier, _ = await opened()
+    written = await fill(tier, 65536, 40)
+    geo = tier.geometry
+    await tier.close()
+    path = tmp_path / "nvme" / FILE_NAME
+    with open(path, "r+b") as f:
+        f.write(bytes(geo.data_start))
+    flip(path, geo.slab_start(1) + 40)
+    _, found = await recovered(opened)
+    assert found == {i: slot for i, (slot, _) in written.items() if geo.slab_of(slot) != 1}
+
+
+async def test_a_truncated_file_keeps_the_records_inside_it(opened, tmp_path):
+    """The bug: a file cut by 4 KiB was reformatted. Records wholly inside the remaining bytes
+    survive; the file grows back to its capacity and the tier goes on."""
+    capacity = 4 << 20
+    tier, _ = await opened(capacity=capacity, slab_bytes=256 << 10)
+    n = 8192 - 100  # 12 KiB slots
+    written = await fill(tier, n)
+    last = max(slot for slot, _ in written.values())
+    await tier.close()
+    path = tmp_path / "nvme" / FILE_NAME
+    os.truncate(path, capacity - PAGE)
+    tier2, found = await recovered(opened, capacity=capacity, slab_bytes=256 << 10)
+    inside = {i: slot for i, (slot, _) in written.items() if slot + 3 * PAGE <= capacity - PAGE}
+    assert found == inside and len(found) >= len(written) - 1
+    assert os.stat(path).st_size == capacity
+    await tier2.close()
+    cut = last + 2 * PAGE  # inside the last record's payload
+    os.truncate(path, cut)
+    tier3, found = await recovered(opened, capacity=4 << 20, slab_bytes=256 << 10)
+    assert found == {i: slot for i, (slot, _) in written.items() if slot != last}
+    assert tier3.check().ok  # the cut record's header was tombstoned, not left as an orphan
+    assert tier3.allocate(n) == last  # its slot is free again and can be written
+    data = block(999, n)
+    await tier3.write(last, key(999), NS, data, cs(999, data))
+    await tier3.close()
+    _, found = await recovered(opened, capacity=4 << 20, slab_bytes=256 << 10)
+    assert found[999] == last and len(found) == len(written)
+
+
 # ---------------------------------------------------------------------------- crashes
 async def _child(directory: str, mode: str) -> None:
     tier = NvmeTier(directory, 16 << 20, slab_bytes=1 << 20)
@@ -486,19 +605,34 @@ async def test_header_naming_another_key_is_a_miss(opened, tmp_path):
     assert tier2.stats()["checksum_failures"] == 1
 
 
+def write_version_1_file(path: Path, capacity: int, slab_bytes: int, data: bytes) -> int:
+    """A slab file as format version 1 wrote it (superblock, two state copies, slabs from page
+    3): one committed record of block 1 in the first slot, with its unbound checksum. Returns
+    the record's slot."""
+    fid, slot_pages, slot = 12345, 1 + len(data) // PAGE, 3 * PAGE
+    slabs = (capacity - slot) // slab_bytes + 1
+    f = bytearray(capacity)
+
+    def seal(fmt: str, offset: int, *fields) -> None:
+        end = offset + struct.calcsize(fmt)
+        struct.pack_into(fmt, f, offset, *fields)
+        struct.pack_into("<Q", f, end, xxhash.xxh3_64_intdigest(bytes(f[offset:end])))
+
+    seal("<8sIIQQQQ", 0, b"KVNVSUP1", 1, 1, fid, capacity, slab_bytes, slot)
+    state = [slot_pages] + [0] * (slabs - 1)
+    seal(f"<8sIIQQQ{slabs}I", 2 * PAGE, b"KVNVSTA1", 1, slabs, fid, 1, 2, *state)
+    header = (b"KVNVREC1", 1, 1, 0, slot_pages, slot, 1, fid, key(1), NS, len(data), len(data))
+    seal("<8sHBBIQQQ32s16sQQQ", slot, *header, xxhash.xxh3_64_intdigest(data))
+    f[slot + PAGE : slot + PAGE + len(data)] = data
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(f)
+    return slot
+
+
 async def test_a_file_of_format_version_1_is_reformatted_not_misread(opened, tmp_path, caplog):
     """Version 1 stored unbound checksums: its records are recognised by the version in the
     superblock and dropped, never read as records of this version."""
-    tier, _ = await opened()
-    await put(tier, 1, 16384)
-    await tier.close()
-    path = tmp_path / "nvme" / FILE_NAME
-    with open(path, "r+b") as f:  # what version 1 wrote: the same layout, version 1
-        page = bytearray(f.read(PAGE))
-        struct.pack_into("<I", page, 8, 1)
-        struct.pack_into("<Q", page, 48, xxhash.xxh3_64_intdigest(bytes(page[:48])))
-        f.seek(0)
-        f.write(page)
+    write_version_1_file(tmp_path / "nvme" / FILE_NAME, 16 << 20, 1 << 20, block(1, 16384))
     with caplog.at_level(logging.WARNING):
         _, records = await opened()
     assert records == []

@@ -1,11 +1,12 @@
 """Slot allocation inside the slab file: size classes carved from slabs (the CPU tier's idea,
-with a slab map that the tier persists and rebuilds at recovery)."""
+with a slab map that the tier persists and rebuilds at recovery). A slab's first page is its
+descriptor; its slots follow."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvstore.tiers.nvme.ondisk import Geometry
+from kvstore.tiers.nvme.ondisk import PAGE, Geometry
 
 
 @dataclass
@@ -51,14 +52,14 @@ class SlotAllocator:
             if not self._free_slabs:
                 return None
             slab = self._free_slabs[-1]
-            size = self._geo.slab_sizes[slab]
-            if size < slot_bytes:  # only the short tail slab is left and this class won't fit
+            count = self._geo.slot_count(slab, slot_bytes)
+            if count == 0:  # only the short tail slab is left and this class won't fit
                 return None
             self._free_slabs.pop()
             self._carve(slab, slot_bytes)
             self.version += 1
-            cls.next = self._geo.slab_start(slab)
-            cls.end = cls.next + size // slot_bytes * slot_bytes
+            cls.next = self._geo.slab_start(slab) + PAGE
+            cls.end = cls.next + count * slot_bytes
         slot = cls.next
         cls.next += slot_bytes
         return slot
@@ -66,14 +67,15 @@ class SlotAllocator:
     def _carve(self, slab: int, slot_bytes: int) -> None:
         self.slab_slot_bytes[slab] = slot_bytes
         self._first[slab] = self.ordinals
-        self.ordinals += self._geo.slab_sizes[slab] // slot_bytes
+        self.ordinals += self._geo.slot_count(slab, slot_bytes)
 
     def ordinal(self, slot: int) -> int:
         """The dense index of ``slot``; ValueError if it is not a slot of a carved slab."""
         slab = self._geo.slab_of(slot)
         if 0 <= slab < len(self._first) and self._first[slab] >= 0:
-            index, rest = divmod(slot - self._geo.slab_start(slab), self.slab_slot_bytes[slab])
-            if rest == 0 and 0 <= index < self._geo.slab_sizes[slab] // self.slab_slot_bytes[slab]:
+            slot_bytes = self.slab_slot_bytes[slab]
+            index, rest = divmod(slot - self._geo.slab_start(slab) - PAGE, slot_bytes)
+            if rest == 0 and 0 <= index < self._geo.slot_count(slab, slot_bytes):
                 return self._first[slab] + index
         raise ValueError(f"{slot} is not a slot of this tier")
 
@@ -84,9 +86,8 @@ class SlotAllocator:
         return self.slab_slot_bytes[self._geo.slab_of(slot)]
 
     def slots(self, slab: int) -> range:
-        start, size = self._geo.slab_start(slab), self._geo.slab_sizes[slab]
-        slot_bytes = self.slab_slot_bytes[slab]
-        return range(start, start + size // slot_bytes * slot_bytes, slot_bytes)
+        start, slot_bytes = self._geo.slab_start(slab) + PAGE, self.slab_slot_bytes[slab]
+        return range(start, start + self._geo.slot_count(slab, slot_bytes) * slot_bytes, slot_bytes)
 
     def carved(self) -> list[int]:
         return [i for i, sb in enumerate(self.slab_slot_bytes) if sb]

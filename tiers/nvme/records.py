@@ -7,7 +7,14 @@ from array import array
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvstore.errors import KVStoreError
 from kvstore.keys import KEY_BYTES
+
+
+class NvmeFormatError(KVStoreError, ValueError):
+    """The slab file is not a tier this configuration may open: another geometry (capacity or
+    slab size), or a newer format. The message names what the file holds and what was asked.
+    Nothing was written."""
 
 
 @dataclass(frozen=True)

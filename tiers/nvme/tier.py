@@ -16,6 +16,7 @@ from kvstore.checksum import block_checksum
 from kvstore.errors import KVStoreError
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
 from kvstore.tiers.nvme import ondisk as fmt
+from kvstore.tiers.nvme import recovery
 from kvstore.tiers.nvme.alloc import SlotAllocator
 from kvstore.tiers.nvme.diskio import (
     FlushBarrier,
@@ -38,7 +39,6 @@ from kvstore.tiers.nvme.ondisk import (
     ZERO_PAGE,
     Geometry,
     Header,
-    State,
     round_up,
 )
 from kvstore.tiers.nvme.records import (
@@ -50,6 +50,7 @@ from kvstore.tiers.nvme.records import (
     CheckProblem,
     CheckReport,
     Ident,
+    NvmeFormatError,
     NvmeRecord,
     RecordTable,
 )
@@ -125,11 +126,17 @@ class NvmeTier:
     is flushed: milliseconds after ``free``, and always before ``close`` returns. A crash inside
     that window can bring it back, intact and bit-exact (committed blocks are immutable).
 
-    Recovery: ``open`` reads the state copy, then every header of every carved slab (in
-    parallel, 4 KiB each) and returns the valid records, oldest first. Of two valid records of
-    one key the newer (sequence number) stays and the older is tombstoned. Headers are always
-    scanned rather than trusted from a checkpoint, so a header damaged while the daemon was down
-    drops its record at open. Payloads are verified by every ``read_into`` and by ``check``.
+    Recovery: ``open`` reads the two metadata copies and every slab's descriptor (see
+    ``recovery``), then every header of every carved slab (in parallel, 4 KiB each) and returns
+    the valid records, oldest first. Of two valid records of one key the newer (sequence number)
+    stays and the older is tombstoned. Headers are always scanned rather than trusted from a
+    checkpoint, so a header damaged while the daemon was down drops its record at open.
+    Payloads are verified by every ``read_into`` and by ``check``. Damaged metadata loses only
+    the records nothing else vouches for: one damaged metadata copy, none (the other copy); both
+    copies, none (the slab descriptors rebuild them); a slab's descriptor, none (the metadata's
+    slab map); a descriptor and both copies, that slab's records. A truncated file keeps every
+    record wholly inside what is left and grows back to its capacity. Open rewrites whatever
+    metadata it found damaged.
     """
 
     def __init__(
@@ -164,8 +171,10 @@ class NvmeTier:
         self._scratch = ScratchBuffers()
         self._fd = self._lock_fd = -1
         self._format_id = 0
-        self._state_gen = 0
-        self._state_version = -1  # the allocator version the state on disk reflects
+        self._meta_gen = 0
+        self._meta_copy = 0  # the copy (0: A, 1: B) that holds generation _meta_gen
+        self._meta_version = -1  # the allocator version the metadata on disk reflects
+        self._descriptors: list[int] = []  # slot bytes each slab's descriptor on disk says
         self._next_seq = 1
         self._state = "new"
         # Threads start on first use; open() hands the flusher its descriptor.
@@ -187,13 +196,13 @@ class NvmeTier:
         if self._state != "new":
             raise RuntimeError(f"open of a tier that is {self._state}")
         self._state = "opening"
-        self._state_lock = asyncio.Lock()
+        self._meta_lock = asyncio.Lock()
         try:
-            slab_map, clean = await self._run(self._write_pool, self._io_open)
+            found = await self._run(self._write_pool, self._io_open)
             self._flush.fd = self._fd
-            records = await self._recover(slab_map)
-            await self._write_state(clean=False)
-            await self._flush.barrier()
+            records = await self._recover(found)
+            await self._repair_metadata(found)
+            clean = found.clean
         except BaseException:
             await self._shutdown()
             self._state = "closed"
@@ -225,7 +234,7 @@ class NvmeTier:
                     await self._write_tombstone(slot)
                 except OSError as exc:
                     log.warning("tombstone of slot %d failed at close: %s", slot, exc)
-            await self._write_state(clean=True)
+            await self._write_meta(clean=True)
             await self._flush.barrier()
         except OSError as exc:
             # Nothing is lost: the next open scans every header whatever the flag says.
@@ -255,9 +264,10 @@ class NvmeTier:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         slot_bytes = self.slot_bytes_for(block_bytes)
-        if slot_bytes > self.geometry.slab_bytes:
+        if slot_bytes > self.geometry.slab_bytes - PAGE:
             raise ValueError(
                 f"a {block_bytes}-byte block does not fit a {self.geometry.slab_bytes}-byte slab"
+                " (its first page is the slab's descriptor)"
             )
         slot = self._alloc.allocate(slot_bytes)
         if slot is not None:
@@ -359,7 +369,7 @@ class NvmeTier:
                 self._write_pool, self._io_write_payload, slot, key, namespace, view, checksum
             )
             # Recovery looks for headers only where the slab map on disk says slots are.
-            await self._write_state(clean=False, if_stale=True)
+            await self._persist_carving(self.geometry.slab_of(slot))
             await self._flush.barrier()
             pages = self._alloc.slot_bytes_at(slot) // PAGE
             fields = (pages, slot, seq, self._format_id, key, namespace, view.nbytes, stored)
@@ -420,24 +430,56 @@ class NvmeTier:
         tomb = (KIND_TOMBSTONE, CODEC_NONE, pages, slot, self._take_seq(), self._format_id)
         return fmt.pack_header(Header(*tomb, bytes(KEY_BYTES), bytes(FINGERPRINT_BYTES), 0, 0, 0))
 
-    async def _write_state(self, *, clean: bool, if_stale: bool = False) -> None:
-        if if_stale and self._state_version >= self._alloc.version:
+    async def _persist_carving(self, slab: int) -> None:
+        """Make the slab's descriptor, and the metadata's slab map, say how the slab is carved
+        now (before a record in it commits; the caller's barrier makes it durable)."""
+        slot_bytes = self._alloc.slab_slot_bytes[slab]
+        if self._descriptors[slab] == slot_bytes and self._meta_version >= self._alloc.version:
             return
-        async with self._state_lock:
-            version = self._alloc.version
-            if if_stale and self._state_version >= version:
-                return  # another writer persisted this slab map while we waited
-            gen = self._state_gen + 1
-            offset = self.geometry.state_offset(gen % 2)
-            await self._run(
-                self._write_pool, self._io_write_at, offset, self._pack_state(gen, clean)
-            )
-            self._state_gen = gen
-            self._state_version = max(self._state_version, version)
+        async with self._meta_lock:
+            slot_bytes = self._alloc.slab_slot_bytes[slab]
+            if self._descriptors[slab] != slot_bytes:
+                await self._write_descriptor(slab, slot_bytes)
+            if self._meta_version < self._alloc.version:
+                await self._write_meta_locked(clean=False)
 
-    def _pack_state(self, gen: int, clean: bool) -> bytearray:
-        state = State(gen, self._next_seq, clean, self._alloc.slab_slot_bytes)
-        return fmt.pack_state(self.geometry, self._format_id, state)
+    async def _write_descriptor(self, slab: int, slot_bytes: int) -> None:
+        page = fmt.pack_slab_descriptor(
+            self.geometry, self._format_id, slab, slot_bytes, self._take_seq()
+        )
+        await self._run(self._write_pool, self._io_write_at, self.geometry.slab_start(slab), page)
+        self._descriptors[slab] = slot_bytes
+
+    async def _write_meta(self, *, clean: bool) -> None:
+        async with self._meta_lock:
+            await self._write_meta_locked(clean=clean)
+
+    async def _write_meta_locked(self, *, clean: bool) -> None:
+        """The next generation of the metadata, into the copy that does not hold the current
+        one, so a torn write leaves the current copy in force."""
+        version = self._alloc.version
+        gen, copy = self._meta_gen + 1, 1 - self._meta_copy
+        page = fmt.pack_meta(
+            self.geometry, self._format_id, gen, self._next_seq, clean, self._alloc.slab_slot_bytes
+        )
+        await self._run(self._write_pool, self._io_write_at, self.geometry.meta_offset(copy), page)
+        self._meta_gen, self._meta_copy = gen, copy
+        self._meta_version = max(self._meta_version, version)
+
+    async def _repair_metadata(self, found: recovery.Found) -> None:
+        """After recovery: rewrite every damaged descriptor of a carved slab, then both
+        metadata copies, a damaged (or older) one first, each behind a barrier, so that at every
+        moment one valid copy is on disk."""
+        async with self._meta_lock:
+            for slab in self._alloc.carved():
+                slot_bytes = self._alloc.slab_slot_bytes[slab]
+                if self._descriptors[slab] != slot_bytes:
+                    await self._write_descriptor(slab, slot_bytes)
+            # The first write goes to the copy that does not hold the current generation.
+            self._meta_copy = 0 if found.meta_ok[0] else 1
+            for _ in range(2):
+                await self._write_meta_locked(clean=False)
+                await self._flush.barrier()
 
     # ------------------------------------------------------------------ read
     async def read_into(
@@ -559,22 +601,9 @@ class NvmeTier:
             return None
         return fmt.parse_header(scratch)
 
-    def _io_scan(self, slots: list[int]) -> bytearray:
-        """The HEADER_BYTES prefix of each slot's header page, concatenated (zeros where the
-        page could not be read: no valid header)."""
-        scratch = self._scratch.get(PAGE)
-        page, n = scratch[:PAGE], HEADER_BYTES
-        out = bytearray(len(slots) * n)
-        for j, slot in enumerate(slots):
-            try:
-                if pread_full(self._fd, [page], slot) == PAGE:
-                    out[j * n : (j + 1) * n] = scratch[:n]
-            except OSError as exc:  # an unreadable header loses its record, not the tier
-                log.warning("header of slot %d unreadable at recovery: %s", slot, exc)
-        return out
-
-    def _io_open(self) -> tuple[list[int], bool]:
-        """Open, lock, preallocate and, if needed, format the file: (slab map, clean flag)."""
+    def _io_open(self) -> recovery.Found:
+        """Open and lock the file, find what it holds, and format it if it holds nothing of
+        this format; extend or cut it to its capacity and preallocate it."""
         geo = self.geometry
         os.makedirs(self.directory, exist_ok=True)
         self._lock_fd = fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -582,23 +611,27 @@ class NvmeTier:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
             raise RuntimeError(f"{self.path} is in use by another process") from exc
-        page = os.pread(fd, PAGE, 0)
-        self._format_id = fmt.parse_superblock(page, geo)
-        size = os.fstat(fd).st_size
-        fresh = self._format_id == 0 or size != geo.capacity_bytes
-        if fresh:
-            version = fmt.superblock_version(page)
-            if version is not None and version != fmt.FORMAT_VERSION:
+        try:
+            found = recovery.inspect(fd, self.geometry, self.path)
+        except NvmeFormatError as exc:
+            log.warning("%s: reformatting", exc)
+            found = recovery.Found(os.fstat(fd).st_size)
+        for _, what in found.damage:
+            log.warning("nvme tier %s: %s", self.path, what)
+        if found.format_id == 0:
+            if found.old_version is not None:
                 log.warning(
                     "nvme tier %s: a file of format version %d (this is version %d), reformatting",
                     self.path,
-                    version,
+                    found.old_version,
                     fmt.FORMAT_VERSION,
                 )
-            elif size:
-                log.warning("nvme tier %s: format or geometry changed, reformatting", self.path)
+            elif found.size:
+                log.warning("nvme tier %s: no tier metadata found, formatting", self.path)
             os.ftruncate(fd, 0)  # drops every old record with the blocks that held it
-            os.ftruncate(fd, geo.capacity_bytes)
+            found.size = 0
+        if found.size != geo.capacity_bytes:
+            os.ftruncate(fd, geo.capacity_bytes)  # a cut file grows back: the new part is zeros
         try:
             os.posix_fallocate(fd, 0, geo.capacity_bytes)
             self.preallocated = True
@@ -607,21 +640,26 @@ class NvmeTier:
             # with NvmeIOError and the tier stays usable. stats() reports preallocated=False.
             log.warning("nvme tier %s: cannot preallocate: %s", self.path, exc)
         self._fd, self.direct_io = self._open_io_fd()
-        state = None if fresh else self._read_state()
-        if state is None:
-            if not fresh:
-                log.warning("nvme tier %s: no valid state copy, reformatting", self.path)
-                os.ftruncate(fd, 0)
-                os.ftruncate(fd, geo.capacity_bytes)
+        if found.format_id == 0:
             # A new format id: no header written under an earlier format can ever validate.
-            self._format_id = secrets.randbits(63) | 1
-            self._io_write_at(0, fmt.pack_superblock(geo, self._format_id))
-            state = State(1, 1, True, [0] * len(geo.slab_sizes))
-            self._io_write_at(geo.state_offset(1), fmt.pack_state(geo, self._format_id, state))
-            self._io_write_at(geo.state_offset(0), bytes(geo.state_pages * PAGE))
+            n = len(geo.slab_sizes)
+            found = recovery.Found(
+                geo.capacity_bytes,
+                secrets.randbits(63) | 1,
+                generation=1,
+                clean=True,
+                slab_map=[0] * n,
+                descriptors=[-1] * n,
+                meta_ok=[True, True],
+            )
+            for copy in (0, 1):
+                meta = fmt.pack_meta(geo, found.format_id, 1, 1, True, found.slab_map)
+                self._io_write_at(geo.meta_offset(copy), meta)
             os.fdatasync(self._fd)
-        self._state_gen, self._next_seq = state.generation, state.next_seq
-        return state.slab_slot_bytes, state.clean
+        self._format_id = found.format_id
+        self._meta_gen, self._next_seq = found.generation, found.next_seq
+        self._descriptors = list(found.descriptors)
+        return found
 
     def _open_io_fd(self) -> tuple[int, bool]:
         """An O_DIRECT descriptor if the filesystem takes a probe read and write with it."""
@@ -642,30 +680,21 @@ class NvmeTier:
             return self._lock_fd, False
         return fd, True
 
-    def _read_state(self) -> State | None:
-        """The valid state copy of the highest generation."""
-        geo = self.geometry
-        best = None
-        for copy in (0, 1):
-            buf = self._scratch.get(geo.state_pages * PAGE)[: geo.state_pages * PAGE]
-            if pread_full(self._fd, [buf], geo.state_offset(copy)) < buf.nbytes:
-                continue
-            state = fmt.parse_state(buf, geo, self._format_id)
-            if state is not None and (best is None or state.generation > best.generation):
-                best = state
-        return best
-
     # ------------------------------------------------------------------ recovery
-    async def _recover(self, slab_map: list[int]) -> list[NvmeRecord]:
+    async def _recover(self, found: recovery.Found) -> list[NvmeRecord]:
+        """Scan the headers of every carved slab; the newest record of each key that lies
+        wholly inside the file (a truncated file keeps what it still holds) is recovered."""
+        slab_map, size = found.slab_map, found.size
         self._alloc = SlotAllocator.restore(self.geometry, slab_map, set())
         slots = [s for slab in self._alloc.carved() for s in self._alloc.slots(slab)]
+        slots = [s for s in slots if s + PAGE <= size]
         batches = [slots[i : i + SCAN_BATCH] for i in range(0, len(slots), SCAN_BATCH)]
         newest: dict[tuple[bytes, bytes], Header] = {}
         stale: list[int] = []
         max_seq = self._next_seq - 1
 
         async def scan(batch: list[int]) -> tuple[list[int], bytearray]:
-            return batch, await self._run(pool, self._io_scan, batch)
+            return batch, await self._run(pool, recovery.scan_headers, self._fd, batch)
 
         with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="nvme-scan") as pool:
             # Parsed as each batch arrives, so the loop's share overlaps the other batches' IO.
@@ -680,6 +709,9 @@ class NvmeTier:
                     slot_bytes = self._alloc.slot_bytes_at(slot)
                     if not fmt.header_fits(h, slot, slot_bytes, self._format_id):
                         continue
+                    if slot + PAGE + round_up(h.stored_length) > size:
+                        stale.append(slot)  # cut short: tombstoned before the slot's reuse
+                        continue
                     old = newest.get((h.namespace, h.key))
                     if old is not None and old.seq > h.seq:
                         stale.append(slot)
@@ -691,7 +723,7 @@ class NvmeTier:
         self._alloc = SlotAllocator.restore(
             self.geometry, slab_map, {h.slot for h in newest.values()}
         )
-        self._state_version = self._alloc.version
+        self._meta_version = -1  # rewritten after recovery
         self._table = table = RecordTable()
         table.grow(self._alloc.ordinals)
         records = []
