@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import errno
 import itertools
+import json
 import logging
 import mmap
 import os
@@ -30,7 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.checksum import block_checksum
-from kvstore.tiers.nvme import FILE_NAME, PAGE, NvmeIOError, NvmeTier, ondisk
+from kvstore.tiers.nvme import FILE_NAME, PAGE, NvmeFormatError, NvmeIOError, NvmeTier, ondisk
 from kvstore.tiers.nvme.alloc import SlotAllocator
 from kvstore.tiers.nvme.ondisk import Geometry
 
@@ -285,13 +286,37 @@ async def test_second_open_of_a_directory_is_refused(opened, tmp_path):
         await NvmeTier(tmp_path / "nvme", 16 << 20, slab_bytes=1 << 20).open()
 
 
-async def test_geometry_change_reformats(opened, tmp_path):
+def snapshot(path: Path) -> tuple[bytes, int, int]:
+    """A file's bytes, size and modification time: what a reader must leave as it found."""
+    st = os.stat(path)
+    return path.read_bytes(), st.st_size, st.st_mtime_ns
+
+
+@pytest.mark.parametrize(
+    ("capacity", "slab_bytes", "named"),
+    [
+        (8 << 20, 1 << 20, "8388608 bytes (8MiB)"),
+        (32 << 20, 1 << 20, "33554432 bytes (32MiB)"),
+        (16 << 20, 2 << 20, "2097152 bytes (2MiB) slabs"),
+    ],
+)
+async def test_a_geometry_change_is_refused_not_reformatted(
+    opened, tmp_path, capacity, slab_bytes, named
+):
+    """The bug: a daemon started with another (mistyped) capacity reformatted the tier. It is
+    refused, naming both geometries, and the file is left as it was."""
     tier, _ = await opened()
     await put(tier, 1, 8192)
     await tier.close()
-    _, records = await opened(capacity=8 << 20)
-    assert records == []
-    assert os.stat(tmp_path / "nvme" / FILE_NAME).st_size == 8 << 20
+    path = tmp_path / "nvme" / FILE_NAME
+    before = snapshot(path)
+    with pytest.raises(NvmeFormatError) as info:
+        await opened(capacity=capacity, slab_bytes=slab_bytes)
+    assert "16777216 bytes (16MiB) in 1048576 bytes (1MiB) slabs" in str(info.value)
+    assert named in str(info.value) and "delete the file" in str(info.value)
+    assert snapshot(path) == before
+    _, records = await opened()  # the right geometry finds everything still there
+    assert [r.key for r in records] == [key(1)]
 
 
 # ---------------------------------------------------------------------------- damaged metadata
@@ -411,6 +436,87 @@ async def test_a_truncated_file_keeps_the_records_inside_it(opened, tmp_path):
     await tier3.close()
     _, found = await recovered(opened, capacity=4 << 20, slab_bytes=256 << 10)
     assert found[999] == last and len(found) == len(written)
+
+
+# ---------------------------------------------------------------------------- kvstore check
+def kvstore_check(directory: Path, capacity: str, *extra: str) -> tuple[int, str, str]:
+    """``kvstore check`` run in a fresh process, as an operator runs it: (exit code, out, err)."""
+    argv = [sys.executable, "-m", "kvstore", "check", "--nvme-path", str(directory), "--json"]
+    argv += ["--nvme-capacity", capacity, "--nvme-slab-bytes", "1MiB", *extra]
+    r = subprocess.run(argv, capture_output=True, text=True)
+    return r.returncode, r.stdout, r.stderr
+
+
+async def damaged_tier(opened, tmp_path) -> tuple[Path, dict[int, int]]:
+    """A closed tier with a damaged payload (block 7), a damaged metadata copy, a damaged slab
+    descriptor and two copies of block 3 (a read-write open tombstones the older): everything
+    a read-only check reports, and more that a read-write open would write."""
+    tier, _ = await opened()
+    written = {i: slot for i, (slot, _) in (await fill(tier, 65536, 40)).items()}
+    written[3], _ = await put(tier, 3, 65536)
+    await tier.close()
+    path = tmp_path / "nvme" / FILE_NAME
+    flip(path, written[7] + PAGE + 9)
+    flip(path, PAGE + 60)  # metadata copy B
+    flip(path, tier.geometry.slab_start(2) + 30)
+    return path, written
+
+
+async def test_check_without_fix_never_writes(opened, tmp_path):
+    """The bug: ``kvstore check`` opened the tier read-write (state rewritten, duplicates
+    tombstoned) even without --fix. It reads only: the bytes and mtime stay as they were."""
+    path, written = await damaged_tier(opened, tmp_path)
+    before = snapshot(path)
+    code, out, err = kvstore_check(path.parent, "16MiB")
+    assert snapshot(path) == before, err
+    assert code == 1, err
+    report = json.loads(out)
+    kinds = sorted(p["kind"] for p in report["problems"])
+    assert kinds == ["corrupt", "metadata", "metadata"], report
+    assert report["records_ok"] == 39
+    # --fix repairs: afterwards a read-only check finds nothing, and the records are there.
+    code, out, err = kvstore_check(path.parent, "16MiB", "--fix")
+    assert code == 0, out + err
+    code, out, err = kvstore_check(path.parent, "16MiB")
+    assert code == 0 and json.loads(out)["problems"] == [], out + err
+    _, found = await recovered(opened)
+    assert found == {i: s for i, s in written.items() if i != 7}
+
+
+async def test_check_with_a_mistyped_capacity_is_an_error_not_a_format(opened, tmp_path):
+    """The bug: ``check`` with a mistyped --nvme-capacity reformatted the file and exited 0."""
+    tier, _ = await opened()
+    await put(tier, 1, 8192)
+    await tier.close()
+    path = tmp_path / "nvme" / FILE_NAME
+    before = snapshot(path)
+    for extra in ((), ("--fix",)):
+        code, _, err = kvstore_check(path.parent, "8MiB", *extra)
+        assert code == 2, err
+        assert "16777216 bytes (16MiB)" in err and "8388608 bytes (8MiB)" in err, err
+        assert snapshot(path) == before
+    code, _, err = kvstore_check(path.parent, "16MiB")
+    assert code == 0, err
+
+
+async def test_check_of_nothing_or_an_old_format_is_an_error_and_writes_nothing(tmp_path):
+    code, _, err = kvstore_check(tmp_path / "absent", "16MiB")
+    assert code == 2 and "No such file" in err
+    assert not (tmp_path / "absent").exists()
+    path = tmp_path / "old" / FILE_NAME
+    write_version_1_file(path, 16 << 20, 1 << 20, block(1, 16384))
+    before = snapshot(path)
+    for extra in ((), ("--fix",)):
+        code, _, err = kvstore_check(path.parent, "16MiB", *extra)
+        assert code == 2 and "format version 1" in err, err
+        assert snapshot(path) == before
+
+
+async def test_check_while_the_tier_is_open_is_refused(opened, tmp_path):
+    tier, _ = await opened()
+    await put(tier, 1, 8192)
+    code, _, err = kvstore_check(tmp_path / "nvme", "16MiB")
+    assert code == 2 and "in use" in err, err
 
 
 # ---------------------------------------------------------------------------- crashes

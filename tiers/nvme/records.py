@@ -36,7 +36,9 @@ class CheckProblem:
     """``kind``: "torn" (a live slot's header is not a valid header, or its payload is cut
     short), "corrupt" (payload checksum or decompression failed), "mismatch" (a valid header
     naming another record), "orphan" (a valid record header in a slot the tier holds free: it
-    would come back at the next open), "io_error"."""
+    would come back at the next open), "io_error", "metadata" (a tier opened read-only only:
+    a damaged metadata copy or slab descriptor, or a truncated file; ``slot`` is the offset of
+    the damage, and a read-write open repairs it, losing no more than ``detail`` says)."""
 
     slot: int
     kind: str

@@ -62,9 +62,9 @@ def _read_meta(fd: int, offset: int) -> fmt.Meta | None:
 def _mismatch(path: str, file_cap: int, file_slab: int, geo: Geometry) -> NvmeFormatError:
     return NvmeFormatError(
         f"{path} holds a tier of {describe_size(file_cap)} in {describe_size(file_slab)} slabs, "
-        f"but {describe_size(geo.capacity_bytes)} in {describe_size(geo.slab_bytes)} slabs was "
-        f"asked for: configure the file's capacity to use it, or delete the file to start an "
-        f"empty tier of the new size"
+        f"not the {describe_size(geo.capacity_bytes)} in {describe_size(geo.slab_bytes)} slabs "
+        f"configured: configure the file's size to use it, or delete the file to start an empty "
+        f"tier of the new size"
     )
 
 

@@ -137,6 +137,13 @@ class NvmeTier:
     slab map); a descriptor and both copies, that slab's records. A truncated file keeps every
     record wholly inside what is left and grows back to its capacity. Open rewrites whatever
     metadata it found damaged.
+
+    Geometry: the file records its capacity and slab size, and an open configured with others
+    is refused (NvmeFormatError naming both, nothing written) rather than adopting the file's
+    (the daemon's capacity accounting and its operator's intent follow the configuration) or
+    reformatting it (a mistyped size must not wipe the tier). To resize, delete the file. A
+    file of an older format version is reformatted with a warning (its records cannot be
+    verified by this version's checksums); one of a newer version is refused.
     """
 
     def __init__(
@@ -177,6 +184,8 @@ class NvmeTier:
         self._descriptors: list[int] = []  # slot bytes each slab's descriptor on disk says
         self._next_seq = 1
         self._state = "new"
+        self._read_only = False
+        self._damage: list[tuple[int, str]] = []  # what a read-only open found and left
         # Threads start on first use; open() hands the flusher its descriptor.
         self._read_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="nvme-read")
         self._write_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="nvme-write")
@@ -191,17 +200,32 @@ class NvmeTier:
         return PAGE + round_up(block_bytes)
 
     # ------------------------------------------------------------------ life cycle
-    async def open(self) -> list[NvmeRecord]:
-        """Create the file, or recover it: every intact committed record, oldest first."""
+    async def open(self, *, read_only: bool = False, create: bool = True) -> list[NvmeRecord]:
+        """Create the file, or recover it: every intact committed record, oldest first.
+
+        Raises NvmeFormatError, writing nothing, when the file holds a tier of another geometry
+        (capacity or slab size: the message names both; the configuration is wrong, or the file
+        must be deleted to start an empty tier of the new size) or of a newer format. A file of
+        an older format, or holding no tier metadata at all, is formatted (logged), unless
+        ``create`` is False: then that is an NvmeFormatError too, and so is a missing file.
+
+        ``read_only``: open the file read-only (a shared lock, so not while a daemon has it) and
+        write nothing, ever: no repair, no tombstone, no clean mark; for ``check`` and
+        inspection. ``allocate``, ``write`` and ``free`` raise; ``check`` reports what a
+        read-write open would repair (kind "metadata")."""
         if self._state != "new":
             raise RuntimeError(f"open of a tier that is {self._state}")
         self._state = "opening"
+        self._read_only = read_only
         self._meta_lock = asyncio.Lock()
         try:
-            found = await self._run(self._write_pool, self._io_open)
+            found = await self._run(self._write_pool, self._io_open, create and not read_only)
             self._flush.fd = self._fd
             records = await self._recover(found)
-            await self._repair_metadata(found)
+            if read_only:
+                self._damage = list(found.damage)
+            else:
+                await self._repair_metadata(found)
             clean = found.clean
         except BaseException:
             await self._shutdown()
@@ -227,6 +251,10 @@ class NvmeTier:
         if self._state != "open":
             return
         self._state = "closing"
+        if self._read_only:
+            await self._shutdown()
+            self._state = "closed"
+            return
         try:
             await self.drain()
             for slot in sorted(self._tomb_failed):
@@ -256,11 +284,16 @@ class NvmeTier:
         if self._state != "open":
             raise RuntimeError(f"nvme tier is {self._state}, not open")
 
+    def _require_writable(self) -> None:
+        self._require_open()
+        if self._read_only:
+            raise RuntimeError("nvme tier is open read-only")
+
     # ------------------------------------------------------------------ slots
     def allocate(self, block_bytes: int) -> int | None:
         """A free slot for a block of ``block_bytes``, or None: evict a block of that size,
         free its slot, ask again."""
-        self._require_open()
+        self._require_writable()
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         slot_bytes = self.slot_bytes_for(block_bytes)
@@ -280,6 +313,7 @@ class NvmeTier:
 
     def free(self, slot: int) -> None:
         """Give the slot back; its record is invalidated on disk lazily (see the free rule)."""
+        self._require_writable()
         i = self._alloc.ordinal(slot)
         state = self._table.state[i] if i < len(self._table) else FREE
         if state == FREE:
@@ -332,7 +366,7 @@ class NvmeTier:
         to its key and namespace, ``block_checksum(data, namespace, key)``. Raises NvmeIOError on
         an IO failure and ValueError if ``data`` does not match ``checksum``; after either the
         slot is free again."""
-        self._require_open()
+        self._require_writable()
         i = self._alloc.ordinal(slot)
         if i >= len(self._table) or self._table.state[i] != ALLOCATED:
             raise ValueError(f"write to slot {slot}, which is not allocated and unwritten")
@@ -601,23 +635,44 @@ class NvmeTier:
             return None
         return fmt.parse_header(scratch)
 
-    def _io_open(self) -> recovery.Found:
-        """Open and lock the file, find what it holds, and format it if it holds nothing of
-        this format; extend or cut it to its capacity and preallocate it."""
-        geo = self.geometry
-        os.makedirs(self.directory, exist_ok=True)
-        self._lock_fd = fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def _io_open(self, create: bool) -> recovery.Found:
+        """Open and lock the file and find what it holds (``recovery.inspect``: another
+        geometry raises). Read-write: format it if it holds nothing of this format (and
+        ``create``), extend or cut it to its capacity, preallocate it."""
+        if self._read_only:
+            flags, lock = os.O_RDONLY, fcntl.LOCK_SH
+        else:
+            if create:
+                os.makedirs(self.directory, exist_ok=True)
+            flags, lock = os.O_RDWR | (os.O_CREAT if create else 0), fcntl.LOCK_EX
+        self._lock_fd = fd = os.open(self.path, flags | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, lock | fcntl.LOCK_NB)
         except BlockingIOError as exc:
             raise RuntimeError(f"{self.path} is in use by another process") from exc
-        try:
-            found = recovery.inspect(fd, self.geometry, self.path)
-        except NvmeFormatError as exc:
-            log.warning("%s: reformatting", exc)
-            found = recovery.Found(os.fstat(fd).st_size)
+        found = recovery.inspect(fd, self.geometry, self.path)
         for _, what in found.damage:
             log.warning("nvme tier %s: %s", self.path, what)
+        if found.format_id == 0 and not create:
+            if found.old_version is not None:
+                raise NvmeFormatError(
+                    f"{self.path} is of format version {found.old_version}; this kvstore reads "
+                    f"version {fmt.FORMAT_VERSION} (a daemon reformats it)"
+                )
+            raise NvmeFormatError(f"{self.path} holds no NVMe tier metadata")
+        if self._read_only:
+            self._fd, self.direct_io = fd, False
+        else:
+            found = self._io_prepare(fd, found)
+        self._format_id = found.format_id
+        self._meta_gen, self._next_seq = found.generation, found.next_seq
+        self._descriptors = list(found.descriptors)
+        return found
+
+    def _io_prepare(self, fd: int, found: recovery.Found) -> recovery.Found:
+        """Read-write open: format a file that holds nothing of this format, bring the file to
+        its capacity (a cut file grows back with zeros), preallocate it, open the IO fd."""
+        geo = self.geometry
         if found.format_id == 0:
             if found.old_version is not None:
                 log.warning(
@@ -656,9 +711,6 @@ class NvmeTier:
                 meta = fmt.pack_meta(geo, found.format_id, 1, 1, True, found.slab_map)
                 self._io_write_at(geo.meta_offset(copy), meta)
             os.fdatasync(self._fd)
-        self._format_id = found.format_id
-        self._meta_gen, self._next_seq = found.generation, found.next_seq
-        self._descriptors = list(found.descriptors)
         return found
 
     def _open_io_fd(self) -> tuple[int, bool]:
@@ -738,7 +790,10 @@ class NvmeTier:
             records.append(NvmeRecord(h.slot, *ident[:4], h.checksum, h.seq))
         self._live_blocks = len(records)
         for slot in stale:  # older copies of a key: free already, invalidated before reuse
-            self._start_tombstone(slot)
+            if self._read_only:
+                self._tomb_failed.add(slot)  # left as they are: the next read-write open's job
+            else:
+                self._start_tombstone(slot)
         await self.drain()
         return records
 
@@ -748,9 +803,11 @@ class NvmeTier:
         record, a free slot's header against being a record. Blocks the caller while it reads
         the whole tier; slots with a write or a tombstone in flight are skipped. With ``fix``,
         damaged live records are freed (the report names their keys: drop them from the index)
-        and orphans are tombstoned."""
+        and orphans are tombstoned (a tier opened read-only cannot fix: ValueError)."""
         self._require_open()
-        problems: list[CheckProblem] = []
+        if fix and self._read_only:
+            raise ValueError("check(fix=True) of a tier opened read-only")
+        problems = [CheckProblem(at, "metadata", None, what) for at, what in self._damage]
         checked = ok = 0
         buffers: dict[int, memoryview] = {}
         self._table.grow(self._alloc.ordinals)
@@ -792,6 +849,8 @@ class NvmeTier:
 
     def _fix(self, problems: list[CheckProblem]) -> None:
         for p in problems:
+            if p.kind == "metadata":
+                continue  # only a read-only open reports it; a read-write open repairs it
             if self._table.state[self._alloc.ordinal(p.slot)] == LIVE:
                 self.free(p.slot)  # tombstoned in the background, like any free
                 continue
