@@ -109,15 +109,35 @@ class NvmeTier:
     buffer given to ``write`` must not change until it returns; ``out`` of a cancelled
     ``read_into`` may still be written until its IO ends (``close`` waits for that).
 
-    Write protocol (why a completed write survives ``kill -9`` and a torn one is never
-    recovered): payload, flush barrier, header page, flush barrier; ``write`` returns after the
-    second. The header is the commit record and is written only once the whole payload is on
-    disk, so a crash at any point leaves either the complete record or a slot with no valid
-    header of this write; the header is one 4 KiB write with its checksum in the first sector,
-    never half-valid. The barriers are group-committed fdatasyncs: they also keep that order
-    across a power loss and commit the extent metadata of the preallocated file, which O_DIRECT
-    alone does not. One pwritev of header and payload would need the payload read back at
-    recovery to tell a torn write from a whole one.
+    Write modes: what a record survives once ``write`` has returned.
+
+    * ``write(..., durable=True)`` (the default): a process crash (``kill -9``) and a power loss
+      or kernel crash. Protocol: payload; the slab's descriptor and the metadata if its carving
+      is new; flush barrier; header page; flush barrier; return. The header is the commit record
+      and is written only once the payload (and the carving that lets recovery find the slot)
+      is on stable storage, so a crash at any point leaves either the complete record or a slot
+      with no valid header of this write; the header is one 4 KiB write with its checksum in
+      the first sector, never half-valid. The barriers are group-committed fdatasyncs (writers
+      in flight together share one): they keep that order across a power loss and commit the
+      extent metadata of the preallocated file, which O_DIRECT alone does not. "Stable
+      storage" is what fdatasync promises: a device that acknowledges flushes it has not done
+      defeats it.
+    * ``write(..., durable=False)``: a process crash only. The same writes in the same order,
+      without the barriers: when it returns, the kernel holds every byte (the page cache, or the
+      device itself under O_DIRECT), so the daemon's death loses nothing. A power loss or kernel
+      crash before the bytes reach stable storage may lose the record, or bring it back as a
+      record whose payload fails its checksum (the header reached the disk, the payload did
+      not): a miss at read and "corrupt" in ``check``, never another block's bytes, because
+      the checksum binds key and namespace. Costs no fdatasync.
+    * ``await sync()``: a barrier. When it returns, every write that returned before it was
+      called, in either mode, survives a power loss as a durable write does. Concurrent callers
+      (and durable writers) share fdatasyncs. It does not wait for writes still in flight, and
+      it does not cover frees (a freed record may come back, bit-exact, until its tombstone is
+      flushed: see the free rule).
+
+    A daemon that acknowledges a put only once it is durable either writes with
+    ``durable=True`` or writes plain and acknowledges a batch after one ``sync()``. Writes
+    before ``open`` returns (formatting, repairs) and at ``close`` are always durable.
 
     Free rule: ``free`` returns the slot to the allocator at once and writes a tombstone header
     (kind tombstone, a fresh sequence number) over the record's header in the background. The
@@ -190,9 +210,8 @@ class NvmeTier:
         self._read_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="nvme-read")
         self._write_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="nvme-write")
         self._flush = FlushBarrier(ThreadPoolExecutor(1, thread_name_prefix="nvme-flush"))
-        self._counters = dict.fromkeys(
-            ("reads", "writes", "read_bytes", "write_bytes", "misses", *_MISS_COUNTER.values()), 0
-        )
+        counters = ("reads", "writes", "durable_writes", "syncs", "read_bytes", "write_bytes")
+        self._counters = dict.fromkeys((*counters, "misses", *_MISS_COUNTER.values()), 0)
         self._live_blocks = self._used_bytes = self._raw_bytes = self._stored_bytes = 0
 
     @staticmethod
@@ -360,12 +379,20 @@ class NvmeTier:
 
     # ------------------------------------------------------------------ write
     async def write(
-        self, slot: int, key: bytes, namespace: bytes, data: Any, checksum: int
+        self,
+        slot: int,
+        key: bytes,
+        namespace: bytes,
+        data: Any,
+        checksum: int,
+        *,
+        durable: bool = True,
     ) -> None:
-        """Store a block durably in an allocated slot. ``checksum`` is the block's checksum bound
-        to its key and namespace, ``block_checksum(data, namespace, key)``. Raises NvmeIOError on
-        an IO failure and ValueError if ``data`` does not match ``checksum``; after either the
-        slot is free again."""
+        """Store a block in an allocated slot: on stable storage when it returns if ``durable``,
+        else held by the kernel (see the class docstring's write modes). ``checksum`` is the
+        block's checksum bound to its key and namespace, ``block_checksum(data, namespace,
+        key)``. Raises NvmeIOError on an IO failure and ValueError if ``data`` does not match
+        ``checksum``; after either the slot is free again."""
         self._require_writable()
         i = self._alloc.ordinal(slot)
         if i >= len(self._table) or self._table.state[i] != ALLOCATED:
@@ -378,7 +405,7 @@ class NvmeTier:
             raise ValueError(f"{view.nbytes}-byte block does not fit a {slot_bytes}-byte slot")
         self._table.state[i] = WRITING
         task = asyncio.ensure_future(
-            self._write_record(slot, i, bytes(key), bytes(namespace), view, checksum)
+            self._write_record(slot, i, bytes(key), bytes(namespace), view, checksum, durable)
         )
         self._track(task)
         try:
@@ -392,7 +419,14 @@ class NvmeTier:
             raise
 
     async def _write_record(
-        self, slot: int, i: int, key: bytes, namespace: bytes, view: memoryview, checksum: int
+        self,
+        slot: int,
+        i: int,
+        key: bytes,
+        namespace: bytes,
+        view: memoryview,
+        checksum: int,
+        durable: bool,
     ) -> bool:
         """The write itself; True if a ``free`` that arrived during it has been applied."""
         seq = self._take_seq()
@@ -404,13 +438,15 @@ class NvmeTier:
             )
             # Recovery looks for headers only where the slab map on disk says slots are.
             await self._persist_carving(self.geometry.slab_of(slot))
-            await self._flush.barrier()
+            if durable:
+                await self._flush.barrier()
             pages = self._alloc.slot_bytes_at(slot) // PAGE
             fields = (pages, slot, seq, self._format_id, key, namespace, view.nbytes, stored)
             header = fmt.pack_header(Header(KIND_RECORD, codec, *fields, checksum))
             header_tried = True
             await self._run(self._write_pool, self._io_write_at, slot, header)
-            await self._flush.barrier()
+            if durable:
+                await self._flush.barrier()
         except BaseException as exc:
             # A header whose write or flush reported an error may still have landed, so such a
             # slot is tombstoned before anyone can reuse it.
@@ -428,10 +464,20 @@ class NvmeTier:
         self._reserved -= 1
         self._account(slot, i, +1)
         self._counters["writes"] += 1
+        self._counters["durable_writes"] += durable
         self._counters["write_bytes"] += 2 * PAGE + round_up(stored)
         if free_now:
             self.free(slot)
         return bool(free_now)
+
+    async def sync(self) -> None:
+        """Return once every write that returned before this call is on stable storage (one
+        fdatasync, shared with concurrent callers and durable writers). Raises OSError if the
+        fdatasync fails: then nothing written since the last successful barrier is known to be
+        durable."""
+        self._require_writable()
+        await self._flush.barrier()
+        self._counters["syncs"] += 1
 
     async def _settle_tombstone(self, slot: int) -> None:
         """Make sure no valid old header is left in ``slot`` before new bytes go into it."""
