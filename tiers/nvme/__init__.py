@@ -1,8 +1,9 @@
 """The NVMe tier's mechanism: one preallocated slab file of checksummed, crash-safe records.
 
 ``tier`` holds ``NvmeTier`` (the daemon's interface and its contract), ``ondisk`` the on-disk
-format, ``recovery`` what open reads of it, ``alloc`` the slot allocator, ``diskio`` the
-thread-side IO helpers. Imports only the
+format, ``slabfile`` opening (and formatting) the file, ``recovery`` what open reads of it,
+``recordio`` the record IO on the open file, ``alloc`` the slot allocator, ``records`` the
+values handed out and the per-slot tables, ``diskio`` the thread-side IO helpers. Imports only the
 core types (``kvstore.errors``, ``kvstore.keys``).
 """
 

@@ -4,31 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import logging
 import os
-import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvstore.checksum import block_checksum
 from kvstore.errors import KVStoreError
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
 from kvstore.tiers.nvme import ondisk as fmt
 from kvstore.tiers.nvme import recovery
 from kvstore.tiers.nvme.alloc import SlotAllocator
-from kvstore.tiers.nvme.diskio import (
-    FlushBarrier,
-    ScratchBuffers,
-    address,
-    lz4_compress,
-    lz4_decompress,
-    pread_full,
-    pwrite_all,
-)
+from kvstore.tiers.nvme.diskio import FlushBarrier
 from kvstore.tiers.nvme.ondisk import (
-    CODEC_LZ4,
     CODEC_NONE,
     CODECS,
     FILE_NAME,
@@ -36,11 +24,11 @@ from kvstore.tiers.nvme.ondisk import (
     KIND_RECORD,
     KIND_TOMBSTONE,
     PAGE,
-    ZERO_PAGE,
     Geometry,
     Header,
     round_up,
 )
+from kvstore.tiers.nvme.recordio import RecordIO
 from kvstore.tiers.nvme.records import (
     ALLOCATED,
     FREE,
@@ -50,10 +38,10 @@ from kvstore.tiers.nvme.records import (
     CheckProblem,
     CheckReport,
     Ident,
-    NvmeFormatError,
     NvmeRecord,
     RecordTable,
 )
+from kvstore.tiers.nvme.slabfile import SlabFile, open_slab_file
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +55,6 @@ on the dev VM: 100k reads took 2.4 s with 4 threads, 1.5 s with 16), and nothing
 during open. The threads only copy each header's prefix out; parsing 100k of them on the loop
 takes ~0.1 s, while parsing in 16 threads contending for the GIL doubled the scan's time."""
 
-LZ4_PROBE_BYTES = 64 * 1024
 _MISS_COUNTER = {
     "torn": "checksum_failures",
     "corrupt": "checksum_failures",
@@ -195,8 +182,8 @@ class NvmeTier:
         self._tombstones: dict[int, asyncio.Task[None]] = {}
         self._tomb_failed: set[int] = set()  # free slots whose header may still be valid
         self._tasks: set[asyncio.Future[Any]] = set()
-        self._scratch = ScratchBuffers()
-        self._fd = self._lock_fd = -1
+        self._file: SlabFile | None = None
+        self._io = RecordIO(-1, False, self._codec)  # the open file's, once open
         self._format_id = 0
         self._meta_gen = 0
         self._meta_copy = 0  # the copy (0: A, 1: B) that holds generation _meta_gen
@@ -238,8 +225,13 @@ class NvmeTier:
         self._read_only = read_only
         self._meta_lock = asyncio.Lock()
         try:
-            found = await self._run(self._write_pool, self._io_open, create and not read_only)
-            self._flush.fd = self._fd
+            file = await self._run(self._write_pool, self._io_open, create and not read_only)
+            self._io = io = file.io
+            self.direct_io, self.preallocated = io.direct_io, file.preallocated
+            found = file.found
+            self._format_id, self._next_seq = found.format_id, found.next_seq
+            self._meta_gen, self._descriptors = found.generation, list(found.descriptors)
+            self._flush.fd = io.fd
             records = await self._recover(found)
             if read_only:
                 self._damage = list(found.damage)
@@ -259,6 +251,20 @@ class NvmeTier:
             "on" if self.direct_io else "off",
         )
         return records
+
+    def _io_open(self, create: bool) -> SlabFile:
+        # Kept as it is opened (on the thread): an open whose caller was cancelled still has
+        # its file closed by _shutdown, which waits for this thread first.
+        self._file = open_slab_file(
+            self.directory,
+            self.path,
+            self.geometry,
+            self._codec,
+            read_only=self._read_only,
+            create=create,
+            direct_io=self._want_direct,
+        )
+        return self._file
 
     async def drain(self) -> None:
         """Wait until every write and background tombstone started so far has finished."""
@@ -295,9 +301,9 @@ class NvmeTier:
         # closing the descriptor under it could let it touch whatever file reuses the number.
         for executor in (self._read_pool, self._write_pool, self._flush.executor):
             await asyncio.to_thread(executor.shutdown, True)
-        for fd in {self._fd, self._lock_fd} - {-1}:
-            os.close(fd)
-        self._fd = self._lock_fd = -1
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def _require_open(self) -> None:
         if self._state != "open":
@@ -434,7 +440,7 @@ class NvmeTier:
         try:
             await self._settle_tombstone(slot)
             stored, codec = await self._run(
-                self._write_pool, self._io_write_payload, slot, key, namespace, view, checksum
+                self._write_pool, self._io.write_payload, slot, key, namespace, view, checksum
             )
             # Recovery looks for headers only where the slab map on disk says slots are.
             await self._persist_carving(self.geometry.slab_of(slot))
@@ -444,7 +450,7 @@ class NvmeTier:
             fields = (pages, slot, seq, self._format_id, key, namespace, view.nbytes, stored)
             header = fmt.pack_header(Header(KIND_RECORD, codec, *fields, checksum))
             header_tried = True
-            await self._run(self._write_pool, self._io_write_at, slot, header)
+            await self._run(self._write_pool, self._io.write_at, slot, header)
             if durable:
                 await self._flush.barrier()
         except BaseException as exc:
@@ -501,7 +507,7 @@ class NvmeTier:
 
     async def _write_tombstone(self, slot: int) -> None:
         self._tomb_failed.add(slot)  # until the flush below returns
-        await self._run(self._write_pool, self._io_write_at, slot, self._tombstone_page(slot))
+        await self._run(self._write_pool, self._io.write_at, slot, self._tombstone_page(slot))
         await self._flush.barrier()
         self._tomb_failed.discard(slot)
 
@@ -527,7 +533,7 @@ class NvmeTier:
         page = fmt.pack_slab_descriptor(
             self.geometry, self._format_id, slab, slot_bytes, self._take_seq()
         )
-        await self._run(self._write_pool, self._io_write_at, self.geometry.slab_start(slab), page)
+        await self._run(self._write_pool, self._io.write_at, self.geometry.slab_start(slab), page)
         self._descriptors[slab] = slot_bytes
 
     async def _write_meta(self, *, clean: bool) -> None:
@@ -542,7 +548,7 @@ class NvmeTier:
         page = fmt.pack_meta(
             self.geometry, self._format_id, gen, self._next_seq, clean, self._alloc.slab_slot_bytes
         )
-        await self._run(self._write_pool, self._io_write_at, self.geometry.meta_offset(copy), page)
+        await self._run(self._write_pool, self._io.write_at, self.geometry.meta_offset(copy), page)
         self._meta_gen, self._meta_copy = gen, copy
         self._meta_version = max(self._meta_version, version)
 
@@ -584,7 +590,7 @@ class NvmeTier:
             c["header_mismatches"] += 1
             return False
         try:
-            reason = await self._run(self._read_pool, self._io_read_record, slot, want, view)
+            reason = await self._run(self._read_pool, self._io.read_record, slot, want, view)
         except OSError as exc:
             log.warning("read of slot %d failed: %s", slot, exc)
             reason = "io_error"
@@ -597,186 +603,6 @@ class NvmeTier:
 
     async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
-
-    # ------------------------------------------------------------------ IO (pool threads)
-    # These read attributes fixed while the tier is open (descriptor, format id, direct_io) and
-    # the thread's own scratch buffer, and change nothing else: every counter and map is touched
-    # on the loop only.
-    def _io_write_at(self, offset: int, data: bytes | bytearray) -> None:
-        scratch = self._scratch.get(len(data))
-        scratch[: len(data)] = data
-        pwrite_all(self._fd, [scratch[: len(data)]], offset)
-
-    def _io_write_payload(
-        self, slot: int, key: bytes, namespace: bytes, data: memoryview, checksum: int
-    ) -> tuple[int, int]:
-        n = data.nbytes
-        # Verified here, while moving down a tier: the checksum on disk must describe these bytes
-        # as this key's block of this namespace.
-        if block_checksum(data, namespace, key) != checksum:
-            raise ValueError(f"data for slot {slot} does not match its checksum")
-        span = round_up(n)
-        if self._codec == CODEC_LZ4 and span > PAGE and self._worth_compressing(data):
-            scratch = self._scratch.get(span)
-            # Room for one page less than raw: a result that saves no page is stored raw.
-            stored = lz4_compress(data, scratch[: span - PAGE])
-            if stored:
-                pad = round_up(stored)
-                scratch[stored:pad] = ZERO_PAGE[: pad - stored]
-                pwrite_all(self._fd, [scratch[:pad]], slot + PAGE)
-                return stored, CODEC_LZ4
-        if not self.direct_io or (n % PAGE == 0 and address(data) % PAGE == 0):
-            pwrite_all(self._fd, [data], slot + PAGE)  # zero copy: a CPU-tier slot is aligned
-        else:
-            scratch = self._scratch.get(span)
-            scratch[:n] = data
-            scratch[n:span] = ZERO_PAGE[: span - n]
-            pwrite_all(self._fd, [scratch[:span]], slot + PAGE)
-        return n, CODEC_NONE
-
-    def _worth_compressing(self, data: memoryview) -> bool:
-        """Whether the block's first 64 KiB compress by 1/16 or more. bf16 KV data compresses
-        by under 1% (benchmarks/bench_nvme.py), and compressing a 2 MiB block only to store it
-        raw costs ~1 ms of CPU; the probe costs 1/32 of that."""
-        if data.nbytes < 2 * LZ4_PROBE_BYTES:
-            return True
-        scratch = self._scratch.get(LZ4_PROBE_BYTES)
-        probe = data[:LZ4_PROBE_BYTES]
-        return lz4_compress(probe, scratch[: LZ4_PROBE_BYTES - LZ4_PROBE_BYTES // 16]) > 0
-
-    def _io_read_record(self, slot: int, want: Ident, out: memoryview) -> str | None:
-        """Read and verify one record into ``out``: None, or why it is a miss."""
-        length, stored, span = want.length, want.stored_length, round_up(want.stored_length)
-        direct = want.codec == CODEC_NONE and (
-            not self.direct_io or (length % PAGE == 0 and address(out) % PAGE == 0)
-        )
-        if direct:  # header into scratch, payload straight into the caller's buffer
-            scratch = self._scratch.get(PAGE)
-            if pread_full(self._fd, [scratch[:PAGE], out[:length]], slot) < PAGE + length:
-                return "short"
-        else:
-            scratch = self._scratch.get(PAGE + span)
-            if pread_full(self._fd, [scratch[: PAGE + span]], slot) < PAGE + stored:
-                return "short"
-        h = fmt.parse_header(scratch)
-        if h is None:
-            return "torn"
-        got = Ident(h.key, h.namespace, h.length, h.stored_length, h.codec, h.checksum, h.seq)
-        if (h.kind, h.slot, h.format_id) != (KIND_RECORD, slot, self._format_id) or got != want:
-            return "mismatch"
-        if want.codec == CODEC_LZ4:
-            if not lz4_decompress(scratch[PAGE : PAGE + stored], out[:length]):
-                return "corrupt"
-        elif not direct:
-            out[:length] = scratch[PAGE : PAGE + length]
-        # Bound to the key and namespace the bytes are served for: a header that names another
-        # key (stale, or damaged and re-checksummed) never vouches for these bytes.
-        if block_checksum(out[:length], want.namespace, want.key) != want.checksum:
-            return "corrupt"
-        return None
-
-    def _io_read_header(self, slot: int) -> Header | None:
-        scratch = self._scratch.get(PAGE)
-        if pread_full(self._fd, [scratch[:PAGE]], slot) < PAGE:
-            return None
-        return fmt.parse_header(scratch)
-
-    def _io_open(self, create: bool) -> recovery.Found:
-        """Open and lock the file and find what it holds (``recovery.inspect``: another
-        geometry raises). Read-write: format it if it holds nothing of this format (and
-        ``create``), extend or cut it to its capacity, preallocate it."""
-        if self._read_only:
-            flags, lock = os.O_RDONLY, fcntl.LOCK_SH
-        else:
-            if create:
-                os.makedirs(self.directory, exist_ok=True)
-            flags, lock = os.O_RDWR | (os.O_CREAT if create else 0), fcntl.LOCK_EX
-        self._lock_fd = fd = os.open(self.path, flags | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, lock | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            raise RuntimeError(f"{self.path} is in use by another process") from exc
-        found = recovery.inspect(fd, self.geometry, self.path)
-        for _, what in found.damage:
-            log.warning("nvme tier %s: %s", self.path, what)
-        if found.format_id == 0 and not create:
-            if found.old_version is not None:
-                raise NvmeFormatError(
-                    f"{self.path} is of format version {found.old_version}; this kvstore reads "
-                    f"version {fmt.FORMAT_VERSION} (a daemon reformats it)"
-                )
-            raise NvmeFormatError(f"{self.path} holds no NVMe tier metadata")
-        if self._read_only:
-            self._fd, self.direct_io = fd, False
-        else:
-            found = self._io_prepare(fd, found)
-        self._format_id = found.format_id
-        self._meta_gen, self._next_seq = found.generation, found.next_seq
-        self._descriptors = list(found.descriptors)
-        return found
-
-    def _io_prepare(self, fd: int, found: recovery.Found) -> recovery.Found:
-        """Read-write open: format a file that holds nothing of this format, bring the file to
-        its capacity (a cut file grows back with zeros), preallocate it, open the IO fd."""
-        geo = self.geometry
-        if found.format_id == 0:
-            if found.old_version is not None:
-                log.warning(
-                    "nvme tier %s: a file of format version %d (this is version %d), reformatting",
-                    self.path,
-                    found.old_version,
-                    fmt.FORMAT_VERSION,
-                )
-            elif found.size:
-                log.warning("nvme tier %s: no tier metadata found, formatting", self.path)
-            os.ftruncate(fd, 0)  # drops every old record with the blocks that held it
-            found.size = 0
-        if found.size != geo.capacity_bytes:
-            os.ftruncate(fd, geo.capacity_bytes)  # a cut file grows back: the new part is zeros
-        try:
-            os.posix_fallocate(fd, 0, geo.capacity_bytes)
-            self.preallocated = True
-        except OSError as exc:
-            # Carry on with what the filesystem gave: a write into a hole it cannot fill fails
-            # with NvmeIOError and the tier stays usable. stats() reports preallocated=False.
-            log.warning("nvme tier %s: cannot preallocate: %s", self.path, exc)
-        self._fd, self.direct_io = self._open_io_fd()
-        if found.format_id == 0:
-            # A new format id: no header written under an earlier format can ever validate.
-            n = len(geo.slab_sizes)
-            found = recovery.Found(
-                geo.capacity_bytes,
-                secrets.randbits(63) | 1,
-                generation=1,
-                clean=True,
-                slab_map=[0] * n,
-                descriptors=[-1] * n,
-                meta_ok=[True, True],
-            )
-            for copy in (0, 1):
-                meta = fmt.pack_meta(geo, found.format_id, 1, 1, True, found.slab_map)
-                self._io_write_at(geo.meta_offset(copy), meta)
-            os.fdatasync(self._fd)
-        return found
-
-    def _open_io_fd(self) -> tuple[int, bool]:
-        """An O_DIRECT descriptor if the filesystem takes a probe read and write with it."""
-        if not self._want_direct:
-            return self._lock_fd, False
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
-        except OSError as exc:
-            log.info("nvme tier %s: O_DIRECT refused (%s), using buffered IO", self.path, exc)
-            return self._lock_fd, False
-        probe = self._scratch.get(PAGE)[:PAGE]
-        try:  # page 0 rewritten with its own bytes: harmless, and proves aligned IO works
-            if os.preadv(fd, [probe], 0) != PAGE or os.pwritev(fd, [probe], 0) != PAGE:
-                raise OSError(errno.EINVAL, "short O_DIRECT probe")
-        except OSError as exc:
-            os.close(fd)
-            log.info("nvme tier %s: O_DIRECT probe failed (%s), using buffered IO", self.path, exc)
-            return self._lock_fd, False
-        return fd, True
 
     # ------------------------------------------------------------------ recovery
     async def _recover(self, found: recovery.Found) -> list[NvmeRecord]:
@@ -792,7 +618,7 @@ class NvmeTier:
         max_seq = self._next_seq - 1
 
         async def scan(batch: list[int]) -> tuple[list[int], bytearray]:
-            return batch, await self._run(pool, recovery.scan_headers, self._fd, batch)
+            return batch, await self._run(pool, recovery.scan_headers, self._io.fd, batch)
 
         with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="nvme-scan") as pool:
             # Parsed as each batch arrives, so the loop's share overlaps the other batches' IO.
@@ -870,7 +696,7 @@ class NvmeTier:
                     if out is None:
                         out = buffers[want.length] = memoryview(bytearray(want.length))
                     try:
-                        reason, detail = self._io_read_record(slot, want, out), ""
+                        reason, detail = self._io.read_record(slot, want, out), ""
                     except OSError as exc:
                         reason, detail = "io_error", str(exc)
                     if reason is None:
@@ -880,7 +706,7 @@ class NvmeTier:
                         problems.append(CheckProblem(slot, kind, want.key, detail or reason))
                     continue
                 try:
-                    h = self._io_read_header(slot)
+                    h = self._io.read_header(slot)
                 except OSError as exc:
                     problems.append(CheckProblem(slot, "io_error", None, str(exc)))
                     continue
@@ -901,11 +727,11 @@ class NvmeTier:
                 self.free(p.slot)  # tombstoned in the background, like any free
                 continue
             try:
-                self._io_write_at(p.slot, self._tombstone_page(p.slot))
+                self._io.write_at(p.slot, self._tombstone_page(p.slot))
             except OSError as exc:
                 self._tomb_failed.add(p.slot)
                 log.warning("tombstone of orphan slot %d failed: %s", p.slot, exc)
-        os.fdatasync(self._fd)
+        os.fdatasync(self._io.fd)
 
     def stats(self) -> dict[str, int | float | bool]:
         """Occupancy and counters. ``used_bytes``: slot bytes of the committed records (a record
