@@ -16,6 +16,7 @@ import logging
 import mmap
 import os
 import random
+import resource
 import signal
 import struct
 import subprocess
@@ -321,6 +322,153 @@ async def test_a_geometry_change_is_refused_not_reformatted(
     assert [r.key for r in records] == [key(1)]
 
 
+# ---------------------------------------------------------------------------- mixed block sizes
+async def test_a_slab_emptied_of_one_size_is_taken_by_another(opened):
+    """The bug: a slab once carved for one slot size was never taken back, so after one block
+    size had filled the tier a second size never got a slot."""
+    tier, _ = await opened()
+    a, b = 65536, 200_000
+    written = await fill(tier, a)
+    assert tier.allocate(b) is None
+    victim = tier.slab_of(written[7][0])
+    assert tier.carved_slabs()[victim] == NvmeTier.slot_bytes_for(a)
+    in_victim = sorted(s for s, _ in written.values() if tier.slab_of(s) == victim)
+    assert sorted(tier.live_slots(victim)) == in_victim
+    for s in in_victim:
+        tier.free(s)
+    assert tier.live_slots(victim) == [] and victim not in tier.carved_slabs()
+    new = {}
+    while (slot := tier.allocate(b)) is not None:
+        j = 1000 + len(new)
+        data = block(j, b)
+        await tier.write(slot, key(j), NS, data, cs(j, data))
+        new[j] = slot
+    assert len(new) == 5 and {tier.slab_of(s) for s in new.values()} == {victim}
+    assert tier.allocate(a) is None  # every other slab is still full of size a
+    assert tier.check().ok
+    await tier.close()
+    expected = {i: s for i, (s, _) in written.items() if tier.slab_of(s) != victim} | new
+    tier2, found = await recovered(opened)
+    assert found == expected
+    assert tier2.carved_slabs()[victim] == NvmeTier.slot_bytes_for(b)
+    assert tier2.check().ok
+
+
+@contextlib.contextmanager
+def writes_fail_from(offset: int):
+    """Every write of this process at or past ``offset`` of any file fails with EFBIG while
+    inside: RLIMIT_FSIZE, a real kernel failure (Python ignores SIGXFSZ)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (offset, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+async def test_a_recarved_slab_settles_the_old_carvings_failed_tombstones(opened):
+    """A slab whose last records were freed goes back to the pool even if their tombstones
+    failed; those are retried before any byte of the new carving is written, never after (a
+    late tombstone of the old carving would land inside a new record)."""
+    tier, _ = await opened()
+    a, b = 20000, 100_000
+    written = await fill(tier, a)
+    victim = max(tier.carved_slabs())
+    limit = tier.geometry.slab_start(victim)
+    with writes_fail_from(limit):
+        for slot in tier.live_slots(victim):
+            tier.free(slot)
+        await tier.drain()
+    assert tier.stats()["io_errors"] > 0  # the tombstones failed
+    assert victim not in tier.carved_slabs()
+    new = {}
+    while (slot := tier.allocate(b)) is not None:
+        j = 1000 + len(new)
+        data = block(j, b)
+        await tier.write(slot, key(j), NS, data, cs(j, data))
+        new[j] = slot
+    assert {tier.slab_of(s) for s in new.values()} == {victim}
+    await tier.close()  # retries whatever tombstone is still failed
+    _, found = await recovered(opened)  # reads every record back bit-exact
+    assert found == {i: s for i, (s, _) in written.items() if s < limit} | new
+
+
+async def test_mixed_sizes_churn_shares_the_tier(opened):
+    """Four block sizes whose mix shifts over time, under a daemon-like policy: when a size is
+    refused, empty the carved slab with the fewest live slots (``live_slots``) and ask again.
+    Every refused size gets a slot that way, slabs change sizes, and the tier recovers exactly
+    the live records."""
+    tier, _ = await opened(capacity=12 << 20, slab_bytes=512 << 10)
+    sizes = [8192, 30000, 100_000, 300_000]
+    rng = random.Random(3)
+    live: dict[int, tuple[int, int]] = {}  # slot -> (block, size)
+    sizes_seen: dict[int, set[int]] = {}  # slab -> slot sizes it was carved for
+    refused = 0
+    for i in range(500):
+        n = sizes[i // 125] if rng.random() < 0.8 else rng.choice(sizes)
+        slot = tier.allocate(n)
+        if slot is None:
+            refused += 1
+            victim = min(tier.carved_slabs(), key=lambda s: len(tier.live_slots(s)))
+            for s in tier.live_slots(victim):
+                tier.free(s)
+                del live[s]
+            slot = tier.allocate(n)
+            assert slot is not None, "an emptied slab must take any size"
+        data = block(i, n)
+        await tier.write(slot, key(i), NS, data, cs(i, data), durable=i % 2 == 0)
+        live[slot] = (i, n)
+        for slab, slot_bytes in tier.carved_slabs().items():
+            sizes_seen.setdefault(slab, set()).add(slot_bytes)
+        if live and rng.random() < 0.3:
+            gone = rng.choice(sorted(live))
+            tier.free(gone)
+            del live[gone]
+    assert refused > 10 and max(len(v) for v in sizes_seen.values()) >= 3
+    spans = sorted((s, s + NvmeTier.slot_bytes_for(n)) for s, (_, n) in live.items())
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    st_ = tier.stats()
+    assert st_["blocks"] == len(live) and st_["reserved_slots"] == 0
+    assert st_["used_bytes"] == sum(NvmeTier.slot_bytes_for(n) for _, n in live.values())
+    await tier.drain()
+    assert tier.check().ok
+    await tier.close()
+    tier2, found = await recovered(opened, capacity=12 << 20, slab_bytes=512 << 10)
+    assert found == {i: slot for slot, (i, _) in live.items()}
+    assert tier2.check().ok
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1, 3, 17, 40]), st.booleans()), max_size=300))
+def test_allocator_returns_empty_slabs_to_the_pool(ops):
+    """Property: with empty slabs uncarved as soon as they empty, slots stay disjoint and inside
+    the data region, each slab's use count is right, and a size that fits a slab is refused
+    only when no slab is in the pool."""
+    geo = Geometry.plan((2 << 20) + 5 * PAGE, 256 << 10)
+    alloc = SlotAllocator(geo)
+    held: dict[int, int] = {}
+    for pages, do_free in ops:
+        if do_free and held:
+            slot = next(iter(held))
+            del held[slot]
+            if alloc.release(slot):
+                alloc.uncarve(geo.slab_of(slot))
+            continue
+        got = alloc.allocate(pages * PAGE)
+        if got is None:
+            fits = [s for s in range(len(geo.slab_sizes)) if geo.slot_count(s, pages * PAGE)]
+            assert all(alloc.slab_slot_bytes[s] for s in fits), "refused, a slab in the pool"
+        else:
+            held[got] = pages * PAGE
+    spans = sorted((s, s + n) for s, n in held.items())
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    assert all(geo.data_start <= s and e <= geo.capacity_bytes for s, e in spans)
+    for slab in range(len(geo.slab_sizes)):
+        mine = [s for s in held if geo.slab_of(s) == slab]
+        assert alloc.used[slab] == len(mine)
+        assert all(alloc.slot_bytes_at(s) == held[s] for s in mine)
+
+
 # ---------------------------------------------------------------------------- damaged metadata
 async def fill(tier: NvmeTier, n: int, count: int | None = None) -> dict[int, tuple[int, bytes]]:
     """Blocks 0, 1, ... of ``n`` bytes until the tier is full (or ``count`` are written)."""
@@ -545,27 +693,35 @@ async def _child(directory: str, mode: str) -> None:
                 await tier.sync()
         print("WRITTEN", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    # Churn: keys from int(mode) up; what an earlier run left is evicted oldest first too.
+    # Churn: keys from the base up, every other write durable; what an earlier run left is
+    # evicted oldest first too. "mixed:": the size mix shifts every 120 writes and eviction is
+    # oldest first over every size, so slabs change sizes; else each size evicts its own.
+    mixed, base = mode.startswith("mixed:"), int(mode.split(":")[-1])
     live: list[deque[tuple[int, int]]] = [deque() for _ in CHILD_SIZES]
-    for r in records:
-        live[CHILD_SIZES.index(r.length)].append((int.from_bytes(r.key, "big"), r.slot))
-    counter = iter(range(int(mode), 1 << 40))
+    for r in sorted(records, key=lambda r: r.seq):
+        k = 0 if mixed else CHILD_SIZES.index(r.length)
+        live[k].append((int.from_bytes(r.key, "big"), r.slot))
+    counter = iter(range(base, 1 << 40))
+    rng = random.Random(base)
 
     async def writer() -> None:
         while True:
             i = next(counter)
             n = CHILD_SIZES[i % len(CHILD_SIZES)]
+            if mixed and rng.random() < 0.8:
+                n = CHILD_SIZES[(i - base) // 120 % len(CHILD_SIZES)]
+            k = 0 if mixed else i % len(CHILD_SIZES)
             while (slot := tier.allocate(n)) is None:
-                if live[i % len(CHILD_SIZES)]:
-                    j, old = live[i % len(CHILD_SIZES)].popleft()
+                if live[k]:
+                    j, old = live[k].popleft()
                     print(f"F {j}", flush=True)  # before the free: j may or may not come back
                     tier.free(old)
                 else:
                     await asyncio.sleep(0.001)
             data = block(i, n)
-            await tier.write(slot, key(i), NS, data, cs(i, data))
-            print(f"W {i} {slot}", flush=True)
-            live[i % len(CHILD_SIZES)].append((i, slot))
+            await tier.write(slot, key(i), NS, data, cs(i, data), durable=i % 2 == 0)
+            print(f"W {i} {slot} {n}", flush=True)
+            live[k].append((i, slot))
 
     await asyncio.gather(*(writer() for _ in range(8)))
 
@@ -591,19 +747,22 @@ def _run_and_kill(directory: Path, mode: str, until) -> list[str]:
     return lines
 
 
-async def test_sigkill_mid_write_recovers_every_acknowledged_block(tmp_path):
-    """Two rounds: a child churns writes and frees (8 in flight) and is SIGKILLed at a random
-    moment; open() must return every block it acknowledged and not freed, each bit-exact, and
-    nothing else that fails to read back. The second child starts from the first's wreckage."""
+@pytest.mark.parametrize("mix", ["", "mixed:"])
+async def test_sigkill_mid_write_recovers_every_acknowledged_block(tmp_path, mix):
+    """Two rounds: a child churns writes (durable and plain) and frees, 8 in flight, and is
+    SIGKILLed at a random moment; open() must return every block it acknowledged and not freed,
+    each bit-exact, and nothing else that fails to read back. The second child starts from the
+    first's wreckage. Mixed: slabs are emptied and carved for other sizes all along."""
     directory = tmp_path / "nvme"
-    written: dict[int, int] = {}
+    written: dict[int, tuple[int, int]] = {}
     freed: set[int] = set()
     for base in (0, 1 << 20):
-        lines = _run_and_kill(directory, str(base), lambda ls: sum(x[0] == "W" for x in ls) >= 250)
+        mode = f"{mix}{base}"
+        lines = _run_and_kill(directory, mode, lambda ls: sum(x[0] == "W" for x in ls) >= 250)
         for line in lines:
             op, number, *where = line.split()
             if op == "W":
-                written[int(number)] = int(where[0])
+                written[int(number)] = (int(where[0]), int(where[1]))
             else:
                 freed.add(int(number))
         assert len(written) >= 250 * (1 + (base > 0)) and freed, "the child should churn"
@@ -613,11 +772,11 @@ async def test_sigkill_mid_write_recovers_every_acknowledged_block(tmp_path):
             by_i = {int.from_bytes(r.key, "big"): r for r in records}
             missing = [i for i in written if i not in freed and i not in by_i]
             assert not missing, f"acknowledged writes lost: {missing[:10]}"
-            for i, slot in written.items():
+            for i, (slot, n) in written.items():
                 if i not in freed:
-                    assert by_i[i].slot == slot
+                    assert (by_i[i].slot, by_i[i].length) == (slot, n)
             for i, r in by_i.items():  # every recovered record is whole, printed or not
-                data = block(i, CHILD_SIZES[i % len(CHILD_SIZES)])
+                data = block(i, r.length)
                 assert await read(tier, r.slot, i, len(data), r.checksum) == data
             assert tier.check().ok
         finally:

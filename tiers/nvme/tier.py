@@ -38,6 +38,7 @@ from kvstore.tiers.nvme.records import (
     CheckProblem,
     CheckReport,
     Ident,
+    NamespaceIds,
     NvmeRecord,
     RecordTable,
 )
@@ -78,11 +79,21 @@ class NvmeTier:
     eviction: the daemon's index decides which block lives where and which goes, and frees a
     slot when ``allocate`` returns None. Slot handles are byte offsets in the file.
 
+    Slabs: a slab is carved for one slot size when a size needs room, and goes back to the pool
+    when its last slot is freed, so any mix of block sizes shares the file. ``allocate``
+    returns None only when no slab of the size has a free slot and the pool is empty; the
+    daemon then frees a block of that size, or empties a slab of another size (``carved_slabs``,
+    ``live_slots``, ``slab_of``): which, is its policy's choice. A slab's new carving is
+    written to its descriptor (and the metadata) before any record in it commits, and no byte
+    of it is written before every tombstone of the old carving has landed.
+
     Concurrency contract. Every method is called on the daemon's event loop thread.
-    ``allocate``, ``free`` and ``stats`` are sync and O(1). ``open``, ``write``, ``read_into``,
-    ``drain`` and ``close`` are coroutines whose IO runs on threads (``os.preadv``/``pwritev``
-    release the GIL): ``io_threads`` threads for reads and ``io_threads`` more for writes, so a
-    read never queues behind writes, and one thread for fdatasync. ``check`` is sync and blocks
+    ``allocate`` (O(log slabs)), ``free``, ``stats``, ``slab_of``, ``carved_slabs`` and
+    ``live_slots`` are sync and never block (a ``free`` that empties a slab also looks through
+    the tombstones in flight). ``open``, ``write``, ``read_into``, ``sync``, ``drain`` and
+    ``close`` are coroutines whose IO runs on threads (``os.preadv``/``pwritev`` release the
+    GIL): ``io_threads`` threads for reads and ``io_threads`` more for writes, so a read never
+    queues behind writes, and one thread for fdatasync. ``check`` is sync and blocks
     its caller while it reads the whole tier: for start-up, the CLI and tests.
 
     Checksums: every checksum the tier takes, stores and hands out is
@@ -177,10 +188,16 @@ class NvmeTier:
         self._codec = CODECS[codec]
         self._want_direct = direct_io
         self._alloc = SlotAllocator(self.geometry)
-        self._table = RecordTable()
+        self._namespaces = NamespaceIds()
+        self._tables: list[RecordTable | None] = [None] * len(self.geometry.slab_sizes)
         self._reserved = 0  # slots allocated and not (yet) committed
         self._tombstones: dict[int, asyncio.Task[None]] = {}
-        self._tomb_failed: set[int] = set()  # free slots whose header may still be valid
+        # Free slots whose header may still be valid (a tombstone failed), with the slot size
+        # in pages of the carving they belong to.
+        self._tomb_failed: dict[int, int] = {}
+        # Slabs uncarved while tombstones of their old carving were in flight or had failed:
+        # those slots, settled before any payload of the new carving is written.
+        self._unsettled: dict[int, set[int]] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
         self._file: SlabFile | None = None
         self._io = RecordIO(-1, False, self._codec)  # the open file's, once open
@@ -213,7 +230,8 @@ class NvmeTier:
         (capacity or slab size: the message names both; the configuration is wrong, or the file
         must be deleted to start an empty tier of the new size) or of a newer format. A file of
         an older format, or holding no tier metadata at all, is formatted (logged), unless
-        ``create`` is False: then that is an NvmeFormatError too, and so is a missing file.
+        ``create`` is False: then that is an NvmeFormatError too, and a missing file a
+        FileNotFoundError. RuntimeError if another process holds the file.
 
         ``read_only``: open the file read-only (a shared lock, so not while a daemon has it) and
         write nothing, ever: no repair, no tombstone, no clean mark; for ``check`` and
@@ -282,9 +300,9 @@ class NvmeTier:
             return
         try:
             await self.drain()
-            for slot in sorted(self._tomb_failed):
+            for slot, pages in sorted(self._tomb_failed.items()):
                 try:
-                    await self._write_tombstone(slot)
+                    await self._write_tombstone(slot, pages)
                 except OSError as exc:
                     log.warning("tombstone of slot %d failed at close: %s", slot, exc)
             await self._write_meta(clean=True)
@@ -316,8 +334,9 @@ class NvmeTier:
 
     # ------------------------------------------------------------------ slots
     def allocate(self, block_bytes: int) -> int | None:
-        """A free slot for a block of ``block_bytes``, or None: evict a block of that size,
-        free its slot, ask again."""
+        """A free slot for a block of ``block_bytes``, or None when no slab carved for that
+        slot size has a free slot and no slab is left in the pool: evict a block of that size
+        and ask again, or empty a slab of another size (``live_slots``) and ask again."""
         self._require_writable()
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
@@ -329,43 +348,87 @@ class NvmeTier:
             )
         slot = self._alloc.allocate(slot_bytes)
         if slot is not None:
-            i = self._alloc.ordinal(slot)
-            self._table.grow(self._alloc.ordinals)
-            assert self._table.state[i] == FREE, f"allocator out of sync: slot {slot} given twice"
-            self._table.state[i] = ALLOCATED
+            slab, i = self._alloc.locate(slot)
+            table = self._tables[slab]
+            if table is None:  # newly carved
+                table = RecordTable(self._alloc.slot_count(slab), self._namespaces)
+                self._tables[slab] = table
+            assert table.state[i] == FREE, f"allocator out of sync: slot {slot} given twice"
+            table.state[i] = ALLOCATED
             self._reserved += 1
         return slot
 
     def free(self, slot: int) -> None:
-        """Give the slot back; its record is invalidated on disk lazily (see the free rule)."""
+        """Give the slot back; its record is invalidated on disk lazily (see the free rule).
+        A slab left with no slot in use goes back to the pool of uncarved slabs."""
         self._require_writable()
-        i = self._alloc.ordinal(slot)
-        state = self._table.state[i] if i < len(self._table) else FREE
+        table, i = self._record_table(slot)
+        state = table.state[i]
         if state == FREE:
             raise ValueError(f"free of slot {slot}, which is not allocated")
         if state & ~FREE_AFTER_WRITE == WRITING:
-            self._table.state[i] = WRITING | FREE_AFTER_WRITE
+            table.state[i] = WRITING | FREE_AFTER_WRITE
             return
         if state == LIVE:
-            self._account(slot, i, -1)
+            self._account(slot, table, i, -1)
         else:
             self._reserved -= 1
-        self._release(slot, i, tombstone=state == LIVE)
+        self._release(slot, table, i, tombstone=state == LIVE)
 
-    def _account(self, slot: int, i: int, sign: int) -> None:
+    def slab_of(self, slot: int) -> int:
+        """The slab that holds ``slot``."""
+        return self.geometry.slab_of(slot)
+
+    def carved_slabs(self) -> dict[int, int]:
+        """Slot bytes of every carved slab, by slab; the other slabs are in the pool."""
+        return {slab: self._alloc.slab_slot_bytes[slab] for slab in self._alloc.carved()}
+
+    def live_slots(self, slab: int) -> list[int]:
+        """The slots of ``slab`` in use (allocated, being written, or holding a record); [] for
+        a slab in the pool. Freeing them all returns the slab to the pool, where any block size
+        can take it: how the daemon's policy makes room for a size ``allocate`` refuses."""
+        table = self._tables[slab]
+        if table is None:
+            return []
+        return [s for i, s in enumerate(self._alloc.slots(slab)) if table.state[i] != FREE]
+
+    def _record_table(self, slot: int) -> tuple[RecordTable, int]:
+        """The record table of the slot's slab and the slot's index in it; ValueError if
+        ``slot`` is not a slot of a carved slab."""
+        slab, i = self._alloc.locate(slot)
+        table = self._tables[slab]
+        assert table is not None, f"carved slab {slab} has no record table"
+        return table, i
+
+    def _account(self, slot: int, table: RecordTable, i: int, sign: int) -> None:
         self._live_blocks += sign
         self._used_bytes += sign * self._alloc.slot_bytes_at(slot)
-        self._raw_bytes += sign * self._table.length[i]
-        self._stored_bytes += sign * round_up(self._table.stored_length[i])
+        self._raw_bytes += sign * table.length[i]
+        self._stored_bytes += sign * round_up(table.stored_length[i])
 
-    def _release(self, slot: int, i: int, *, tombstone: bool) -> None:
-        self._table.state[i] = FREE
+    def _release(self, slot: int, table: RecordTable, i: int, *, tombstone: bool) -> None:
+        table.state[i] = FREE
         if tombstone:
             self._start_tombstone(slot)
-        self._alloc.release(slot)
+        if self._alloc.release(slot):
+            self._return_slab(self.geometry.slab_of(slot))
+
+    def _return_slab(self, slab: int) -> None:
+        """Uncarve an empty slab. Nothing is written: its descriptor keeps the old carving
+        until a new one is persisted, and recovery releases a slab with no record again. The
+        old carving's tombstones still in flight or failed are settled before any payload of
+        the next carving goes into the slab (``_settle_slab``): a late tombstone must never land
+        in the new carving's bytes, and an old header must never survive to describe them."""
+        geo = self.geometry
+        old = {s for s in (*self._tombstones, *self._tomb_failed) if geo.slab_of(s) == slab}
+        if old:
+            self._unsettled.setdefault(slab, set()).update(old)
+        self._alloc.uncarve(slab)
+        self._tables[slab] = None
 
     def _start_tombstone(self, slot: int) -> None:
-        task = asyncio.ensure_future(self._tombstone(slot, self._tombstones.get(slot)))
+        pages = self._alloc.slot_bytes_at(slot) // PAGE  # of this carving, whatever comes next
+        task = asyncio.ensure_future(self._tombstone(slot, pages, self._tombstones.get(slot)))
         self._tombstones[slot] = task
         self._track(task)
 
@@ -400,8 +463,8 @@ class NvmeTier:
         key)``. Raises NvmeIOError on an IO failure and ValueError if ``data`` does not match
         ``checksum``; after either the slot is free again."""
         self._require_writable()
-        i = self._alloc.ordinal(slot)
-        if i >= len(self._table) or self._table.state[i] != ALLOCATED:
+        table, i = self._record_table(slot)
+        if table.state[i] != ALLOCATED:
             raise ValueError(f"write to slot {slot}, which is not allocated and unwritten")
         if len(key) != KEY_BYTES or len(namespace) != FINGERPRINT_BYTES:
             raise ValueError(f"key must be {KEY_BYTES} bytes and namespace {FINGERPRINT_BYTES}")
@@ -409,9 +472,11 @@ class NvmeTier:
         slot_bytes = self._alloc.slot_bytes_at(slot)
         if not 0 < view.nbytes <= slot_bytes - PAGE:
             raise ValueError(f"{view.nbytes}-byte block does not fit a {slot_bytes}-byte slot")
-        self._table.state[i] = WRITING
+        table.state[i] = WRITING
         task = asyncio.ensure_future(
-            self._write_record(slot, i, bytes(key), bytes(namespace), view, checksum, durable)
+            self._write_record(
+                slot, table, i, bytes(key), bytes(namespace), view, checksum, durable
+            )
         )
         self._track(task)
         try:
@@ -419,7 +484,7 @@ class NvmeTier:
             await asyncio.shield(task)
         except asyncio.CancelledError:
             if not task.done():
-                self._table.state[i] = WRITING | FREE_AFTER_WRITE
+                table.state[i] = WRITING | FREE_AFTER_WRITE
             elif not task.cancelled() and task.exception() is None and not task.result():
                 self.free(slot)  # committed just as the caller gave up (and not freed yet)
             raise
@@ -427,6 +492,7 @@ class NvmeTier:
     async def _write_record(
         self,
         slot: int,
+        table: RecordTable,
         i: int,
         key: bytes,
         namespace: bytes,
@@ -438,6 +504,7 @@ class NvmeTier:
         seq = self._take_seq()
         header_tried = False
         try:
+            await self._settle_slab(self.geometry.slab_of(slot))
             await self._settle_tombstone(slot)
             stored, codec = await self._run(
                 self._write_pool, self._io.write_payload, slot, key, namespace, view, checksum
@@ -457,18 +524,18 @@ class NvmeTier:
             # A header whose write or flush reported an error may still have landed, so such a
             # slot is tombstoned before anyone can reuse it.
             self._reserved -= 1
-            self._release(slot, i, tombstone=header_tried)
+            self._release(slot, table, i, tombstone=header_tried)
             if isinstance(exc, OSError):
                 self._counters["io_errors"] += 1
                 raise NvmeIOError(
                     exc.errno or errno.EIO, f"write of slot {slot} failed: {exc.strerror or exc}"
                 ) from exc
             raise
-        free_now = self._table.state[i] & FREE_AFTER_WRITE
-        self._table.set_record(i, Ident(key, namespace, view.nbytes, stored, codec, checksum, seq))
-        self._table.state[i] = LIVE
+        free_now = table.state[i] & FREE_AFTER_WRITE
+        table.set_record(i, Ident(key, namespace, view.nbytes, stored, codec, checksum, seq))
+        table.state[i] = LIVE
         self._reserved -= 1
-        self._account(slot, i, +1)
+        self._account(slot, table, i, +1)
         self._counters["writes"] += 1
         self._counters["durable_writes"] += durable
         self._counters["write_bytes"] += 2 * PAGE + round_up(stored)
@@ -485,19 +552,31 @@ class NvmeTier:
         await self._flush.barrier()
         self._counters["syncs"] += 1
 
+    async def _settle_slab(self, slab: int) -> None:
+        """Before the first payload of a new carving: every tombstone of the slab's previous
+        carving has landed (retried here if it failed; an OSError fails the caller's write and
+        the next write retries). See ``_return_slab``."""
+        old = self._unsettled.get(slab)
+        while old:
+            slot = next(iter(old))
+            await self._settle_tombstone(slot)
+            old.discard(slot)
+        self._unsettled.pop(slab, None)
+
     async def _settle_tombstone(self, slot: int) -> None:
         """Make sure no valid old header is left in ``slot`` before new bytes go into it."""
         task = self._tombstones.get(slot)
         if task is not None:
             await asyncio.shield(task)
-        if slot in self._tomb_failed:
-            await self._write_tombstone(slot)
+        pages = self._tomb_failed.get(slot)
+        if pages is not None:
+            await self._write_tombstone(slot, pages)
 
-    async def _tombstone(self, slot: int, previous: asyncio.Task[None] | None) -> None:
+    async def _tombstone(self, slot: int, pages: int, previous: asyncio.Task[None] | None) -> None:
         if previous is not None:
             await asyncio.shield(previous)
         try:
-            await self._write_tombstone(slot)
+            await self._write_tombstone(slot, pages)
         except OSError as exc:
             self._counters["io_errors"] += 1
             log.warning("tombstone of slot %d failed; retried before reuse: %s", slot, exc)
@@ -505,14 +584,14 @@ class NvmeTier:
             if self._tombstones.get(slot) is asyncio.current_task():
                 del self._tombstones[slot]
 
-    async def _write_tombstone(self, slot: int) -> None:
-        self._tomb_failed.add(slot)  # until the flush below returns
-        await self._run(self._write_pool, self._io.write_at, slot, self._tombstone_page(slot))
+    async def _write_tombstone(self, slot: int, pages: int) -> None:
+        self._tomb_failed[slot] = pages  # until the flush below returns
+        page = self._tombstone_page(slot, pages)
+        await self._run(self._write_pool, self._io.write_at, slot, page)
         await self._flush.barrier()
-        self._tomb_failed.discard(slot)
+        self._tomb_failed.pop(slot, None)
 
-    def _tombstone_page(self, slot: int) -> bytearray:
-        pages = self._alloc.slot_bytes_at(slot) // PAGE
+    def _tombstone_page(self, slot: int, pages: int) -> bytearray:
         tomb = (KIND_TOMBSTONE, CODEC_NONE, pages, slot, self._take_seq(), self._format_id)
         return fmt.pack_header(Header(*tomb, bytes(KEY_BYTES), bytes(FINGERPRINT_BYTES), 0, 0, 0))
 
@@ -575,15 +654,18 @@ class NvmeTier:
         record on disk is not this block intact: short read, header mismatch, checksum or
         decompression failure, IO error. ``out`` holds undefined bytes after a miss."""
         self._require_open()
-        i = self._alloc.ordinal(slot)
-        if i >= len(self._table) or self._table.state[i] != LIVE:
+        try:
+            table, i = self._record_table(slot)
+        except ValueError:
+            table, i = None, -1
+        if table is None or table.state[i] != LIVE:
             raise ValueError(f"read of slot {slot}, which holds no committed record")
         view = memoryview(out).cast("B")
         if view.readonly:
             raise TypeError("out must be a writable buffer")
         c = self._counters
         c["reads"] += 1
-        want = self._table.ident(i)  # a snapshot: the slot may be freed while the IO runs
+        want = table.ident(i)  # a snapshot: the slot may be freed while the IO runs
         asked = (key, namespace, view.nbytes, checksum)
         if asked != (want.key, want.namespace, want.length, want.checksum):
             c["misses"] += 1
@@ -648,11 +730,11 @@ class NvmeTier:
             self.geometry, slab_map, {h.slot for h in newest.values()}
         )
         self._meta_version = -1  # rewritten after recovery
-        self._table = table = RecordTable()
-        table.grow(self._alloc.ordinals)
+        for slab in self._alloc.carved():
+            self._tables[slab] = RecordTable(self._alloc.slot_count(slab), self._namespaces)
         records = []
         for h in sorted(newest.values(), key=lambda h: h.seq):
-            i = self._alloc.ordinal(h.slot)
+            table, i = self._record_table(h.slot)
             ident = Ident(h.key, h.namespace, h.length, h.stored_length, h.codec, h.checksum, h.seq)
             table.set_record(i, ident)
             table.state[i] = LIVE
@@ -662,10 +744,14 @@ class NvmeTier:
             records.append(NvmeRecord(h.slot, *ident[:4], h.checksum, h.seq))
         self._live_blocks = len(records)
         for slot in stale:  # older copies of a key: free already, invalidated before reuse
-            if self._read_only:
-                self._tomb_failed.add(slot)  # left as they are: the next read-write open's job
+            if self._read_only:  # left as they are: the next read-write open's job
+                self._tomb_failed[slot] = self._alloc.slot_bytes_at(slot) // PAGE
             else:
                 self._start_tombstone(slot)
+        if not self._read_only:  # slabs without a record go back to the pool
+            for slab in self._alloc.carved():
+                if self._alloc.used[slab] == 0:
+                    self._return_slab(slab)
         await self.drain()
         return records
 
@@ -682,16 +768,16 @@ class NvmeTier:
         problems = [CheckProblem(at, "metadata", None, what) for at, what in self._damage]
         checked = ok = 0
         buffers: dict[int, memoryview] = {}
-        self._table.grow(self._alloc.ordinals)
         for slab in self._alloc.carved():
-            for slot in self._alloc.slots(slab):
-                i = self._alloc.ordinal(slot)
-                state = self._table.state[i]
+            table = self._tables[slab]
+            assert table is not None
+            for i, slot in enumerate(self._alloc.slots(slab)):
+                state = table.state[i]
                 if slot in self._tombstones or state & ~FREE_AFTER_WRITE == WRITING:
                     continue
                 checked += 1
                 if state == LIVE:
-                    want = self._table.ident(i)
+                    want = table.ident(i)
                     out = buffers.get(want.length)
                     if out is None:
                         out = buffers[want.length] = memoryview(bytearray(want.length))
@@ -720,18 +806,21 @@ class NvmeTier:
         return CheckReport(checked, ok, problems, fix)
 
     def _fix(self, problems: list[CheckProblem]) -> None:
+        # Orphans first: freeing a damaged record may return its slab to the pool.
         for p in problems:
-            if p.kind == "metadata":
-                continue  # only a read-only open reports it; a read-write open repairs it
-            if self._table.state[self._alloc.ordinal(p.slot)] == LIVE:
-                self.free(p.slot)  # tombstoned in the background, like any free
-                continue
-            try:
-                self._io.write_at(p.slot, self._tombstone_page(p.slot))
-            except OSError as exc:
-                self._tomb_failed.add(p.slot)
-                log.warning("tombstone of orphan slot %d failed: %s", p.slot, exc)
+            if p.kind == "orphan":
+                pages = self._alloc.slot_bytes_at(p.slot) // PAGE
+                try:
+                    self._io.write_at(p.slot, self._tombstone_page(p.slot, pages))
+                except OSError as exc:
+                    self._tomb_failed[p.slot] = pages
+                    log.warning("tombstone of orphan slot %d failed: %s", p.slot, exc)
         os.fdatasync(self._io.fd)
+        for p in problems:
+            if p.kind not in ("orphan", "metadata"):  # metadata: reported by read-only opens
+                table, i = self._record_table(p.slot)
+                if table.state[i] == LIVE:
+                    self.free(p.slot)  # tombstoned in the background, like any free
 
     def stats(self) -> dict[str, int | float | bool]:
         """Occupancy and counters. ``used_bytes``: slot bytes of the committed records (a record
