@@ -75,11 +75,28 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
 
     chk = sub.add_parser(
-        "check", help="verify an NVMe tier directory against its records (daemon stopped)"
+        "check",
+        help="verify an NVMe tier directory against its records (daemon stopped); reads only,"
+        " unless --fix",
     )
     chk.add_argument("--nvme-path", required=True)
-    chk.add_argument("--nvme-capacity", type=parse_size, required=True)
-    chk.add_argument("--fix", action="store_true", help="free corrupt, torn and orphan records")
+    chk.add_argument(
+        "--nvme-capacity",
+        type=parse_size,
+        required=True,
+        help="the tier's configured capacity; a file of another size is an error, never changed",
+    )
+    chk.add_argument(
+        "--nvme-slab-bytes",
+        type=parse_size,
+        default=None,
+        help="the tier's slab size, if not the default (the daemon uses the default)",
+    )
+    chk.add_argument(
+        "--fix",
+        action="store_true",
+        help="open read-write: repair damaged metadata, free corrupt, torn and orphan records",
+    )
     chk.add_argument("--json", action="store_true")
 
     hsh = sub.add_parser("hash", help="print the block keys of a token sequence")
@@ -313,11 +330,14 @@ def cmd_hash(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    """Without ``--fix`` the file is opened read-only and nothing is written. A file of another
+    geometry, of another format version, or missing is an error (exit 2), never formatted."""
     from kvstore.tiers.nvme import NvmeTier
 
     async def run() -> Any:
-        tier = NvmeTier(args.nvme_path, args.nvme_capacity, direct_io=False)
-        await tier.open()
+        slab = {} if args.nvme_slab_bytes is None else {"slab_bytes": args.nvme_slab_bytes}
+        tier = NvmeTier(args.nvme_path, args.nvme_capacity, direct_io=False, **slab)
+        await tier.open(read_only=not args.fix, create=False)
         try:
             return tier.check(fix=args.fix)
         finally:
@@ -325,7 +345,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     try:
         report = asyncio.run(run())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:  # NvmeFormatError is a ValueError
         print(f"kvstore check: {exc}", file=sys.stderr)
         return 2
     data = report if isinstance(report, dict) else dataclasses.asdict(report)

@@ -1,92 +1,126 @@
 """Slot allocation inside the slab file: size classes carved from slabs (the CPU tier's idea,
-with a slab map that the tier persists and rebuilds at recovery)."""
+with a slab map that the tier persists and rebuilds at recovery). A slab's first page is its
+descriptor; its slots follow. A slab whose slots are all free goes back to the pool of uncarved
+slabs, so any mix of block sizes shares the file."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import heapq
 
-from kvstore.tiers.nvme.ondisk import Geometry
-
-
-@dataclass
-class _SizeClass:
-    slot_bytes: int
-    free: list[int] = field(default_factory=list)
-    next: int = 0  # bump pointer into the slab this class is carving
-    end: int = 0
+from kvstore.tiers.nvme.ondisk import PAGE, Geometry
 
 
 class SlotAllocator:
-    """Which slab is carved into which slot size, and each size class's free slots.
+    """Which slab is carved into which slot size, and which slots are free.
 
-    A class takes a whole uncarved slab when it runs out and carves it lazily (a bump pointer, so
-    ``allocate`` is O(1)); a slab stays with its class. ``version`` counts carvings: the tier
-    persists the slab map before a record in a newly carved slab may commit, because recovery
-    finds headers only where the map says slots are. Every slot of a carved slab has an
-    ordinal in ``[0, ordinals)``, dense, for per-slot arrays. Owned by the event loop; not
+    A slab is either in the pool (uncarved) or carved into slots of one size. A size class
+    takes the lowest-numbered slab of the pool when none of its slabs has a free slot, and hands
+    out the slots of a fresh slab lazily (a bump pointer, so ``allocate`` is O(log slabs)).
+    Allocation prefers the lowest-numbered slab with room, so the higher slabs of a class drain
+    first. ``release`` of a slab's last used slot leaves it empty: the tier then calls
+    ``uncarve`` (which it may only do once no IO of the old carving is left in flight) and the
+    slab goes back to the pool for any size. ``version`` counts carvings and uncarvings: the
+    tier persists the carving before a record in a newly carved slab may commit, because
+    recovery finds headers only where a slab says its slots are. Owned by the event loop; not
     thread-safe.
+
+    Invariants (asserted where they are maintained): ``used[s]`` is the number of slots of slab
+    ``s`` handed out and not released; a slab in the pool has ``used == 0`` and no slot size.
     """
 
     def __init__(self, geo: Geometry) -> None:
+        n = len(geo.slab_sizes)
         self._geo = geo
-        self.slab_slot_bytes = [0] * len(geo.slab_sizes)
-        # A stack with the lowest slab on top; the short last slab, if any, sits at the bottom.
-        self._free_slabs = list(range(len(geo.slab_sizes) - 1, -1, -1))
-        self._classes: dict[int, _SizeClass] = {}
-        self._first = [-1] * len(geo.slab_sizes)  # ordinal of each carved slab's first slot
-        self.ordinals = 0
+        self.slab_slot_bytes = [0] * n
+        self.used = [0] * n
+        self._count = [0] * n  # slots of each carved slab
+        self._bump = [0] * n  # slots of the carving handed out at least once: a prefix
+        self._free: list[list[int]] = [[] for _ in range(n)]  # released, below the bump
+        self._pool = list(range(n))  # uncarved slabs: a min-heap
+        # Per slot size, a min-heap of its slabs that may have room; ``_listed[s]`` says which
+        # heap lists ``s`` (0: none), and entries whose slab has moved on are dropped lazily.
+        self._room: dict[int, list[int]] = {}
+        self._listed = [0] * n
         self.version = 0
 
-    def _class(self, slot_bytes: int) -> _SizeClass:
-        cls = self._classes.get(slot_bytes)
-        if cls is None:
-            cls = self._classes[slot_bytes] = _SizeClass(slot_bytes)
-        return cls
-
     def allocate(self, slot_bytes: int) -> int | None:
-        cls = self._class(slot_bytes)
-        if cls.free:
-            return cls.free.pop()
-        if cls.next + slot_bytes > cls.end:
-            if not self._free_slabs:
-                return None
-            slab = self._free_slabs[-1]
-            size = self._geo.slab_sizes[slab]
-            if size < slot_bytes:  # only the short tail slab is left and this class won't fit
-                return None
-            self._free_slabs.pop()
-            self._carve(slab, slot_bytes)
-            self.version += 1
-            cls.next = self._geo.slab_start(slab)
-            cls.end = cls.next + size // slot_bytes * slot_bytes
-        slot = cls.next
-        cls.next += slot_bytes
-        return slot
+        """A free slot of ``slot_bytes``, or None when no slab of that size has room and no
+        uncarved slab can take the size."""
+        heap = self._room.setdefault(slot_bytes, [])
+        while heap:
+            slab = heap[0]
+            if self._listed[slab] == slot_bytes and self.slab_slot_bytes[slab] == slot_bytes:
+                if self._free[slab] or self._bump[slab] < self._count[slab]:
+                    return self._take(slab)
+                self._listed[slab] = 0
+            heapq.heappop(heap)
+        if not self._pool or self._geo.slot_count(self._pool[0], slot_bytes) == 0:
+            return None  # no slab left, or only the short tail slab and the size won't fit
+        slab = heapq.heappop(self._pool)
+        self._carve(slab, slot_bytes)
+        self.version += 1
+        self._list(slab)
+        return self._take(slab)
+
+    def _take(self, slab: int) -> int:
+        self.used[slab] += 1
+        if self._free[slab]:
+            return self._free[slab].pop()
+        index, self._bump[slab] = self._bump[slab], self._bump[slab] + 1
+        return self._geo.slab_start(slab) + PAGE + index * self.slab_slot_bytes[slab]
 
     def _carve(self, slab: int, slot_bytes: int) -> None:
+        assert self.used[slab] == 0 and not self.slab_slot_bytes[slab], f"slab {slab} is carved"
         self.slab_slot_bytes[slab] = slot_bytes
-        self._first[slab] = self.ordinals
-        self.ordinals += self._geo.slab_sizes[slab] // slot_bytes
+        self._count[slab] = self._geo.slot_count(slab, slot_bytes)
+        self._bump[slab] = 0
+        self._free[slab] = []
 
-    def ordinal(self, slot: int) -> int:
-        """The dense index of ``slot``; ValueError if it is not a slot of a carved slab."""
+    def _list(self, slab: int) -> None:
+        slot_bytes = self.slab_slot_bytes[slab]
+        if self._listed[slab] != slot_bytes:
+            self._listed[slab] = slot_bytes
+            heapq.heappush(self._room.setdefault(slot_bytes, []), slab)
+
+    def release(self, slot: int) -> bool:
+        """Give a slot back; True if that left its slab with no slot in use."""
+        slab, _ = self.locate(slot)
+        assert self.used[slab] > 0, f"allocator out of sync: slot {slot} released twice"
+        self.used[slab] -= 1
+        self._free[slab].append(slot)
+        self._list(slab)
+        return self.used[slab] == 0
+
+    def uncarve(self, slab: int) -> None:
+        """Return an empty carved slab to the pool."""
+        assert self.slab_slot_bytes[slab] and self.used[slab] == 0, f"slab {slab} is in use"
+        self.slab_slot_bytes[slab] = self._count[slab] = self._bump[slab] = 0
+        self._free[slab] = []
+        self._listed[slab] = 0
+        heapq.heappush(self._pool, slab)
+        self.version += 1
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        """(slab, index of the slot in it); ValueError if ``slot`` is not a slot of a carved
+        slab."""
         slab = self._geo.slab_of(slot)
-        if 0 <= slab < len(self._first) and self._first[slab] >= 0:
-            index, rest = divmod(slot - self._geo.slab_start(slab), self.slab_slot_bytes[slab])
-            if rest == 0 and 0 <= index < self._geo.slab_sizes[slab] // self.slab_slot_bytes[slab]:
-                return self._first[slab] + index
+        if 0 <= slab < len(self.slab_slot_bytes) and self.slab_slot_bytes[slab]:
+            index, rest = divmod(
+                slot - self._geo.slab_start(slab) - PAGE, self.slab_slot_bytes[slab]
+            )
+            if rest == 0 and 0 <= index < self._count[slab]:
+                return slab, index
         raise ValueError(f"{slot} is not a slot of this tier")
-
-    def release(self, slot: int) -> None:
-        self._classes[self.slot_bytes_at(slot)].free.append(slot)
 
     def slot_bytes_at(self, slot: int) -> int:
         return self.slab_slot_bytes[self._geo.slab_of(slot)]
 
+    def slot_count(self, slab: int) -> int:
+        return self._count[slab]
+
     def slots(self, slab: int) -> range:
-        start, size = self._geo.slab_start(slab), self._geo.slab_sizes[slab]
-        slot_bytes = self.slab_slot_bytes[slab]
-        return range(start, start + size // slot_bytes * slot_bytes, slot_bytes)
+        start, slot_bytes = self._geo.slab_start(slab) + PAGE, self.slab_slot_bytes[slab]
+        return range(start, start + self._count[slab] * slot_bytes, slot_bytes)
 
     def carved(self) -> list[int]:
         return [i for i, sb in enumerate(self.slab_slot_bytes) if sb]
@@ -94,13 +128,16 @@ class SlotAllocator:
     @classmethod
     def restore(cls, geo: Geometry, slab_slot_bytes: list[int], live: set[int]) -> SlotAllocator:
         """Rebuilt from a recovered slab map: every slot of a carved slab not in ``live`` is
-        free."""
+        free. Slabs left empty stay carved: the tier uncarves them (its tombstones first)."""
         alloc = cls(geo)
-        for slab, slot_bytes in enumerate(slab_slot_bytes):
-            if slot_bytes:
-                alloc._carve(slab, slot_bytes)
-        alloc._free_slabs = [i for i in alloc._free_slabs if not slab_slot_bytes[i]]
-        for slab in reversed(alloc.carved()):
-            sc = alloc._class(slab_slot_bytes[slab])
-            sc.free.extend(s for s in reversed(alloc.slots(slab)) if s not in live)
+        carved = [slab for slab, slot_bytes in enumerate(slab_slot_bytes) if slot_bytes]
+        for slab in carved:
+            alloc._carve(slab, slab_slot_bytes[slab])
+            alloc._bump[slab] = alloc._count[slab]
+            # Reversed, so the lowest free slot is handed out first.
+            alloc._free[slab] = [s for s in reversed(alloc.slots(slab)) if s not in live]
+            alloc.used[slab] = alloc._count[slab] - len(alloc._free[slab])
+            alloc._list(slab)
+        alloc._pool = [slab for slab in range(len(slab_slot_bytes)) if not slab_slot_bytes[slab]]
+        heapq.heapify(alloc._pool)
         return alloc

@@ -1,22 +1,33 @@
-"""The NVMe tier's on-disk format (version 1): layout, record headers, superblock and state.
+"""The NVMe tier's on-disk format (version 3): layout, metadata copies, slab descriptors, record
+headers.
 
-Integers are little-endian; every region is 4096-aligned; the file is exactly
-``capacity_bytes`` long and preallocated, so the bytes the tier counts are the bytes it holds.
+Integers are little-endian; every region is 4096-aligned; the file is ``capacity_bytes`` long
+and preallocated, so the bytes the tier counts are the bytes it holds.
 
-* Page 0, the superblock, written once when the file is formatted: magic, version, state size,
-  a random format id, capacity, slab size, data start, then xxh3-64 of those fields.
-* Two copies (A, B) of the state: clean-shutdown flag, generation, a sequence-number hint and,
-  per slab, the slot size it was carved into (0: not carved), then xxh3-64 of all of it. Writes
-  alternate between the copies and open takes the valid one of the highest generation, so a
-  torn state write leaves the previous state in force.
-* The data region, cut into slabs (the last may be shorter). A slab is carved into slots of one
-  size, ``4096 + round_up(block_bytes, 4096)``: a header page, then the payload.
+* Two metadata copies (A at offset 0, B right after it), each ``meta_pages`` long: magic,
+  version, a random format id, the geometry (capacity, slab size, data start, meta pages), then
+  the state: generation, a sequence-number hint, the clean-shutdown flag and, per slab, the slot
+  size it is carved into (0: not carved), then xxh3-64 of all of it. Writes alternate between
+  the copies and open takes the valid one of the highest generation, so a torn or damaged copy
+  leaves the other in force; a read-write open rewrites both.
+* The data region, cut into slabs (the last may be shorter). A slab's first page is its
+  descriptor: magic, version, format id, capacity, slab size, slab index, the slot size it is
+  carved into and a sequence number, then xxh3-64 of those fields. It is written when the slab is
+  carved, before any record in it commits, so each slab vouches for its own carving: the slab
+  map in the metadata copies is the second source (used for a slab whose descriptor is damaged),
+  and the descriptors rebuild the metadata when both copies are lost.
+* After the descriptor, the slab is carved into slots of one size,
+  ``4096 + round_up(block_bytes, 4096)``: a header page, then the payload.
 * A record header: magic, version, kind (record or tombstone), codec, slot size in pages, the
   slot's own offset, sequence number, format id, key (32 bytes), namespace fingerprint (16), raw
-  length, stored length, xxh3-64 of the raw bytes, then xxh3-64 of all those fields (within the
-  first 512-byte sector, so a torn header page is never half-valid). A header counts for a slot
-  only if its checksum, format id, offset and slot size all match (``header_fits``): stale
-  headers of an earlier format, or written to the wrong place, are never taken for records.
+  length, stored length, the block's checksum (``kvstore.checksum.block_checksum``: bound to key
+  and namespace), then xxh3-64 of all those fields (within the first 512-byte sector, so a torn
+  header page is never half-valid). A header counts for a slot only if its checksum, format id,
+  offset and slot size all match (``header_fits``): stale headers of an earlier format or carving,
+  or written to the wrong place, are never taken for records.
+
+Versions 1 and 2 began with a superblock (``old_superblock_version`` recognises it): 1 stored
+unbound checksums, 2 had no slab descriptors and one superblock. Neither is read as version 3.
 
 Pure functions and values only: no IO here.
 """
@@ -32,22 +43,28 @@ import xxhash
 PAGE = 4096
 """Alignment of every IO and region, and the size of a record header (O_DIRECT needs both)."""
 FILE_NAME = "kvstore-nvme.slab"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 3
+"""2: block checksums bound to key and namespace. 3: two self-describing metadata copies and a
+descriptor page per slab."""
 
 KIND_RECORD, KIND_TOMBSTONE = 1, 2
 CODEC_NONE, CODEC_LZ4 = 0, 1
 CODECS = {None: CODEC_NONE, "lz4": CODEC_LZ4}
 
-_SUPER_MAGIC = b"KVNVSUP1"
-_STATE_MAGIC = b"KVNVSTA1"
+_META_MAGIC = b"KVNVMETA"
+_SLAB_MAGIC = b"KVNVSLAB"
 _RECORD_MAGIC = b"KVNVREC1"
-# magic, version, state pages, format id, capacity, slab bytes, data start
-_SUPER = struct.Struct("<8sIIQQQQ")
-# magic, clean, slabs, format id, generation, next sequence number; then u32 slot pages per slab
-_STATE = struct.Struct("<8sIIQQQ")
+_OLD_SUPER_MAGIC = b"KVNVSUP1"
+# magic, version, meta pages, format id, capacity, slab bytes, data start, generation,
+# next sequence number, clean, slabs; then u32 slot pages per slab
+_META = struct.Struct("<8sIIQQQQQQII")
+# magic, version, slot pages, format id, capacity, slab bytes, slab index, sequence number
+_SLAB = struct.Struct("<8sIIQQQQQ")
 # magic, version, kind, codec, slot pages, slot, seq, format id, key, namespace, length,
 # stored length, checksum of the raw bytes
 _HEADER = struct.Struct("<8sHBBIQQQ32s16sQQQ")
+# versions 1-2: magic, version, ... then xxh3-64 of the 48-byte struct
+_OLD_SUPER = struct.Struct("<8sIIQQQQ")
 _U64 = struct.Struct("<Q")
 HEADER_BYTES = _HEADER.size + _U64.size
 """The checksummed prefix of a header page: all that parse_header reads."""
@@ -56,6 +73,10 @@ ZERO_PAGE = bytes(PAGE)
 
 def round_up(n: int, align: int = PAGE) -> int:
     return (n + align - 1) // align * align
+
+
+def _sum(buf: Any, end: int) -> int:
+    return xxhash.xxh3_64_intdigest(memoryview(buf)[:end])
 
 
 class Header(NamedTuple):
@@ -76,7 +97,7 @@ def pack_header(h: Header) -> bytearray:
     """A whole header page (the rest zero), ready for one aligned write."""
     page = bytearray(PAGE)
     _HEADER.pack_into(page, 0, _RECORD_MAGIC, FORMAT_VERSION, *h)
-    _U64.pack_into(page, _HEADER.size, xxhash.xxh3_64_intdigest(memoryview(page)[: _HEADER.size]))
+    _U64.pack_into(page, _HEADER.size, _sum(page, _HEADER.size))
     return page
 
 
@@ -85,7 +106,7 @@ def parse_header(page: Any) -> Header | None:
     magic, version, *fields = _HEADER.unpack_from(page)
     if magic != _RECORD_MAGIC or version != FORMAT_VERSION:
         return None
-    if _U64.unpack_from(page, _HEADER.size)[0] != xxhash.xxh3_64_intdigest(page[: _HEADER.size]):
+    if _U64.unpack_from(page, _HEADER.size)[0] != _sum(page, _HEADER.size):
         return None
     return Header(*fields)
 
@@ -105,92 +126,177 @@ def header_fits(h: Header, slot: int, slot_bytes: int, format_id: int) -> bool:
 
 @dataclass(frozen=True)
 class Geometry:
-    """Where the superblock, the two state copies and each slab lie in a file of
-    ``capacity_bytes``. Deterministic in (capacity, slab size), so a reopen with the same
-    settings finds the same layout and a changed setting is noticed."""
+    """Where the metadata copies and each slab lie in a file of ``capacity_bytes``.
+    Deterministic in (capacity, slab size), so a reopen with the same settings finds the same
+    layout, and the metadata records both so a changed setting is noticed."""
 
     capacity_bytes: int
     slab_bytes: int
-    state_pages: int
+    meta_pages: int
     data_start: int
     slab_sizes: tuple[int, ...]
 
     @classmethod
     def plan(cls, capacity_bytes: int, slab_bytes: int) -> Geometry:
-        if slab_bytes < 2 * PAGE:
-            raise ValueError(f"slab_bytes {slab_bytes} is below two pages")
+        if slab_bytes < 3 * PAGE:
+            raise ValueError(f"slab_bytes {slab_bytes} is below three pages")
         slab = round_up(slab_bytes)
         max_slabs = capacity_bytes // slab + 1
-        state_pages = round_up(_STATE.size + 4 * max_slabs + 8) // PAGE
-        data_start = PAGE * (1 + 2 * state_pages)
+        meta_pages = round_up(_META.size + 4 * max_slabs + 8) // PAGE
+        data_start = 2 * meta_pages * PAGE
         usable = (capacity_bytes - data_start) // PAGE * PAGE
-        if usable < 2 * PAGE:
+        if usable < 3 * PAGE:
             raise ValueError(f"capacity {capacity_bytes} leaves no room for a slot")
         slab = min(slab, usable)
         sizes = [slab] * (usable // slab)
-        if usable % slab >= 2 * PAGE:
+        if usable % slab >= 3 * PAGE:
             sizes.append(usable % slab)
-        return cls(capacity_bytes, slab, state_pages, data_start, tuple(sizes))
+        return cls(capacity_bytes, slab, meta_pages, data_start, tuple(sizes))
 
     def slab_start(self, slab: int) -> int:
+        """Offset of the slab's descriptor page; its first slot follows it."""
         return self.data_start + slab * self.slab_bytes
 
     def slab_of(self, offset: int) -> int:
         return (offset - self.data_start) // self.slab_bytes
 
-    def state_offset(self, copy: int) -> int:
-        return PAGE * (1 + copy * self.state_pages)
+    def slot_count(self, slab: int, slot_bytes: int) -> int:
+        return (self.slab_sizes[slab] - PAGE) // slot_bytes
+
+    def meta_offset(self, copy: int) -> int:
+        return copy * self.meta_pages * PAGE
+
+    @property
+    def meta_bytes(self) -> int:
+        return self.meta_pages * PAGE
 
 
-def pack_superblock(geo: Geometry, format_id: int) -> bytearray:
-    page = bytearray(PAGE)
-    fields = (geo.state_pages, format_id, geo.capacity_bytes, geo.slab_bytes, geo.data_start)
-    _SUPER.pack_into(page, 0, _SUPER_MAGIC, FORMAT_VERSION, *fields)
-    _U64.pack_into(page, _SUPER.size, xxhash.xxh3_64_intdigest(page[: _SUPER.size]))
-    return page
+def describe_size(n: int) -> str:
+    """``n`` bytes for a message: exact, and in the unit an operator types (``4GiB``)."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n} bytes ({n / (1 << shift):.6g}{unit})"
+    return f"{n} bytes"
 
 
-def parse_superblock(page: bytes, geo: Geometry) -> int:
-    """The format id if ``page`` is a valid superblock of exactly this geometry, else 0."""
-    if len(page) < PAGE:
-        return 0
-    magic, version, state_pages, format_id, capacity, slab, start = _SUPER.unpack_from(page)
-    if _U64.unpack_from(page, _SUPER.size)[0] != xxhash.xxh3_64_intdigest(page[: _SUPER.size]):
-        return 0
-    ours = (_SUPER_MAGIC, FORMAT_VERSION, geo.state_pages, geo.capacity_bytes)
-    if (magic, version, state_pages, capacity) != ours:
-        return 0
-    if (slab, start) != (geo.slab_bytes, geo.data_start):
-        return 0
-    return int(format_id)
-
-
+# ---------------------------------------------------------------------------- metadata copies
 @dataclass(frozen=True)
-class State:
+class Meta:
+    """One metadata copy: the file's identity and geometry, and the tier's state."""
+
+    version: int
+    format_id: int
+    capacity_bytes: int
+    slab_bytes: int
+    meta_pages: int
+    data_start: int
     generation: int
     next_seq: int
     clean: bool
     slab_slot_bytes: list[int]
 
+    def geometry_matches(self, geo: Geometry) -> bool:
+        return (self.capacity_bytes, self.slab_bytes, self.meta_pages, self.data_start) == (
+            geo.capacity_bytes,
+            geo.slab_bytes,
+            geo.meta_pages,
+            geo.data_start,
+        )
 
-def pack_state(geo: Geometry, format_id: int, state: State) -> bytearray:
+
+def pack_meta(
+    geo: Geometry, format_id: int, generation: int, next_seq: int, clean: bool, slab_map: list[int]
+) -> bytearray:
     n = len(geo.slab_sizes)
-    buf = bytearray(geo.state_pages * PAGE)
-    head = (_STATE_MAGIC, int(state.clean), n, format_id, state.generation, state.next_seq)
-    _STATE.pack_into(buf, 0, *head)
-    struct.pack_into(f"<{n}I", buf, _STATE.size, *(sb // PAGE for sb in state.slab_slot_bytes))
-    end = _STATE.size + 4 * n
-    _U64.pack_into(buf, end, xxhash.xxh3_64_intdigest(memoryview(buf)[:end]))
+    buf = bytearray(geo.meta_bytes)
+    _META.pack_into(
+        buf,
+        0,
+        _META_MAGIC,
+        FORMAT_VERSION,
+        geo.meta_pages,
+        format_id,
+        geo.capacity_bytes,
+        geo.slab_bytes,
+        geo.data_start,
+        generation,
+        next_seq,
+        int(clean),
+        n,
+    )
+    struct.pack_into(f"<{n}I", buf, _META.size, *(sb // PAGE for sb in slab_map))
+    end = _META.size + 4 * n
+    _U64.pack_into(buf, end, _sum(buf, end))
     return buf
 
 
-def parse_state(buf: Any, geo: Geometry, format_id: int) -> State | None:
-    n = len(geo.slab_sizes)
-    magic, clean, slabs, fid, gen, next_seq = _STATE.unpack_from(buf)
-    if (magic, slabs, fid) != (_STATE_MAGIC, n, format_id):
+def meta_length(page: Any) -> int:
+    """Bytes to read for the whole metadata copy that starts in ``page`` (0: not one)."""
+    magic, _, meta_pages, *_ = _META.unpack_from(page)
+    return meta_pages * PAGE if magic == _META_MAGIC and 0 < meta_pages < 1 << 20 else 0
+
+
+def parse_meta(buf: Any) -> Meta | None:
+    """The metadata copy in ``buf`` if its magic and checksum hold (any version, any geometry:
+    the caller compares), else None."""
+    if len(buf) < _META.size:
         return None
-    end = _STATE.size + 4 * n
-    if _U64.unpack_from(buf, end)[0] != xxhash.xxh3_64_intdigest(buf[:end]):
+    magic, version, pages, fid, cap, slab, start, gen, seq, clean, n = _META.unpack_from(buf)
+    end = _META.size + 4 * n
+    if magic != _META_MAGIC or end + 8 > len(buf):
         return None
-    pages = struct.unpack_from(f"<{n}I", buf, _STATE.size)
-    return State(gen, next_seq, bool(clean), [p * PAGE for p in pages])
+    if _U64.unpack_from(buf, end)[0] != _sum(buf, end):
+        return None
+    slot_pages = struct.unpack_from(f"<{n}I", buf, _META.size)
+    return Meta(
+        version, fid, cap, slab, pages, start, gen, seq, bool(clean), [p * PAGE for p in slot_pages]
+    )
+
+
+def old_superblock_version(page: Any) -> int | None:
+    """The version of a superblock of format version 1 or 2 (its checksum holds), else None."""
+    if len(page) < PAGE or _OLD_SUPER.unpack_from(page)[0] != _OLD_SUPER_MAGIC:
+        return None
+    if _U64.unpack_from(page, _OLD_SUPER.size)[0] != _sum(page, _OLD_SUPER.size):
+        return None
+    return int(_OLD_SUPER.unpack_from(page)[1])
+
+
+# ---------------------------------------------------------------------------- slab descriptors
+class SlabDescriptor(NamedTuple):
+    version: int
+    slot_bytes: int
+    format_id: int
+    capacity_bytes: int
+    slab_bytes: int
+    slab: int
+    seq: int
+
+
+def pack_slab_descriptor(
+    geo: Geometry, format_id: int, slab: int, slot_bytes: int, seq: int
+) -> bytearray:
+    page = bytearray(PAGE)
+    fields = (slot_bytes // PAGE, format_id, geo.capacity_bytes, geo.slab_bytes, slab, seq)
+    _SLAB.pack_into(page, 0, _SLAB_MAGIC, FORMAT_VERSION, *fields)
+    _U64.pack_into(page, _SLAB.size, _sum(page, _SLAB.size))
+    return page
+
+
+def parse_slab_descriptor(page: Any) -> SlabDescriptor | None:
+    """The descriptor in ``page`` if its magic and checksum hold, else None."""
+    magic, version, pages, fid, cap, slab_bytes, slab, seq = _SLAB.unpack_from(page)
+    if magic != _SLAB_MAGIC or _U64.unpack_from(page, _SLAB.size)[0] != _sum(page, _SLAB.size):
+        return None
+    return SlabDescriptor(version, pages * PAGE, fid, cap, slab_bytes, slab, seq)
+
+
+def descriptor_fits(d: SlabDescriptor, geo: Geometry, slab: int, format_id: int) -> bool:
+    """Whether ``d`` is this format's descriptor of this very slab of this geometry."""
+    return (
+        d.version == FORMAT_VERSION
+        and d.format_id == format_id
+        and d.slab == slab
+        and (d.capacity_bytes, d.slab_bytes) == (geo.capacity_bytes, geo.slab_bytes)
+        and (d.slot_bytes == 0 or PAGE < d.slot_bytes <= geo.slab_sizes[slab] - PAGE)
+    )

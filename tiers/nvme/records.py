@@ -7,7 +7,14 @@ from array import array
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvstore.errors import KVStoreError
 from kvstore.keys import KEY_BYTES
+
+
+class NvmeFormatError(KVStoreError, ValueError):
+    """The slab file is not a tier this configuration may open: another geometry (capacity or
+    slab size), or a newer format. The message names what the file holds and what was asked.
+    Nothing was written."""
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,9 @@ class CheckProblem:
     """``kind``: "torn" (a live slot's header is not a valid header, or its payload is cut
     short), "corrupt" (payload checksum or decompression failed), "mismatch" (a valid header
     naming another record), "orphan" (a valid record header in a slot the tier holds free: it
-    would come back at the next open), "io_error"."""
+    would come back at the next open), "io_error", "metadata" (a tier opened read-only only:
+    a damaged metadata copy or slab descriptor, or a truncated file; ``slot`` is the offset of
+    the damage, and a read-write open repairs it, losing no more than ``detail`` says)."""
 
     slot: int
     kind: str
@@ -66,45 +75,46 @@ class Ident(NamedTuple):
     seq: int
 
 
-class RecordTable:
-    """State and committed-record identity of every slot of every carved slab, indexed by the
-    allocator's slot ordinal. Arrays, not an object per slot: ~62 bytes a slot where an object,
-    its boxed ints and a dict entry cost ~380, and the NVMe tier holds the most blocks of any
-    tier. Snapshots (``ident``) go to IO threads; the arrays are touched on the loop only."""
+class NamespaceIds:
+    """Namespace fingerprints interned as small ints, shared by every ``RecordTable``."""
 
     def __init__(self) -> None:
-        self.state = bytearray()
-        self.codec = bytearray()
-        self.length = array("I")
-        self.stored_length = array("I")
-        self.seq = array("Q")
-        self.checksum = array("Q")
-        self.ns = array("I")
-        self._keys = bytearray()
-        self._namespaces: list[bytes] = []
-        self._ns_ids: dict[bytes, int] = {}
-        assert self.length.itemsize == 4 and self.ns.itemsize == 4
+        self.names: list[bytes] = []
+        self._ids: dict[bytes, int] = {}
+
+    def id(self, namespace: bytes) -> int:
+        ns_id = self._ids.get(namespace)
+        if ns_id is None:
+            ns_id = self._ids[namespace] = len(self.names)
+            self.names.append(namespace)
+        return ns_id
+
+
+class RecordTable:
+    """State and committed-record identity of every slot of one carved slab, indexed by the
+    slot's index in the slab; made when the slab is carved, dropped when it is uncarved.
+    Arrays, not an object per slot: ~62 bytes a slot where an object, its boxed ints and a dict
+    entry cost ~380, and the NVMe tier holds the most blocks of any tier. Snapshots (``ident``)
+    go to IO threads; the arrays are touched on the loop only."""
+
+    def __init__(self, n: int, namespaces: NamespaceIds) -> None:
+        self.state = bytearray(n)  # every slot FREE
+        self.codec = bytearray(n)
+        self.length = array("I", bytes(4 * n))
+        self.stored_length = array("I", bytes(4 * n))
+        self.seq = array("Q", bytes(8 * n))
+        self.checksum = array("Q", bytes(8 * n))
+        self.ns = array("I", bytes(4 * n))
+        self._keys = bytearray(n * KEY_BYTES)
+        self._namespaces = namespaces
+        assert self.length.itemsize == 4 and self.seq.itemsize == 8
 
     def __len__(self) -> int:
         return len(self.state)
 
-    def grow(self, n: int) -> None:
-        """Room for ordinals ``[0, n)``; new slots are FREE."""
-        more = n - len(self.state)
-        if more > 0:
-            self.state += bytes(more)
-            self.codec += bytes(more)
-            self._keys += bytes(more * KEY_BYTES)
-            for arr in (self.length, self.stored_length, self.ns, self.seq, self.checksum):
-                arr.frombytes(bytes(more * arr.itemsize))
-
     def set_record(self, i: int, ident: Ident) -> None:
-        ns_id = self._ns_ids.get(ident.namespace)
-        if ns_id is None:
-            ns_id = self._ns_ids[ident.namespace] = len(self._namespaces)
-            self._namespaces.append(ident.namespace)
         self._keys[i * KEY_BYTES : (i + 1) * KEY_BYTES] = ident.key
-        self.ns[i] = ns_id
+        self.ns[i] = self._namespaces.id(ident.namespace)
         self.length[i], self.stored_length[i] = ident.length, ident.stored_length
         self.codec[i], self.checksum[i], self.seq[i] = ident.codec, ident.checksum, ident.seq
 
@@ -114,7 +124,7 @@ class RecordTable:
     def ident(self, i: int) -> Ident:
         return Ident(
             self.key(i),
-            self._namespaces[self.ns[i]],
+            self._namespaces.names[self.ns[i]],
             self.length[i],
             self.stored_length[i],
             self.codec[i],

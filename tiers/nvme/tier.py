@@ -4,31 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import logging
 import os
-import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import xxhash
-
 from kvstore.errors import KVStoreError
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
 from kvstore.tiers.nvme import ondisk as fmt
+from kvstore.tiers.nvme import recovery
 from kvstore.tiers.nvme.alloc import SlotAllocator
-from kvstore.tiers.nvme.diskio import (
-    FlushBarrier,
-    ScratchBuffers,
-    address,
-    lz4_compress,
-    lz4_decompress,
-    pread_full,
-    pwrite_all,
-)
+from kvstore.tiers.nvme.diskio import FlushBarrier
 from kvstore.tiers.nvme.ondisk import (
-    CODEC_LZ4,
     CODEC_NONE,
     CODECS,
     FILE_NAME,
@@ -36,12 +24,11 @@ from kvstore.tiers.nvme.ondisk import (
     KIND_RECORD,
     KIND_TOMBSTONE,
     PAGE,
-    ZERO_PAGE,
     Geometry,
     Header,
-    State,
     round_up,
 )
+from kvstore.tiers.nvme.recordio import RecordIO
 from kvstore.tiers.nvme.records import (
     ALLOCATED,
     FREE,
@@ -51,9 +38,11 @@ from kvstore.tiers.nvme.records import (
     CheckProblem,
     CheckReport,
     Ident,
+    NamespaceIds,
     NvmeRecord,
     RecordTable,
 )
+from kvstore.tiers.nvme.slabfile import SlabFile, open_slab_file
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +56,6 @@ on the dev VM: 100k reads took 2.4 s with 4 threads, 1.5 s with 16), and nothing
 during open. The threads only copy each header's prefix out; parsing 100k of them on the loop
 takes ~0.1 s, while parsing in 16 threads contending for the GIL doubled the scan's time."""
 
-LZ4_PROBE_BYTES = 64 * 1024
 _MISS_COUNTER = {
     "torn": "checksum_failures",
     "corrupt": "checksum_failures",
@@ -91,12 +79,27 @@ class NvmeTier:
     eviction: the daemon's index decides which block lives where and which goes, and frees a
     slot when ``allocate`` returns None. Slot handles are byte offsets in the file.
 
+    Slabs: a slab is carved for one slot size when a size needs room, and goes back to the pool
+    when its last slot is freed, so any mix of block sizes shares the file. ``allocate``
+    returns None only when no slab of the size has a free slot and the pool is empty; the
+    daemon then frees a block of that size, or empties a slab of another size (``carved_slabs``,
+    ``live_slots``, ``slab_of``): which, is its policy's choice. A slab's new carving is
+    written to its descriptor (and the metadata) before any record in it commits, and no byte
+    of it is written before every tombstone of the old carving has landed.
+
     Concurrency contract. Every method is called on the daemon's event loop thread.
-    ``allocate``, ``free`` and ``stats`` are sync and O(1). ``open``, ``write``, ``read_into``,
-    ``drain`` and ``close`` are coroutines whose IO runs on threads (``os.preadv``/``pwritev``
-    release the GIL): ``io_threads`` threads for reads and ``io_threads`` more for writes, so a
-    read never queues behind writes, and one thread for fdatasync. ``check`` is sync and blocks
+    ``allocate`` (O(log slabs)), ``free``, ``stats``, ``slab_of``, ``carved_slabs`` and
+    ``live_slots`` are sync and never block (a ``free`` that empties a slab also looks through
+    the tombstones in flight). ``open``, ``write``, ``read_into``, ``sync``, ``drain`` and
+    ``close`` are coroutines whose IO runs on threads (``os.preadv``/``pwritev`` release the
+    GIL): ``io_threads`` threads for reads and ``io_threads`` more for writes, so a read never
+    queues behind writes, and one thread for fdatasync. ``check`` is sync and blocks
     its caller while it reads the whole tier: for start-up, the CLI and tests.
+
+    Checksums: every checksum the tier takes, stores and hands out is
+    ``kvstore.checksum.block_checksum(data, namespace, key)``, and every read verifies the bytes
+    against the key and namespace they are read for, so a header that names another key never
+    vouches for a payload.
 
     Slot life: ``allocate`` -> ``write`` (once) -> any number of ``read_into`` -> ``free``. A
     ``write`` that raises has freed the slot. ``free`` during a write takes effect when the write
@@ -104,15 +107,35 @@ class NvmeTier:
     buffer given to ``write`` must not change until it returns; ``out`` of a cancelled
     ``read_into`` may still be written until its IO ends (``close`` waits for that).
 
-    Write protocol (why a completed write survives ``kill -9`` and a torn one is never
-    recovered): payload, flush barrier, header page, flush barrier; ``write`` returns after the
-    second. The header is the commit record and is written only once the whole payload is on
-    disk, so a crash at any point leaves either the complete record or a slot with no valid
-    header of this write; the header is one 4 KiB write with its checksum in the first sector,
-    never half-valid. The barriers are group-committed fdatasyncs: they also keep that order
-    across a power loss and commit the extent metadata of the preallocated file, which O_DIRECT
-    alone does not. One pwritev of header and payload would need the payload read back at
-    recovery to tell a torn write from a whole one.
+    Write modes: what a record survives once ``write`` has returned.
+
+    * ``write(..., durable=True)`` (the default): a process crash (``kill -9``) and a power loss
+      or kernel crash. Protocol: payload; the slab's descriptor and the metadata if its carving
+      is new; flush barrier; header page; flush barrier; return. The header is the commit record
+      and is written only once the payload (and the carving that lets recovery find the slot)
+      is on stable storage, so a crash at any point leaves either the complete record or a slot
+      with no valid header of this write; the header is one 4 KiB write with its checksum in
+      the first sector, never half-valid. The barriers are group-committed fdatasyncs (writers
+      in flight together share one): they keep that order across a power loss and commit the
+      extent metadata of the preallocated file, which O_DIRECT alone does not. "Stable
+      storage" is what fdatasync promises: a device that acknowledges flushes it has not done
+      defeats it.
+    * ``write(..., durable=False)``: a process crash only. The same writes in the same order,
+      without the barriers: when it returns, the kernel holds every byte (the page cache, or the
+      device itself under O_DIRECT), so the daemon's death loses nothing. A power loss or kernel
+      crash before the bytes reach stable storage may lose the record, or bring it back as a
+      record whose payload fails its checksum (the header reached the disk, the payload did
+      not): a miss at read and "corrupt" in ``check``, never another block's bytes, because
+      the checksum binds key and namespace. Costs no fdatasync.
+    * ``await sync()``: a barrier. When it returns, every write that returned before it was
+      called, in either mode, survives a power loss as a durable write does. Concurrent callers
+      (and durable writers) share fdatasyncs. It does not wait for writes still in flight, and
+      it does not cover frees (a freed record may come back, bit-exact, until its tombstone is
+      flushed: see the free rule).
+
+    A daemon that acknowledges a put only once it is durable either writes with
+    ``durable=True`` or writes plain and acknowledges a batch after one ``sync()``. Writes
+    before ``open`` returns (formatting, repairs) and at ``close`` are always durable.
 
     Free rule: ``free`` returns the slot to the allocator at once and writes a tombstone header
     (kind tombstone, a fresh sequence number) over the record's header in the background. The
@@ -121,11 +144,24 @@ class NvmeTier:
     is flushed: milliseconds after ``free``, and always before ``close`` returns. A crash inside
     that window can bring it back, intact and bit-exact (committed blocks are immutable).
 
-    Recovery: ``open`` reads the state copy, then every header of every carved slab (in
-    parallel, 4 KiB each) and returns the valid records, oldest first. Of two valid records of
-    one key the newer (sequence number) stays and the older is tombstoned. Headers are always
-    scanned rather than trusted from a checkpoint, so a header damaged while the daemon was down
-    drops its record at open. Payloads are verified by every ``read_into`` and by ``check``.
+    Recovery: ``open`` reads the two metadata copies and every slab's descriptor (see
+    ``recovery``), then every header of every carved slab (in parallel, 4 KiB each) and returns
+    the valid records, oldest first. Of two valid records of one key the newer (sequence number)
+    stays and the older is tombstoned. Headers are always scanned rather than trusted from a
+    checkpoint, so a header damaged while the daemon was down drops its record at open.
+    Payloads are verified by every ``read_into`` and by ``check``. Damaged metadata loses only
+    the records nothing else vouches for: one damaged metadata copy, none (the other copy); both
+    copies, none (the slab descriptors rebuild them); a slab's descriptor, none (the metadata's
+    slab map); a descriptor and both copies, that slab's records. A truncated file keeps every
+    record wholly inside what is left and grows back to its capacity. Open rewrites whatever
+    metadata it found damaged.
+
+    Geometry: the file records its capacity and slab size, and an open configured with others
+    is refused (NvmeFormatError naming both, nothing written) rather than adopting the file's
+    (the daemon's capacity accounting and its operator's intent follow the configuration) or
+    reformatting it (a mistyped size must not wipe the tier). To resize, delete the file. A
+    file of an older format version is reformatted with a warning (its records cannot be
+    verified by this version's checksums); one of a newer version is refused.
     """
 
     def __init__(
@@ -152,25 +188,34 @@ class NvmeTier:
         self._codec = CODECS[codec]
         self._want_direct = direct_io
         self._alloc = SlotAllocator(self.geometry)
-        self._table = RecordTable()
+        self._namespaces = NamespaceIds()
+        self._tables: list[RecordTable | None] = [None] * len(self.geometry.slab_sizes)
         self._reserved = 0  # slots allocated and not (yet) committed
         self._tombstones: dict[int, asyncio.Task[None]] = {}
-        self._tomb_failed: set[int] = set()  # free slots whose header may still be valid
+        # Free slots whose header may still be valid (a tombstone failed), with the slot size
+        # in pages of the carving they belong to.
+        self._tomb_failed: dict[int, int] = {}
+        # Slabs uncarved while tombstones of their old carving were in flight or had failed:
+        # those slots, settled before any payload of the new carving is written.
+        self._unsettled: dict[int, set[int]] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
-        self._scratch = ScratchBuffers()
-        self._fd = self._lock_fd = -1
+        self._file: SlabFile | None = None
+        self._io = RecordIO(-1, False, self._codec)  # the open file's, once open
         self._format_id = 0
-        self._state_gen = 0
-        self._state_version = -1  # the allocator version the state on disk reflects
+        self._meta_gen = 0
+        self._meta_copy = 0  # the copy (0: A, 1: B) that holds generation _meta_gen
+        self._meta_version = -1  # the allocator version the metadata on disk reflects
+        self._descriptors: list[int] = []  # slot bytes each slab's descriptor on disk says
         self._next_seq = 1
         self._state = "new"
+        self._read_only = False
+        self._damage: list[tuple[int, str]] = []  # what a read-only open found and left
         # Threads start on first use; open() hands the flusher its descriptor.
         self._read_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="nvme-read")
         self._write_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="nvme-write")
         self._flush = FlushBarrier(ThreadPoolExecutor(1, thread_name_prefix="nvme-flush"))
-        self._counters = dict.fromkeys(
-            ("reads", "writes", "read_bytes", "write_bytes", "misses", *_MISS_COUNTER.values()), 0
-        )
+        counters = ("reads", "writes", "durable_writes", "syncs", "read_bytes", "write_bytes")
+        self._counters = dict.fromkeys((*counters, "misses", *_MISS_COUNTER.values()), 0)
         self._live_blocks = self._used_bytes = self._raw_bytes = self._stored_bytes = 0
 
     @staticmethod
@@ -178,18 +223,39 @@ class NvmeTier:
         return PAGE + round_up(block_bytes)
 
     # ------------------------------------------------------------------ life cycle
-    async def open(self) -> list[NvmeRecord]:
-        """Create the file, or recover it: every intact committed record, oldest first."""
+    async def open(self, *, read_only: bool = False, create: bool = True) -> list[NvmeRecord]:
+        """Create the file, or recover it: every intact committed record, oldest first.
+
+        Raises NvmeFormatError, writing nothing, when the file holds a tier of another geometry
+        (capacity or slab size: the message names both; the configuration is wrong, or the file
+        must be deleted to start an empty tier of the new size) or of a newer format. A file of
+        an older format, or holding no tier metadata at all, is formatted (logged), unless
+        ``create`` is False: then that is an NvmeFormatError too, and a missing file a
+        FileNotFoundError. RuntimeError if another process holds the file.
+
+        ``read_only``: open the file read-only (a shared lock, so not while a daemon has it) and
+        write nothing, ever: no repair, no tombstone, no clean mark; for ``check`` and
+        inspection. ``allocate``, ``write`` and ``free`` raise; ``check`` reports what a
+        read-write open would repair (kind "metadata")."""
         if self._state != "new":
             raise RuntimeError(f"open of a tier that is {self._state}")
         self._state = "opening"
-        self._state_lock = asyncio.Lock()
+        self._read_only = read_only
+        self._meta_lock = asyncio.Lock()
         try:
-            slab_map, clean = await self._run(self._write_pool, self._io_open)
-            self._flush.fd = self._fd
-            records = await self._recover(slab_map)
-            await self._write_state(clean=False)
-            await self._flush.barrier()
+            file = await self._run(self._write_pool, self._io_open, create and not read_only)
+            self._io = io = file.io
+            self.direct_io, self.preallocated = io.direct_io, file.preallocated
+            found = file.found
+            self._format_id, self._next_seq = found.format_id, found.next_seq
+            self._meta_gen, self._descriptors = found.generation, list(found.descriptors)
+            self._flush.fd = io.fd
+            records = await self._recover(found)
+            if read_only:
+                self._damage = list(found.damage)
+            else:
+                await self._repair_metadata(found)
+            clean = found.clean
         except BaseException:
             await self._shutdown()
             self._state = "closed"
@@ -204,6 +270,20 @@ class NvmeTier:
         )
         return records
 
+    def _io_open(self, create: bool) -> SlabFile:
+        # Kept as it is opened (on the thread): an open whose caller was cancelled still has
+        # its file closed by _shutdown, which waits for this thread first.
+        self._file = open_slab_file(
+            self.directory,
+            self.path,
+            self.geometry,
+            self._codec,
+            read_only=self._read_only,
+            create=create,
+            direct_io=self._want_direct,
+        )
+        return self._file
+
     async def drain(self) -> None:
         """Wait until every write and background tombstone started so far has finished."""
         while self._tasks:
@@ -214,14 +294,18 @@ class NvmeTier:
         if self._state != "open":
             return
         self._state = "closing"
+        if self._read_only:
+            await self._shutdown()
+            self._state = "closed"
+            return
         try:
             await self.drain()
-            for slot in sorted(self._tomb_failed):
+            for slot, pages in sorted(self._tomb_failed.items()):
                 try:
-                    await self._write_tombstone(slot)
+                    await self._write_tombstone(slot, pages)
                 except OSError as exc:
                     log.warning("tombstone of slot %d failed at close: %s", slot, exc)
-            await self._write_state(clean=True)
+            await self._write_meta(clean=True)
             await self._flush.barrier()
         except OSError as exc:
             # Nothing is lost: the next open scans every header whatever the flag says.
@@ -235,64 +319,116 @@ class NvmeTier:
         # closing the descriptor under it could let it touch whatever file reuses the number.
         for executor in (self._read_pool, self._write_pool, self._flush.executor):
             await asyncio.to_thread(executor.shutdown, True)
-        for fd in {self._fd, self._lock_fd} - {-1}:
-            os.close(fd)
-        self._fd = self._lock_fd = -1
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def _require_open(self) -> None:
         if self._state != "open":
             raise RuntimeError(f"nvme tier is {self._state}, not open")
 
+    def _require_writable(self) -> None:
+        self._require_open()
+        if self._read_only:
+            raise RuntimeError("nvme tier is open read-only")
+
     # ------------------------------------------------------------------ slots
     def allocate(self, block_bytes: int) -> int | None:
-        """A free slot for a block of ``block_bytes``, or None: evict a block of that size,
-        free its slot, ask again."""
-        self._require_open()
+        """A free slot for a block of ``block_bytes``, or None when no slab carved for that
+        slot size has a free slot and no slab is left in the pool: evict a block of that size
+        and ask again, or empty a slab of another size (``live_slots``) and ask again."""
+        self._require_writable()
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         slot_bytes = self.slot_bytes_for(block_bytes)
-        if slot_bytes > self.geometry.slab_bytes:
+        if slot_bytes > self.geometry.slab_bytes - PAGE:
             raise ValueError(
                 f"a {block_bytes}-byte block does not fit a {self.geometry.slab_bytes}-byte slab"
+                " (its first page is the slab's descriptor)"
             )
         slot = self._alloc.allocate(slot_bytes)
         if slot is not None:
-            i = self._alloc.ordinal(slot)
-            self._table.grow(self._alloc.ordinals)
-            assert self._table.state[i] == FREE, f"allocator out of sync: slot {slot} given twice"
-            self._table.state[i] = ALLOCATED
+            slab, i = self._alloc.locate(slot)
+            table = self._tables[slab]
+            if table is None:  # newly carved
+                table = RecordTable(self._alloc.slot_count(slab), self._namespaces)
+                self._tables[slab] = table
+            assert table.state[i] == FREE, f"allocator out of sync: slot {slot} given twice"
+            table.state[i] = ALLOCATED
             self._reserved += 1
         return slot
 
     def free(self, slot: int) -> None:
-        """Give the slot back; its record is invalidated on disk lazily (see the free rule)."""
-        i = self._alloc.ordinal(slot)
-        state = self._table.state[i] if i < len(self._table) else FREE
+        """Give the slot back; its record is invalidated on disk lazily (see the free rule).
+        A slab left with no slot in use goes back to the pool of uncarved slabs."""
+        self._require_writable()
+        table, i = self._record_table(slot)
+        state = table.state[i]
         if state == FREE:
             raise ValueError(f"free of slot {slot}, which is not allocated")
         if state & ~FREE_AFTER_WRITE == WRITING:
-            self._table.state[i] = WRITING | FREE_AFTER_WRITE
+            table.state[i] = WRITING | FREE_AFTER_WRITE
             return
         if state == LIVE:
-            self._account(slot, i, -1)
+            self._account(slot, table, i, -1)
         else:
             self._reserved -= 1
-        self._release(slot, i, tombstone=state == LIVE)
+        self._release(slot, table, i, tombstone=state == LIVE)
 
-    def _account(self, slot: int, i: int, sign: int) -> None:
+    def slab_of(self, slot: int) -> int:
+        """The slab that holds ``slot``."""
+        return self.geometry.slab_of(slot)
+
+    def carved_slabs(self) -> dict[int, int]:
+        """Slot bytes of every carved slab, by slab; the other slabs are in the pool."""
+        return {slab: self._alloc.slab_slot_bytes[slab] for slab in self._alloc.carved()}
+
+    def live_slots(self, slab: int) -> list[int]:
+        """The slots of ``slab`` in use (allocated, being written, or holding a record); [] for
+        a slab in the pool. Freeing them all returns the slab to the pool, where any block size
+        can take it: how the daemon's policy makes room for a size ``allocate`` refuses."""
+        table = self._tables[slab]
+        if table is None:
+            return []
+        return [s for i, s in enumerate(self._alloc.slots(slab)) if table.state[i] != FREE]
+
+    def _record_table(self, slot: int) -> tuple[RecordTable, int]:
+        """The record table of the slot's slab and the slot's index in it; ValueError if
+        ``slot`` is not a slot of a carved slab."""
+        slab, i = self._alloc.locate(slot)
+        table = self._tables[slab]
+        assert table is not None, f"carved slab {slab} has no record table"
+        return table, i
+
+    def _account(self, slot: int, table: RecordTable, i: int, sign: int) -> None:
         self._live_blocks += sign
         self._used_bytes += sign * self._alloc.slot_bytes_at(slot)
-        self._raw_bytes += sign * self._table.length[i]
-        self._stored_bytes += sign * round_up(self._table.stored_length[i])
+        self._raw_bytes += sign * table.length[i]
+        self._stored_bytes += sign * round_up(table.stored_length[i])
 
-    def _release(self, slot: int, i: int, *, tombstone: bool) -> None:
-        self._table.state[i] = FREE
+    def _release(self, slot: int, table: RecordTable, i: int, *, tombstone: bool) -> None:
+        table.state[i] = FREE
         if tombstone:
             self._start_tombstone(slot)
-        self._alloc.release(slot)
+        if self._alloc.release(slot):
+            self._return_slab(self.geometry.slab_of(slot))
+
+    def _return_slab(self, slab: int) -> None:
+        """Uncarve an empty slab. Nothing is written: its descriptor keeps the old carving
+        until a new one is persisted, and recovery releases a slab with no record again. The
+        old carving's tombstones still in flight or failed are settled before any payload of
+        the next carving goes into the slab (``_settle_slab``): a late tombstone must never land
+        in the new carving's bytes, and an old header must never survive to describe them."""
+        geo = self.geometry
+        old = {s for s in (*self._tombstones, *self._tomb_failed) if geo.slab_of(s) == slab}
+        if old:
+            self._unsettled.setdefault(slab, set()).update(old)
+        self._alloc.uncarve(slab)
+        self._tables[slab] = None
 
     def _start_tombstone(self, slot: int) -> None:
-        task = asyncio.ensure_future(self._tombstone(slot, self._tombstones.get(slot)))
+        pages = self._alloc.slot_bytes_at(slot) // PAGE  # of this carving, whatever comes next
+        task = asyncio.ensure_future(self._tombstone(slot, pages, self._tombstones.get(slot)))
         self._tombstones[slot] = task
         self._track(task)
 
@@ -312,14 +448,23 @@ class NvmeTier:
 
     # ------------------------------------------------------------------ write
     async def write(
-        self, slot: int, key: bytes, namespace: bytes, data: Any, checksum: int
+        self,
+        slot: int,
+        key: bytes,
+        namespace: bytes,
+        data: Any,
+        checksum: int,
+        *,
+        durable: bool = True,
     ) -> None:
-        """Store a block durably in an allocated slot. Raises NvmeIOError on an IO failure and
-        ValueError if ``data`` does not match ``checksum``; after either the slot is free again.
-        """
-        self._require_open()
-        i = self._alloc.ordinal(slot)
-        if i >= len(self._table) or self._table.state[i] != ALLOCATED:
+        """Store a block in an allocated slot: on stable storage when it returns if ``durable``,
+        else held by the kernel (see the class docstring's write modes). ``checksum`` is the
+        block's checksum bound to its key and namespace, ``block_checksum(data, namespace,
+        key)``. Raises NvmeIOError on an IO failure and ValueError if ``data`` does not match
+        ``checksum``; after either the slot is free again."""
+        self._require_writable()
+        table, i = self._record_table(slot)
+        if table.state[i] != ALLOCATED:
             raise ValueError(f"write to slot {slot}, which is not allocated and unwritten")
         if len(key) != KEY_BYTES or len(namespace) != FINGERPRINT_BYTES:
             raise ValueError(f"key must be {KEY_BYTES} bytes and namespace {FINGERPRINT_BYTES}")
@@ -327,9 +472,11 @@ class NvmeTier:
         slot_bytes = self._alloc.slot_bytes_at(slot)
         if not 0 < view.nbytes <= slot_bytes - PAGE:
             raise ValueError(f"{view.nbytes}-byte block does not fit a {slot_bytes}-byte slot")
-        self._table.state[i] = WRITING
+        table.state[i] = WRITING
         task = asyncio.ensure_future(
-            self._write_record(slot, i, bytes(key), bytes(namespace), view, checksum)
+            self._write_record(
+                slot, table, i, bytes(key), bytes(namespace), view, checksum, durable
+            )
         )
         self._track(task)
         try:
@@ -337,66 +484,99 @@ class NvmeTier:
             await asyncio.shield(task)
         except asyncio.CancelledError:
             if not task.done():
-                self._table.state[i] = WRITING | FREE_AFTER_WRITE
+                table.state[i] = WRITING | FREE_AFTER_WRITE
             elif not task.cancelled() and task.exception() is None and not task.result():
                 self.free(slot)  # committed just as the caller gave up (and not freed yet)
             raise
 
     async def _write_record(
-        self, slot: int, i: int, key: bytes, namespace: bytes, view: memoryview, checksum: int
+        self,
+        slot: int,
+        table: RecordTable,
+        i: int,
+        key: bytes,
+        namespace: bytes,
+        view: memoryview,
+        checksum: int,
+        durable: bool,
     ) -> bool:
         """The write itself; True if a ``free`` that arrived during it has been applied."""
         seq = self._take_seq()
         header_tried = False
         try:
+            await self._settle_slab(self.geometry.slab_of(slot))
             await self._settle_tombstone(slot)
             stored, codec = await self._run(
-                self._write_pool, self._io_write_payload, slot, view, checksum
+                self._write_pool, self._io.write_payload, slot, key, namespace, view, checksum
             )
             # Recovery looks for headers only where the slab map on disk says slots are.
-            await self._write_state(clean=False, if_stale=True)
-            await self._flush.barrier()
+            await self._persist_carving(self.geometry.slab_of(slot))
+            if durable:
+                await self._flush.barrier()
             pages = self._alloc.slot_bytes_at(slot) // PAGE
             fields = (pages, slot, seq, self._format_id, key, namespace, view.nbytes, stored)
             header = fmt.pack_header(Header(KIND_RECORD, codec, *fields, checksum))
             header_tried = True
-            await self._run(self._write_pool, self._io_write_at, slot, header)
-            await self._flush.barrier()
+            await self._run(self._write_pool, self._io.write_at, slot, header)
+            if durable:
+                await self._flush.barrier()
         except BaseException as exc:
             # A header whose write or flush reported an error may still have landed, so such a
             # slot is tombstoned before anyone can reuse it.
             self._reserved -= 1
-            self._release(slot, i, tombstone=header_tried)
+            self._release(slot, table, i, tombstone=header_tried)
             if isinstance(exc, OSError):
                 self._counters["io_errors"] += 1
                 raise NvmeIOError(
                     exc.errno or errno.EIO, f"write of slot {slot} failed: {exc.strerror or exc}"
                 ) from exc
             raise
-        free_now = self._table.state[i] & FREE_AFTER_WRITE
-        self._table.set_record(i, Ident(key, namespace, view.nbytes, stored, codec, checksum, seq))
-        self._table.state[i] = LIVE
+        free_now = table.state[i] & FREE_AFTER_WRITE
+        table.set_record(i, Ident(key, namespace, view.nbytes, stored, codec, checksum, seq))
+        table.state[i] = LIVE
         self._reserved -= 1
-        self._account(slot, i, +1)
+        self._account(slot, table, i, +1)
         self._counters["writes"] += 1
+        self._counters["durable_writes"] += durable
         self._counters["write_bytes"] += 2 * PAGE + round_up(stored)
         if free_now:
             self.free(slot)
         return bool(free_now)
+
+    async def sync(self) -> None:
+        """Return once every write that returned before this call is on stable storage (one
+        fdatasync, shared with concurrent callers and durable writers). Raises OSError if the
+        fdatasync fails: then nothing written since the last successful barrier is known to be
+        durable."""
+        self._require_writable()
+        await self._flush.barrier()
+        self._counters["syncs"] += 1
+
+    async def _settle_slab(self, slab: int) -> None:
+        """Before the first payload of a new carving: every tombstone of the slab's previous
+        carving has landed (retried here if it failed; an OSError fails the caller's write and
+        the next write retries). See ``_return_slab``."""
+        old = self._unsettled.get(slab)
+        while old:
+            slot = next(iter(old))
+            await self._settle_tombstone(slot)
+            old.discard(slot)
+        self._unsettled.pop(slab, None)
 
     async def _settle_tombstone(self, slot: int) -> None:
         """Make sure no valid old header is left in ``slot`` before new bytes go into it."""
         task = self._tombstones.get(slot)
         if task is not None:
             await asyncio.shield(task)
-        if slot in self._tomb_failed:
-            await self._write_tombstone(slot)
+        pages = self._tomb_failed.get(slot)
+        if pages is not None:
+            await self._write_tombstone(slot, pages)
 
-    async def _tombstone(self, slot: int, previous: asyncio.Task[None] | None) -> None:
+    async def _tombstone(self, slot: int, pages: int, previous: asyncio.Task[None] | None) -> None:
         if previous is not None:
             await asyncio.shield(previous)
         try:
-            await self._write_tombstone(slot)
+            await self._write_tombstone(slot, pages)
         except OSError as exc:
             self._counters["io_errors"] += 1
             log.warning("tombstone of slot %d failed; retried before reuse: %s", slot, exc)
@@ -404,35 +584,67 @@ class NvmeTier:
             if self._tombstones.get(slot) is asyncio.current_task():
                 del self._tombstones[slot]
 
-    async def _write_tombstone(self, slot: int) -> None:
-        self._tomb_failed.add(slot)  # until the flush below returns
-        await self._run(self._write_pool, self._io_write_at, slot, self._tombstone_page(slot))
+    async def _write_tombstone(self, slot: int, pages: int) -> None:
+        self._tomb_failed[slot] = pages  # until the flush below returns
+        page = self._tombstone_page(slot, pages)
+        await self._run(self._write_pool, self._io.write_at, slot, page)
         await self._flush.barrier()
-        self._tomb_failed.discard(slot)
+        self._tomb_failed.pop(slot, None)
 
-    def _tombstone_page(self, slot: int) -> bytearray:
-        pages = self._alloc.slot_bytes_at(slot) // PAGE
+    def _tombstone_page(self, slot: int, pages: int) -> bytearray:
         tomb = (KIND_TOMBSTONE, CODEC_NONE, pages, slot, self._take_seq(), self._format_id)
         return fmt.pack_header(Header(*tomb, bytes(KEY_BYTES), bytes(FINGERPRINT_BYTES), 0, 0, 0))
 
-    async def _write_state(self, *, clean: bool, if_stale: bool = False) -> None:
-        if if_stale and self._state_version >= self._alloc.version:
+    async def _persist_carving(self, slab: int) -> None:
+        """Make the slab's descriptor, and the metadata's slab map, say how the slab is carved
+        now (before a record in it commits; the caller's barrier makes it durable)."""
+        slot_bytes = self._alloc.slab_slot_bytes[slab]
+        if self._descriptors[slab] == slot_bytes and self._meta_version >= self._alloc.version:
             return
-        async with self._state_lock:
-            version = self._alloc.version
-            if if_stale and self._state_version >= version:
-                return  # another writer persisted this slab map while we waited
-            gen = self._state_gen + 1
-            offset = self.geometry.state_offset(gen % 2)
-            await self._run(
-                self._write_pool, self._io_write_at, offset, self._pack_state(gen, clean)
-            )
-            self._state_gen = gen
-            self._state_version = max(self._state_version, version)
+        async with self._meta_lock:
+            slot_bytes = self._alloc.slab_slot_bytes[slab]
+            if self._descriptors[slab] != slot_bytes:
+                await self._write_descriptor(slab, slot_bytes)
+            if self._meta_version < self._alloc.version:
+                await self._write_meta_locked(clean=False)
 
-    def _pack_state(self, gen: int, clean: bool) -> bytearray:
-        state = State(gen, self._next_seq, clean, self._alloc.slab_slot_bytes)
-        return fmt.pack_state(self.geometry, self._format_id, state)
+    async def _write_descriptor(self, slab: int, slot_bytes: int) -> None:
+        page = fmt.pack_slab_descriptor(
+            self.geometry, self._format_id, slab, slot_bytes, self._take_seq()
+        )
+        await self._run(self._write_pool, self._io.write_at, self.geometry.slab_start(slab), page)
+        self._descriptors[slab] = slot_bytes
+
+    async def _write_meta(self, *, clean: bool) -> None:
+        async with self._meta_lock:
+            await self._write_meta_locked(clean=clean)
+
+    async def _write_meta_locked(self, *, clean: bool) -> None:
+        """The next generation of the metadata, into the copy that does not hold the current
+        one, so a torn write leaves the current copy in force."""
+        version = self._alloc.version
+        gen, copy = self._meta_gen + 1, 1 - self._meta_copy
+        page = fmt.pack_meta(
+            self.geometry, self._format_id, gen, self._next_seq, clean, self._alloc.slab_slot_bytes
+        )
+        await self._run(self._write_pool, self._io.write_at, self.geometry.meta_offset(copy), page)
+        self._meta_gen, self._meta_copy = gen, copy
+        self._meta_version = max(self._meta_version, version)
+
+    async def _repair_metadata(self, found: recovery.Found) -> None:
+        """After recovery: rewrite every damaged descriptor of a carved slab, then both
+        metadata copies, a damaged (or older) one first, each behind a barrier, so that at every
+        moment one valid copy is on disk."""
+        async with self._meta_lock:
+            for slab in self._alloc.carved():
+                slot_bytes = self._alloc.slab_slot_bytes[slab]
+                if self._descriptors[slab] != slot_bytes:
+                    await self._write_descriptor(slab, slot_bytes)
+            # The first write goes to the copy that does not hold the current generation.
+            self._meta_copy = 0 if found.meta_ok[0] else 1
+            for _ in range(2):
+                await self._write_meta_locked(clean=False)
+                await self._flush.barrier()
 
     # ------------------------------------------------------------------ read
     async def read_into(
@@ -442,22 +654,25 @@ class NvmeTier:
         record on disk is not this block intact: short read, header mismatch, checksum or
         decompression failure, IO error. ``out`` holds undefined bytes after a miss."""
         self._require_open()
-        i = self._alloc.ordinal(slot)
-        if i >= len(self._table) or self._table.state[i] != LIVE:
+        try:
+            table, i = self._record_table(slot)
+        except ValueError:
+            table, i = None, -1
+        if table is None or table.state[i] != LIVE:
             raise ValueError(f"read of slot {slot}, which holds no committed record")
         view = memoryview(out).cast("B")
         if view.readonly:
             raise TypeError("out must be a writable buffer")
         c = self._counters
         c["reads"] += 1
-        want = self._table.ident(i)  # a snapshot: the slot may be freed while the IO runs
+        want = table.ident(i)  # a snapshot: the slot may be freed while the IO runs
         asked = (key, namespace, view.nbytes, checksum)
         if asked != (want.key, want.namespace, want.length, want.checksum):
             c["misses"] += 1
             c["header_mismatches"] += 1
             return False
         try:
-            reason = await self._run(self._read_pool, self._io_read_record, slot, want, view)
+            reason = await self._run(self._read_pool, self._io.read_record, slot, want, view)
         except OSError as exc:
             log.warning("read of slot %d failed: %s", slot, exc)
             reason = "io_error"
@@ -471,182 +686,21 @@ class NvmeTier:
     async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
-    # ------------------------------------------------------------------ IO (pool threads)
-    # These read attributes fixed while the tier is open (descriptor, format id, direct_io) and
-    # the thread's own scratch buffer, and change nothing else: every counter and map is touched
-    # on the loop only.
-    def _io_write_at(self, offset: int, data: bytes | bytearray) -> None:
-        scratch = self._scratch.get(len(data))
-        scratch[: len(data)] = data
-        pwrite_all(self._fd, [scratch[: len(data)]], offset)
-
-    def _io_write_payload(self, slot: int, data: memoryview, checksum: int) -> tuple[int, int]:
-        n = data.nbytes
-        # Verified here, while moving down a tier: the checksum on disk must describe these bytes.
-        if xxhash.xxh3_64_intdigest(data) != checksum:
-            raise ValueError(f"data for slot {slot} does not match its checksum")
-        span = round_up(n)
-        if self._codec == CODEC_LZ4 and span > PAGE and self._worth_compressing(data):
-            scratch = self._scratch.get(span)
-            # Room for one page less than raw: a result that saves no page is stored raw.
-            stored = lz4_compress(data, scratch[: span - PAGE])
-            if stored:
-                pad = round_up(stored)
-                scratch[stored:pad] = ZERO_PAGE[: pad - stored]
-                pwrite_all(self._fd, [scratch[:pad]], slot + PAGE)
-                return stored, CODEC_LZ4
-        if not self.direct_io or (n % PAGE == 0 and address(data) % PAGE == 0):
-            pwrite_all(self._fd, [data], slot + PAGE)  # zero copy: a CPU-tier slot is aligned
-        else:
-            scratch = self._scratch.get(span)
-            scratch[:n] = data
-            scratch[n:span] = ZERO_PAGE[: span - n]
-            pwrite_all(self._fd, [scratch[:span]], slot + PAGE)
-        return n, CODEC_NONE
-
-    def _worth_compressing(self, data: memoryview) -> bool:
-        """Whether the block's first 64 KiB compress by 1/16 or more. bf16 KV data compresses
-        by under 1% (benchmarks/bench_nvme.py), and compressing a 2 MiB block only to store it
-        raw costs ~1 ms of CPU; the probe costs 1/32 of that."""
-        if data.nbytes < 2 * LZ4_PROBE_BYTES:
-            return True
-        scratch = self._scratch.get(LZ4_PROBE_BYTES)
-        probe = data[:LZ4_PROBE_BYTES]
-        return lz4_compress(probe, scratch[: LZ4_PROBE_BYTES - LZ4_PROBE_BYTES // 16]) > 0
-
-    def _io_read_record(self, slot: int, want: Ident, out: memoryview) -> str | None:
-        """Read and verify one record into ``out``: None, or why it is a miss."""
-        length, stored, span = want.length, want.stored_length, round_up(want.stored_length)
-        direct = want.codec == CODEC_NONE and (
-            not self.direct_io or (length % PAGE == 0 and address(out) % PAGE == 0)
-        )
-        if direct:  # header into scratch, payload straight into the caller's buffer
-            scratch = self._scratch.get(PAGE)
-            if pread_full(self._fd, [scratch[:PAGE], out[:length]], slot) < PAGE + length:
-                return "short"
-        else:
-            scratch = self._scratch.get(PAGE + span)
-            if pread_full(self._fd, [scratch[: PAGE + span]], slot) < PAGE + stored:
-                return "short"
-        h = fmt.parse_header(scratch)
-        if h is None:
-            return "torn"
-        got = Ident(h.key, h.namespace, h.length, h.stored_length, h.codec, h.checksum, h.seq)
-        if (h.kind, h.slot, h.format_id) != (KIND_RECORD, slot, self._format_id) or got != want:
-            return "mismatch"
-        if want.codec == CODEC_LZ4:
-            if not lz4_decompress(scratch[PAGE : PAGE + stored], out[:length]):
-                return "corrupt"
-        elif not direct:
-            out[:length] = scratch[PAGE : PAGE + length]
-        if xxhash.xxh3_64_intdigest(out[:length]) != want.checksum:
-            return "corrupt"
-        return None
-
-    def _io_read_header(self, slot: int) -> Header | None:
-        scratch = self._scratch.get(PAGE)
-        if pread_full(self._fd, [scratch[:PAGE]], slot) < PAGE:
-            return None
-        return fmt.parse_header(scratch)
-
-    def _io_scan(self, slots: list[int]) -> bytearray:
-        """The HEADER_BYTES prefix of each slot's header page, concatenated (zeros where the
-        page could not be read: no valid header)."""
-        scratch = self._scratch.get(PAGE)
-        page, n = scratch[:PAGE], HEADER_BYTES
-        out = bytearray(len(slots) * n)
-        for j, slot in enumerate(slots):
-            try:
-                if pread_full(self._fd, [page], slot) == PAGE:
-                    out[j * n : (j + 1) * n] = scratch[:n]
-            except OSError as exc:  # an unreadable header loses its record, not the tier
-                log.warning("header of slot %d unreadable at recovery: %s", slot, exc)
-        return out
-
-    def _io_open(self) -> tuple[list[int], bool]:
-        """Open, lock, preallocate and, if needed, format the file: (slab map, clean flag)."""
-        geo = self.geometry
-        os.makedirs(self.directory, exist_ok=True)
-        self._lock_fd = fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            raise RuntimeError(f"{self.path} is in use by another process") from exc
-        self._format_id = fmt.parse_superblock(os.pread(fd, PAGE, 0), geo)
-        size = os.fstat(fd).st_size
-        fresh = self._format_id == 0 or size != geo.capacity_bytes
-        if fresh:
-            if size:
-                log.warning("nvme tier %s: format or geometry changed, reformatting", self.path)
-            os.ftruncate(fd, 0)  # drops every old record with the blocks that held it
-            os.ftruncate(fd, geo.capacity_bytes)
-        try:
-            os.posix_fallocate(fd, 0, geo.capacity_bytes)
-            self.preallocated = True
-        except OSError as exc:
-            # Carry on with what the filesystem gave: a write into a hole it cannot fill fails
-            # with NvmeIOError and the tier stays usable. stats() reports preallocated=False.
-            log.warning("nvme tier %s: cannot preallocate: %s", self.path, exc)
-        self._fd, self.direct_io = self._open_io_fd()
-        state = None if fresh else self._read_state()
-        if state is None:
-            if not fresh:
-                log.warning("nvme tier %s: no valid state copy, reformatting", self.path)
-                os.ftruncate(fd, 0)
-                os.ftruncate(fd, geo.capacity_bytes)
-            # A new format id: no header written under an earlier format can ever validate.
-            self._format_id = secrets.randbits(63) | 1
-            self._io_write_at(0, fmt.pack_superblock(geo, self._format_id))
-            state = State(1, 1, True, [0] * len(geo.slab_sizes))
-            self._io_write_at(geo.state_offset(1), fmt.pack_state(geo, self._format_id, state))
-            self._io_write_at(geo.state_offset(0), bytes(geo.state_pages * PAGE))
-            os.fdatasync(self._fd)
-        self._state_gen, self._next_seq = state.generation, state.next_seq
-        return state.slab_slot_bytes, state.clean
-
-    def _open_io_fd(self) -> tuple[int, bool]:
-        """An O_DIRECT descriptor if the filesystem takes a probe read and write with it."""
-        if not self._want_direct:
-            return self._lock_fd, False
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
-        except OSError as exc:
-            log.info("nvme tier %s: O_DIRECT refused (%s), using buffered IO", self.path, exc)
-            return self._lock_fd, False
-        probe = self._scratch.get(PAGE)[:PAGE]
-        try:  # page 0 rewritten with its own bytes: harmless, and proves aligned IO works
-            if os.preadv(fd, [probe], 0) != PAGE or os.pwritev(fd, [probe], 0) != PAGE:
-                raise OSError(errno.EINVAL, "short O_DIRECT probe")
-        except OSError as exc:
-            os.close(fd)
-            log.info("nvme tier %s: O_DIRECT probe failed (%s), using buffered IO", self.path, exc)
-            return self._lock_fd, False
-        return fd, True
-
-    def _read_state(self) -> State | None:
-        """The valid state copy of the highest generation."""
-        geo = self.geometry
-        best = None
-        for copy in (0, 1):
-            buf = self._scratch.get(geo.state_pages * PAGE)[: geo.state_pages * PAGE]
-            if pread_full(self._fd, [buf], geo.state_offset(copy)) < buf.nbytes:
-                continue
-            state = fmt.parse_state(buf, geo, self._format_id)
-            if state is not None and (best is None or state.generation > best.generation):
-                best = state
-        return best
-
     # ------------------------------------------------------------------ recovery
-    async def _recover(self, slab_map: list[int]) -> list[NvmeRecord]:
+    async def _recover(self, found: recovery.Found) -> list[NvmeRecord]:
+        """Scan the headers of every carved slab; the newest record of each key that lies
+        wholly inside the file (a truncated file keeps what it still holds) is recovered."""
+        slab_map, size = found.slab_map, found.size
         self._alloc = SlotAllocator.restore(self.geometry, slab_map, set())
         slots = [s for slab in self._alloc.carved() for s in self._alloc.slots(slab)]
+        slots = [s for s in slots if s + PAGE <= size]
         batches = [slots[i : i + SCAN_BATCH] for i in range(0, len(slots), SCAN_BATCH)]
         newest: dict[tuple[bytes, bytes], Header] = {}
         stale: list[int] = []
         max_seq = self._next_seq - 1
 
         async def scan(batch: list[int]) -> tuple[list[int], bytearray]:
-            return batch, await self._run(pool, self._io_scan, batch)
+            return batch, await self._run(pool, recovery.scan_headers, self._io.fd, batch)
 
         with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="nvme-scan") as pool:
             # Parsed as each batch arrives, so the loop's share overlaps the other batches' IO.
@@ -661,6 +715,9 @@ class NvmeTier:
                     slot_bytes = self._alloc.slot_bytes_at(slot)
                     if not fmt.header_fits(h, slot, slot_bytes, self._format_id):
                         continue
+                    if slot + PAGE + round_up(h.stored_length) > size:
+                        stale.append(slot)  # cut short: tombstoned before the slot's reuse
+                        continue
                     old = newest.get((h.namespace, h.key))
                     if old is not None and old.seq > h.seq:
                         stale.append(slot)
@@ -672,12 +729,12 @@ class NvmeTier:
         self._alloc = SlotAllocator.restore(
             self.geometry, slab_map, {h.slot for h in newest.values()}
         )
-        self._state_version = self._alloc.version
-        self._table = table = RecordTable()
-        table.grow(self._alloc.ordinals)
+        self._meta_version = -1  # rewritten after recovery
+        for slab in self._alloc.carved():
+            self._tables[slab] = RecordTable(self._alloc.slot_count(slab), self._namespaces)
         records = []
         for h in sorted(newest.values(), key=lambda h: h.seq):
-            i = self._alloc.ordinal(h.slot)
+            table, i = self._record_table(h.slot)
             ident = Ident(h.key, h.namespace, h.length, h.stored_length, h.codec, h.checksum, h.seq)
             table.set_record(i, ident)
             table.state[i] = LIVE
@@ -687,7 +744,14 @@ class NvmeTier:
             records.append(NvmeRecord(h.slot, *ident[:4], h.checksum, h.seq))
         self._live_blocks = len(records)
         for slot in stale:  # older copies of a key: free already, invalidated before reuse
-            self._start_tombstone(slot)
+            if self._read_only:  # left as they are: the next read-write open's job
+                self._tomb_failed[slot] = self._alloc.slot_bytes_at(slot) // PAGE
+            else:
+                self._start_tombstone(slot)
+        if not self._read_only:  # slabs without a record go back to the pool
+            for slab in self._alloc.carved():
+                if self._alloc.used[slab] == 0:
+                    self._return_slab(slab)
         await self.drain()
         return records
 
@@ -697,26 +761,28 @@ class NvmeTier:
         record, a free slot's header against being a record. Blocks the caller while it reads
         the whole tier; slots with a write or a tombstone in flight are skipped. With ``fix``,
         damaged live records are freed (the report names their keys: drop them from the index)
-        and orphans are tombstoned."""
+        and orphans are tombstoned (a tier opened read-only cannot fix: ValueError)."""
         self._require_open()
-        problems: list[CheckProblem] = []
+        if fix and self._read_only:
+            raise ValueError("check(fix=True) of a tier opened read-only")
+        problems = [CheckProblem(at, "metadata", None, what) for at, what in self._damage]
         checked = ok = 0
         buffers: dict[int, memoryview] = {}
-        self._table.grow(self._alloc.ordinals)
         for slab in self._alloc.carved():
-            for slot in self._alloc.slots(slab):
-                i = self._alloc.ordinal(slot)
-                state = self._table.state[i]
+            table = self._tables[slab]
+            assert table is not None
+            for i, slot in enumerate(self._alloc.slots(slab)):
+                state = table.state[i]
                 if slot in self._tombstones or state & ~FREE_AFTER_WRITE == WRITING:
                     continue
                 checked += 1
                 if state == LIVE:
-                    want = self._table.ident(i)
+                    want = table.ident(i)
                     out = buffers.get(want.length)
                     if out is None:
                         out = buffers[want.length] = memoryview(bytearray(want.length))
                     try:
-                        reason, detail = self._io_read_record(slot, want, out), ""
+                        reason, detail = self._io.read_record(slot, want, out), ""
                     except OSError as exc:
                         reason, detail = "io_error", str(exc)
                     if reason is None:
@@ -726,7 +792,7 @@ class NvmeTier:
                         problems.append(CheckProblem(slot, kind, want.key, detail or reason))
                     continue
                 try:
-                    h = self._io_read_header(slot)
+                    h = self._io.read_header(slot)
                 except OSError as exc:
                     problems.append(CheckProblem(slot, "io_error", None, str(exc)))
                     continue
@@ -740,16 +806,21 @@ class NvmeTier:
         return CheckReport(checked, ok, problems, fix)
 
     def _fix(self, problems: list[CheckProblem]) -> None:
+        # Orphans first: freeing a damaged record may return its slab to the pool.
         for p in problems:
-            if self._table.state[self._alloc.ordinal(p.slot)] == LIVE:
-                self.free(p.slot)  # tombstoned in the background, like any free
-                continue
-            try:
-                self._io_write_at(p.slot, self._tombstone_page(p.slot))
-            except OSError as exc:
-                self._tomb_failed.add(p.slot)
-                log.warning("tombstone of orphan slot %d failed: %s", p.slot, exc)
-        os.fdatasync(self._fd)
+            if p.kind == "orphan":
+                pages = self._alloc.slot_bytes_at(p.slot) // PAGE
+                try:
+                    self._io.write_at(p.slot, self._tombstone_page(p.slot, pages))
+                except OSError as exc:
+                    self._tomb_failed[p.slot] = pages
+                    log.warning("tombstone of orphan slot %d failed: %s", p.slot, exc)
+        os.fdatasync(self._io.fd)
+        for p in problems:
+            if p.kind not in ("orphan", "metadata"):  # metadata: reported by read-only opens
+                table, i = self._record_table(p.slot)
+                if table.state[i] == LIVE:
+                    self.free(p.slot)  # tombstoned in the background, like any free
 
     def stats(self) -> dict[str, int | float | bool]:
         """Occupancy and counters. ``used_bytes``: slot bytes of the committed records (a record
