@@ -1,5 +1,7 @@
 """The NVMe tier's mechanism on real files: round trips, capacity, recovery after close and after
-SIGKILL, corruption detection, check(), the free rule, a full disk.
+SIGKILL, damaged and truncated metadata, geometry mismatches, ``kvstore check`` (read-only unless
+--fix), the write modes and ``sync``, mixed block sizes sharing slabs, corruption detection,
+bound checksums, check(), the free rule, a full disk.
 
 Run as a script (``python tests/test_nvme_tier.py DIR MODE``) this file is also the child
 process that the crash tests kill.
