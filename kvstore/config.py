@@ -52,6 +52,9 @@ class NvmeTierConfig:
     capacity_bytes: int = 16 << 30
     codec: str = "none"
     write_through: bool = False
+    # True: a put is acknowledged only once its blocks are on disk and fdatasync'd (it then
+    # survives kill -9 and power loss); False: a put is acknowledged once it is in memory.
+    durable_puts: bool = False
     direct_io: bool = True
     io_threads: int = 4
     policy: str = "lru"
@@ -262,6 +265,7 @@ _KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "capacity": ("capacity_bytes", parse_size),
         "codec": ("codec", str),
         "write_through": ("write_through", bool),
+        "durable_puts": ("durable_puts", bool),
         "direct_io": ("direct_io", bool),
         "io_threads": ("io_threads", int),
         "policy": ("policy", str),

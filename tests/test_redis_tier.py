@@ -55,9 +55,11 @@ def block(i: int, size: int) -> bytes:
     return random.Random(i * 1_000_003 + size).randbytes(size)
 
 
-def entry(i: int, size: int, salt: int = 0) -> tuple[bytes, bytes, int]:
-    data = block(i, size)
-    return key(i, salt), data, block_checksum(data)
+def entry(i: int, size: int, salt: int = 0, ns: bytes = NS) -> tuple[bytes, bytes, int]:
+    """``(key, block, checksum)`` for a put into namespace ``ns``: the checksum is bound to
+    ``ns`` and the key (``kvstore.checksum``)."""
+    k, data = key(i, salt), block(i, size)
+    return k, data, block_checksum(data, ns, k)
 
 
 class RedisProc:
@@ -169,12 +171,14 @@ async def test_round_trip_bit_exact(server: RedisProc, drv: str) -> None:
         for (_, data, _), out in zip(blocks, outs, strict=True):
             assert out == data
         # Without the expected checksum the header's is used, still checked against the bytes;
-        # get_into_checked returns it: block_checksum of the block, so the daemon keeps it as is.
+        # get_into_checked returns it: block_checksum of the block bound to its namespace and
+        # key, so the daemon keeps it as is.
         outs2 = [bytearray(size) for size in sizes]
         items2 = [(k, None, memoryview(o)) for (k, _, _), o in zip(blocks, outs2, strict=True)]
         sums = await tier.get_into_checked(NS, items2)
-        assert sums == [block_checksum(data) for _, data, _ in blocks]
-        assert sums == [block_checksum(o) for o in outs2]
+        assert sums == [block_checksum(data, NS, k) for k, data, _ in blocks]
+        pairs = zip(blocks, outs2, strict=True)
+        assert sums == [block_checksum(o, NS, k) for (k, _, _), o in pairs]
         assert outs2 == outs
         stats = tier.stats()
         assert stats["hits"] == 2 * len(sizes) and stats["checksum_failures"] == 0
@@ -189,14 +193,16 @@ async def test_round_trip_bit_exact(server: RedisProc, drv: str) -> None:
 async def test_numpy_and_memoryview_buffers(server: RedisProc) -> None:
     np = pytest.importorskip("numpy")
     src = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    c = block_checksum(src, NS, key(1))
     async with opened(server.url) as tier:
-        assert await tier.put(NS, [(key(1), src, block_checksum(src))]) == 1
+        assert await tier.put(NS, [(key(1), src, c)]) == 1
         dst = np.zeros_like(src)
-        assert await tier.get_into(NS, [(key(1), block_checksum(src), dst)]) == [True]
+        assert await tier.get_into(NS, [(key(1), c, dst)]) == [True]
         assert np.array_equal(src, dst)
         dst[:] = 0
         # The checksum of the bytes whatever the buffer's dtype and shape: what the daemon keeps.
-        assert await tier.get_into_checked(NS, [(key(1), None, dst)]) == [block_checksum(src)]
+        assert await tier.get_into_checked(NS, [(key(1), None, dst)]) == [c]
+        assert c == block_checksum(dst, NS, key(1))
         assert np.array_equal(src, dst)
         with pytest.raises(ValueError, match="writable"):
             await tier.get_into(NS, [(key(1), None, b"x" * src.nbytes)])
@@ -222,7 +228,7 @@ async def test_put_is_nx(server: RedisProc, drv: str) -> None:
     second = bytes(1000)
     async with opened(server.url, driver=drv) as tier:
         assert await tier.put(NS, [(k, first, c1)]) == 1
-        assert await tier.put(NS, [(k, second, block_checksum(second)), entry(2, 1000)]) == 1
+        assert await tier.put(NS, [(k, second, block_checksum(second, NS, k)), entry(2, 1000)]) == 1
         out = bytearray(1000)
         assert await tier.get_into(NS, [(k, c1, memoryview(out))]) == [True]
         assert out == first
@@ -273,7 +279,7 @@ async def test_every_tampered_byte_is_a_counted_miss(server: RedisProc, drv: str
         assert out == data
         out = bytearray(size)
         assert await tier.get_into_checked(NS, [(k, None, memoryview(out))]) == [c]
-        assert out == data and c == block_checksum(data)
+        assert out == data and c == block_checksum(data, NS, k)
 
 
 @pytest.mark.parametrize("drv", DRIVERS)
@@ -291,10 +297,14 @@ async def test_wrong_length_garbage_and_wrong_checksum_are_misses(
         r.set(redis_name(key(4)), b"garbage")
         r.set(redis_name(key(5)), bytes(HEADER_BYTES + 4096))  # right length, zero header
         # A valid header with the right length, but the caller expects another checksum.
-        items = [(key(i), c, memoryview(bytearray(4096))) for i in (2, 3, 4, 5)]
+        items = [
+            (key(i), block_checksum(data, NS, key(i)), memoryview(bytearray(4096)))
+            for i in (2, 3, 4, 5)
+        ]
         items.append((k, c ^ 0xFF, memoryview(bytearray(4096))))
         items.append((k, c, memoryview(bytearray(4095))))  # the caller's size is wrong
-        items.append((key(6), c, memoryview(bytearray(4096))))  # absent: a plain miss
+        # Absent: a plain miss.
+        items.append((key(6), block_checksum(data, NS, key(6)), memoryview(bytearray(4096))))
         assert await tier.get_into(NS, items) == [False] * 7
         stats = tier.stats()
         assert stats["checksum_failures"] == 6 and stats["misses"] == 7 and stats["hits"] == 0
@@ -314,22 +324,77 @@ async def test_namespaces_are_isolated(server: RedisProc, drv: str) -> None:
     k, data, c = entry(1, 2048)
     async with opened(server.url, driver=drv) as tier:
         await tier.put(NS, [(k, data, c)])
+        # What a reader of OTHER_NS would expect of these bytes under k: bound to OTHER_NS.
+        c_other = block_checksum(data, OTHER_NS, k)
         assert await tier.contains(OTHER_NS, [k]) == 0
         out = bytearray(2048)
-        assert await tier.get_into(OTHER_NS, [(k, c, memoryview(out))]) == [False]
+        assert await tier.get_into(OTHER_NS, [(k, c_other, memoryview(out))]) == [False]
         assert tier.stats()["checksum_failures"] == 0  # simply absent
         # The value copied under the other namespace's name is refused by its header.
         r.copy(redis_name(k), redis_name(k, OTHER_NS))
         assert await tier.contains(OTHER_NS, [k]) == 1
-        assert await tier.get_into(OTHER_NS, [(k, c, memoryview(out))]) == [False]
+        assert await tier.get_into(OTHER_NS, [(k, c_other, memoryview(out))]) == [False]
         assert await tier.get_into_checked(OTHER_NS, [(k, None, memoryview(out))]) == [None]
         assert tier.stats()["checksum_failures"] == 2
         # ... and so is a value renamed under another key of the same namespace.
         r.copy(redis_name(k), redis_name(key(9)))
-        assert await tier.get_into(NS, [(key(9), c, memoryview(out))]) == [False]
+        c9 = block_checksum(data, NS, key(9))
+        assert await tier.get_into(NS, [(key(9), c9, memoryview(out))]) == [False]
     # Another key prefix is another store.
     async with opened(server.url, driver=drv, key_prefix="other") as tier:
         assert await tier.contains(NS, [k]) == 0
+
+
+@pytest.mark.parametrize("drv", DRIVERS)
+async def test_intact_bytes_under_another_key_are_a_counted_miss(
+    server: RedisProc, drv: str
+) -> None:
+    """The checksum binds the key: a block put under key A, its stored value copied byte for
+    byte under key B's name in the same namespace, is a miss for B counted as a checksum
+    failure, whatever checksum the caller expects (B's bound checksum of those bytes, A's, or
+    none). Even with the header rewritten to name B (stating A's checksum), only the bound
+    checksum can tell, and it does; the same bytes written for B with B's checksum do read."""
+    r = server.client()
+    size = 4096
+    a, data, ca = entry(1, size)
+    b = key(2)
+    cb = block_checksum(data, NS, b)
+    assert cb != ca  # same bytes, same namespace, other key: another checksum
+    async with opened(server.url, driver=drv) as tier:
+        assert await tier.put(NS, [(a, data, ca)]) == 1
+        assert r.copy(redis_name(a), redis_name(b))
+        assert r.get(redis_name(b)) == r.get(redis_name(a))  # intact bytes, B's name
+        assert await tier.contains(NS, [b]) == 1
+        for expected in (cb, ca, None):
+            out = bytearray(size)
+            assert await tier.get_into(NS, [(b, expected, memoryview(out))]) == [False]
+            got = await tier.get_into_checked(NS, [(b, expected, memoryview(out))])
+            assert got == [None], expected
+        stats = tier.stats()
+        assert stats["hits"] == 0 and stats["misses"] == 6 and stats["checksum_failures"] == 6
+
+        # A header rewritten to name B, stating A's checksum, with its own checksum intact:
+        # the header passes, and the payload's checksum bound to B refuses it.
+        r.set(redis_name(b), fmt.pack_header(b, NS, size, ca) + data)
+        for expected in (ca, None, cb):
+            out = bytearray(size)
+            assert await tier.get_into(NS, [(b, expected, memoryview(out))]) == [False]
+            got = await tier.get_into_checked(NS, [(b, expected, memoryview(out))])
+            assert got == [None], expected
+        stats = tier.stats()
+        assert stats["hits"] == 0 and stats["misses"] == 12 and stats["checksum_failures"] == 12
+
+        # Control: the same bytes stored for B with B's bound checksum are B's block, and A
+        # still reads as itself.
+        r.set(redis_name(b), fmt.pack_header(b, NS, size, cb) + data)
+        out = bytearray(size)
+        assert await tier.get_into_checked(NS, [(b, None, memoryview(out))]) == [cb]
+        assert out == data
+        out = bytearray(size)
+        assert await tier.get_into_checked(NS, [(a, ca, memoryview(out))]) == [ca]
+        assert out == data
+        stats = tier.stats()
+        assert stats["hits"] == 2 and stats["checksum_failures"] == 12
 
 
 @pytest.mark.parametrize("drv", DRIVERS)
@@ -484,7 +549,7 @@ async def test_error_replies_do_not_mark_the_tier_down(server: RedisProc, drv: s
         index = fmt.index_name(fmt.namespace_prefix("kvs", OTHER_NS))
         r.set(index, b"not a sorted set")
         errors = tier.stats()["errors"]
-        assert await tier.put(OTHER_NS, [entry(0, 100)]) == 1
+        assert await tier.put(OTHER_NS, [entry(0, 100, ns=OTHER_NS)]) == 1
         assert tier.up and tier.stats()["errors"] > errors
         out = bytearray(100)
         assert await tier.get_into(OTHER_NS, [(key(0), None, memoryview(out))]) == [True]
@@ -519,7 +584,7 @@ async def test_per_namespace_byte_bound(server: RedisProc, drv: str) -> None:
     bound = 10 * (HEADER_BYTES + size) + 5  # room for 10 blocks
     r = server.client()
     async with opened(server.url, driver=drv, max_bytes_per_namespace=bound) as tier:
-        await tier.put(OTHER_NS, [entry(i, size, salt=7) for i in range(8)])
+        await tier.put(OTHER_NS, [entry(i, size, salt=7, ns=OTHER_NS) for i in range(8)])
         for b in range(5):  # 25 blocks in batches of 5
             await tier.put(NS, [entry(i, size) for i in range(5 * b, 5 * b + 5)])
             await asyncio.sleep(0.002)  # distinct microsecond scores across batches
@@ -659,7 +724,8 @@ async def test_cluster_spreads_a_namespace_over_nodes(cluster: list[int]) -> Non
         assert await tier.get_into(NS, items) == [True] * 40
         assert all(o == d for (_, d, _), o in zip(kept, outs, strict=True))
         items = [(k, None, memoryview(o)) for (k, _, _), o in zip(kept, outs, strict=True)]
-        assert await tier.get_into_checked(NS, items) == [block_checksum(d) for _, d, _ in kept]
+        sums = [block_checksum(d, NS, k) for k, d, _ in kept]
+        assert await tier.get_into_checked(NS, items) == sums
         assert tier.stats()["evictions"] == 8
         # Every node holds some of the namespace's blocks: no hash tag pinned them to a slot.
         counts = [redis_py.Redis(port=p).dbsize() for p in cluster]

@@ -308,7 +308,7 @@ async def test_a_url_may_turn_verification_down(tls_server_factory, pki, query, 
     try:
         assert tier.up
         data = bytes(range(256)) * 64
-        assert await tier.put(NS, [(bytes(32), data, block_checksum(data))]) == 1
+        assert await tier.put(NS, [(bytes(32), data, block_checksum(data, NS, bytes(32)))]) == 1
     finally:
         await tier.close()
 
@@ -321,7 +321,7 @@ async def test_tier_round_trip_and_close_over_tls(tls_redis: TlsRedis) -> None:
         await tier.start()
         try:
             assert tier.up and tier.driver == "redis-py"
-            entries = [(k, d, block_checksum(d)) for k, d in blocks]
+            entries = [(k, d, block_checksum(d, NS, k)) for k, d in blocks]
             assert await tier.put(NS, entries) == 3
             outs = [bytearray(n) for n in sizes]
             items = [(k, c, memoryview(o)) for (k, _, c), o in zip(entries, outs, strict=True)]

@@ -105,6 +105,15 @@ class StoreMachine(RuleBasedStateMachine):
     def run(self, coro):  # type: ignore[no-untyped-def]
         return self.loop.run_until_complete(coro)
 
+    def call(self, fn, *args):  # type: ignore[no-untyped-def]
+        """A synchronous store method, called on the loop as the daemon does (it may start
+        background IO, such as the NVMe tier's tombstones)."""
+
+        async def on_loop():  # type: ignore[no-untyped-def]
+            return fn(*args)
+
+        return self.run(on_loop())
+
     def settle(self) -> None:
         """Let background IO (write-back, promotions, prefetches) finish."""
 
@@ -153,7 +162,7 @@ class StoreMachine(RuleBasedStateMachine):
                 self.store.arena.view[offset : offset + len(data)] = data
                 sums.append(block_checksum(data, namespace.fingerprint, key))
         if rid:
-            self.store.commit(handle, rid, sums)
+            self.call(self.store.commit, handle, rid, sums)
 
     @rule(ns=st.integers(0, 2), start=st.integers(0, KEYS_PER_NS - 1), n=st.integers(1, 3))
     def reserve_and_hold(self, ns: int, start: int, n: int) -> None:
@@ -178,7 +187,7 @@ class StoreMachine(RuleBasedStateMachine):
             return  # no room to promote into: legal under pressure
         if result.lease_id:
             self.verify(ns, keys, result.offsets)
-            self.store.release(handle, result.lease_id)
+            self.call(self.store.release, handle, result.lease_id)
 
     @rule(ns=st.integers(0, 2), start=st.integers(0, KEYS_PER_NS - 1), n=st.integers(1, 3))
     def acquire_and_hold(self, ns: int, start: int, n: int) -> None:
@@ -196,7 +205,7 @@ class StoreMachine(RuleBasedStateMachine):
     def release(self, i: int) -> None:
         lease = self.leases.pop(i % len(self.leases))
         self.verify(lease.ns, lease.keys, lease.offsets)  # a held lease still reads its bytes
-        self.store.release(lease.handle, lease.lease_id)
+        self.call(self.store.release, lease.handle, lease.lease_id)
 
     @rule(ns=st.integers(0, 2), start=st.integers(0, KEYS_PER_NS - 1), n=st.integers(1, 4))
     def lookup(self, ns: int, start: int, n: int) -> None:
@@ -206,24 +215,29 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(ns=st.integers(0, 2), start=st.integers(0, KEYS_PER_NS - 1), n=st.integers(1, 4))
     def prefetch(self, ns: int, start: int, n: int) -> None:
         keys = self.keys[ns][start : start + n]
-        self.store.mover.prefetch(self.handle(ns).ns_id, keys + keys)  # repeats, as a client may
+        ns_id = self.handle(ns).ns_id
+
+        async def hint() -> None:  # called on the loop, as the service does
+            self.store.mover.prefetch(ns_id, keys + keys)  # repeats, as a client may
+
+        self.run(hint())
 
     @rule(ns=st.integers(0, 2), start=st.integers(0, KEYS_PER_NS - 1), n=st.integers(1, 3))
     def delete(self, ns: int, start: int, n: int) -> None:
-        self.store.delete(self.handle(ns), self.keys[ns][start : start + n])
+        self.call(self.store.delete, self.handle(ns), self.keys[ns][start : start + n])
 
     @rule(ns=st.integers(0, 2))
     def client_dies(self, ns: int) -> None:
         handle = self.handles[ns]
         if handle is not None:
-            self.store.close_handle(handle)
+            self.call(self.store.close_handle, handle)
             self.forget_client(ns)
 
     @rule()
     def time_passes(self) -> None:
         """Leases and reservations expire; the reaper reclaims them."""
         self.clock.now += 11
-        self.store.reap()
+        self.call(self.store.reap)
         self.leases.clear()
         self.reserved.clear()
 
@@ -248,7 +262,7 @@ class StoreMachine(RuleBasedStateMachine):
             for ns in range(len(NAMESPACES)):
                 self.client_dies(ns)
             self.clock.now += 100  # past every quarantine
-            self.store.reap()
+            self.call(self.store.reap)
             self.settle()
             self.store.check()
             assert self.store.active_leases == 0 and self.store.active_reservations == 0
@@ -266,6 +280,6 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=25, stateful_step_count=40, deadline=None, derandomize=True
+    max_examples=100, stateful_step_count=50, deadline=None, derandomize=True
 )
 TestStoreUnderRandomUse = StoreMachine.TestCase

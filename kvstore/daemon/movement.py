@@ -157,8 +157,14 @@ class Mover:
         store, index = self.store, self.store.index
         keep = keep_gpu_copies and store.nvme is None
 
+        flushing = self._flushing
+
         def protected(eid: int) -> bool:
-            return bool(index.leases[eid]) or (keep and bool(index.tier[eid] & IN_GPU))
+            # A block being written down is still a fine victim: ``_evict_cpu`` awaits its
+            # write (flush() joins the one in flight) and then drops only its CPU copy. Any
+            # other lease (a reader, a promotion) protects it.
+            leases = index.leases[eid] - (1 if eid in flushing else 0)
+            return leases > 0 or (keep and bool(index.tier[eid] & IN_GPU))
 
         shared = store.shared
 

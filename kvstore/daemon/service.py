@@ -30,6 +30,7 @@ from kvstore.errors import (
     KVStoreError,
     LeaseExpiredError,
     NamespaceMismatchError,
+    UnavailableError,
     UnknownNamespaceError,
 )
 from kvstore.keys import HASH_VERSION, KEY_BYTES, Namespace, unpack_keys
@@ -46,6 +47,7 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (UnknownNamespaceError, grpc.StatusCode.NOT_FOUND),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (OverflowError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnavailableError, grpc.StatusCode.UNAVAILABLE),
 ]
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -272,7 +274,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Commit(self, request, context):
-        committed = self.store.commit(
+        committed = await self.store.commit_durably(
             self._handle(request.handle),
             request.reservation_id,
             list(request.checksums),

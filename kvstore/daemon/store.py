@@ -57,6 +57,7 @@ from kvstore.errors import (
     CapacityError,
     LeaseExpiredError,
     NamespaceMismatchError,
+    UnavailableError,
     UnknownNamespaceError,
 )
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, IN_REDIS, BlockIndex, State
@@ -800,6 +801,43 @@ class BlockStore:
             self.shared.note_committed(eids)
         return len(eids)
 
+    async def commit_durably(
+        self,
+        handle: Handle,
+        reservation_id: int,
+        checksums: Sequence[int],
+        device_checksums: Sequence[int] = (),
+    ) -> int:
+        """``commit``, acknowledged as ``nvme.durable_puts`` asks: with it, only once every
+        block of the reservation is on disk and fdatasync'd (UnavailableError otherwise: the
+        blocks are then readable but not durable, and the caller may retry the put)."""
+        reservation = handle.reservations.get(reservation_id)
+        eids = list(reservation.eids) if reservation is not None else []
+        keys = [self.index.key(e) for e in eids]
+        committed = self.commit(handle, reservation_id, checksums, device_checksums)
+        if self.config.nvme.durable_puts and self.nvme is not None and eids:
+            await self.persist(handle.ns_id, eids, keys)
+        return committed
+
+    async def persist(self, ns_id: int, eids: list[int], keys: list[bytes]) -> None:
+        """Write committed blocks to disk durably now (waiting for writes in flight); blocks
+        deleted meanwhile need nothing. UnavailableError if one could not be made durable."""
+        live = [e for e, k in zip(eids, keys, strict=True) if self.index.has_key(e, ns_id, k)]
+        gpu_only = [e for e in live if not self.index.tier[e] & (IN_CPU | IN_NVME)]
+        if gpu_only:
+            await self.device.to_cpu(gpu_only)
+        results = await asyncio.gather(*(self.mover.flush(e) for e in live))
+        lost = [
+            k
+            for e, k, ok in zip(live, keys, results, strict=True)
+            if not ok and self.index.has_key(e, ns_id, k) and not self.index.tier[e] & IN_NVME
+        ]
+        if lost:
+            raise UnavailableError(
+                f"{len(lost)} of {len(eids)} blocks could not be made durable (the NVMe tier is "
+                "full of leased blocks, or failing: see kvstore stat); they are stored in memory"
+            )
+
     def _commit_entry(self, eid: int, checksum: int) -> None:
         """RESERVED -> COMMITTED: the one place an entry becomes visible."""
         self.index.commit(eid, checksum)
@@ -864,7 +902,7 @@ class BlockStore:
             raise ValueError(
                 f"block for key {key.hex()[:16]}… does not match its checksum: not stored"
             )
-        self.commit(handle, reserved.reservation_id, [checksum])
+        await self.commit_durably(handle, reserved.reservation_id, [checksum])
         return True
 
     # ----------------------------------------------------------------- slots and removal
