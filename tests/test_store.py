@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvstore import KVLayout, Namespace, block_hashes
 from kvstore.checksum import block_checksum
-from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig
+from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig, NvmeTierConfig
 from kvstore.daemon.store import BlockStore, Handle
 from kvstore.errors import (
     CapacityError,
@@ -20,6 +20,7 @@ from kvstore.errors import (
     NamespaceMismatchError,
     UnknownNamespaceError,
 )
+from kvstore.index import IN_NVME
 from kvstore.tiers.cpu import HEADER_BYTES, SlabAllocator
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16)  # 4 KiB blocks
@@ -67,10 +68,11 @@ def checksum(data: bytes, key: bytes, ns: Namespace = NS) -> int:
 async def put(store: BlockStore, handle: Handle, ks: list[bytes], fill: int = 1) -> int:
     rid, offsets, _ = await store.reserve(handle, ks)
     sums = []
+    size = handle.record.block_bytes
     for off, k in zip(offsets, ks, strict=True):
         if off >= 0:
-            data = bytes([fill]) * LAYOUT.block_bytes
-            store.arena.view[off : off + LAYOUT.block_bytes] = data
+            data = bytes([fill]) * size
+            store.arena.view[off : off + size] = data
             sums.append(checksum(data, k, handle.record.namespace or NS))
     return store.commit(handle, rid, sums) if rid else 0
 
@@ -363,3 +365,42 @@ async def test_draining_moves_hot_blocks_instead_of_evicting_them() -> None:
         s.check()
     finally:
         s.close()
+
+
+async def test_a_second_block_size_reaches_a_disk_the_first_one_filled(tmp_path) -> None:
+    """On disk too, a slab stayed with its first block size: once one model filled the NVMe
+    tier, blocks of another size were never written down again. Now the coldest slab of the
+    other size is emptied for them."""
+    big_layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16)  # 8 KiB
+    big_ns = Namespace(model="big", layout=big_layout)
+    cfg = DaemonConfig(
+        gpu=GpuTierConfig(enabled="off"),
+        cpu=CpuTierConfig(capacity_bytes=64 * 8192, slab_bytes=64 * 8192, prefault=False),
+        nvme=NvmeTierConfig(path=str(tmp_path), capacity_bytes=1 << 20, write_through=True),
+    )
+    s = BlockStore(cfg, clock=Clock())
+    await s.start()
+    try:
+        small = s.open_namespace(NS)
+        big = s.open_namespace(big_ns)
+        for i in range(0, 40, 4):
+            await put(s, small, keys(4, start=i))
+        await wait_idle(s)
+        on_disk = [e for e in range(s.index.capacity) if s.index.tier[e] & IN_NVME]
+        assert on_disk  # the small model's blocks fill the disk
+        bkeys = list(block_hashes(big_ns.seed, list(range(4 * 16))))
+        await put(s, big, bkeys)
+        await wait_idle(s)
+        big_eids = [s.index.get(big.ns_id, k) for k in bkeys]
+        assert all(e is not None and s.index.tier[e] & IN_NVME for e in big_eids)
+        s.check()
+    finally:
+        await s.stop()
+
+
+async def wait_idle(s: BlockStore) -> None:
+    for _ in range(2000):
+        if s.mover.idle:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("movement did not settle")

@@ -290,31 +290,51 @@ class Mover:
             store.unpin(eid)
 
     def _disk_slot(self, block_bytes: int) -> int | None:
-        """A free disk slot, evicting the coldest disk block of this size when the tier is
-        full. A disk-only victim is gone; a victim with a CPU copy just becomes dirty again."""
+        """A free disk slot, making room when the tier is full: the coldest unprotected disk
+        block goes, and when it is of another size, its whole slab goes (the slab then returns
+        to the pool, where this size takes it), as in the CPU tier. A disk-only victim is gone;
+        a victim with a copy above just loses its disk copy (it becomes dirty again)."""
         store, index, tier = self.store, self.store.index, self.store.nvme
         assert tier is not None
-        slot: int | None = tier.allocate(block_bytes)
-        if slot is not None:
-            return slot
+        slot_size = tier.slot_bytes_for(block_bytes)
+        stuck: set[int] = set()
+        for _ in range(4):  # a few slabs at most per call: the caller may try again later
+            slot: int | None = tier.allocate(block_bytes)
+            if slot is not None:
+                return slot
 
-        def protected(eid: int) -> bool:
-            return (
-                bool(index.leases[eid])
-                or eid in self._promoting
-                or store.block_bytes_of(eid) != block_bytes
-            )
+            def protected(eid: int) -> bool:
+                return bool(index.leases[eid]) or eid in self._promoting
 
-        victims = store.nvme_policy.evict(1, protected)
-        if victims is None:
-            return None
+            victim = None
+            for eid in store.nvme_policy.order():  # coldest first
+                if protected(eid):
+                    continue
+                same = tier.slot_bytes_for(store.block_bytes_of(eid)) == slot_size
+                if same or tier.slab_of(index.disk[eid]) not in stuck:
+                    victim = eid
+                    break
+            if victim is None:
+                return None
+            if tier.slot_bytes_for(store.block_bytes_of(victim)) == slot_size:
+                self._evict_disk([victim])
+                continue
+            slab = tier.slab_of(index.disk[victim])
+            owners = [store.disk_owner(s) for s in tier.live_slots(slab)]
+            if any(e is None or protected(e) for e in owners):
+                stuck.add(slab)  # a slot being written, or a block being read: not now
+                continue
+            self._evict_disk([e for e in owners if e is not None])
+        return tier.allocate(block_bytes)
+
+    def _evict_disk(self, victims: list[int]) -> None:
+        store, index = self.store, self.store.index
         for v in victims:
             if index.tier[v] & (IN_CPU | IN_GPU):
                 store.drop_disk_copy(v)  # still stored above the disk
             else:
                 store.forget(v)
             store.nvme_counters.evictions += 1
-        return tier.allocate(block_bytes)
 
     async def _flush_loop(self) -> None:
         while True:

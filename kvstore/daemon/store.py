@@ -221,6 +221,7 @@ class BlockStore:
             self.arena.close()
             raise
         self._cpu_owner: dict[int, int] = {}  # CPU slot offset -> the entry in it
+        self._disk_owner: dict[int, int] = {}  # NVMe slot -> the entry whose record it holds
         self.index = BlockIndex()
         self.policy: EvictionPolicy = make_policy(config.cpu.policy)
         self.nvme_policy: EvictionPolicy = make_policy(config.nvme.policy)
@@ -943,8 +944,13 @@ class BlockStore:
         self.index.offset[eid] = -1
         self.index.tier[eid] &= ~IN_CPU
 
+    def disk_owner(self, slot: int) -> int | None:
+        """The entry whose disk copy is in ``slot`` (None: a slot being written)."""
+        return self._disk_owner.get(slot)
+
     def _free_disk_slot(self, eid: int) -> None:
         assert self.nvme is not None
+        del self._disk_owner[self.index.disk[eid]]
         self.nvme.free(self.index.disk[eid])
         if self.index.tier[eid] & IN_CPU:
             self._cpu_clean -= self.block_bytes_of(eid)
@@ -953,6 +959,7 @@ class BlockStore:
         self._nvme_blocks -= 1
 
     def mark_on_disk(self, eid: int, slot: int) -> None:
+        self._disk_owner[slot] = eid
         self.index.disk[eid] = slot
         self.index.tier[eid] |= IN_NVME
         self._nvme_blocks += 1
@@ -1152,6 +1159,8 @@ class BlockStore:
             entries[ns] = entries.get(ns, 0) + 1
             bb = self._namespaces[ns].block_bytes
             tier = index.tier[eid]
+            if tier & IN_NVME:
+                assert self._disk_owner.get(index.disk[eid]) == eid, f"disk slot owner of {eid}"
             if tier & IN_CPU:
                 assert index.offset[eid] >= 0, f"entry {eid} in the CPU tier without a slot"
                 assert self._cpu_owner.get(index.offset[eid]) == eid, f"slot owner of {eid}"
