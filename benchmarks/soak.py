@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import itertools
 import json
@@ -247,15 +248,31 @@ class Worker:
         self.prompts = {ns.name: prompts_of(ns, plan.keyspace_bytes) for ns in NAMESPACES}
         self.keys: dict[tuple[str, int], list[bytes]] = {}
         self.events = open(plan.events_path, "a", buffering=1)  # noqa: SIM115 (process lifetime)
-        self.outs = {
-            ns.name: torch.empty(
-                (ns.blocks_per_prompt, *ns.layout.block_shape), dtype=torch.bfloat16
-            )
-            for ns in NAMESPACES
-        }
-        self.slow_out = torch.empty(
-            (SLOW_RUN_BLOCKS, *SLOW_NS.layout.block_shape), dtype=torch.bfloat16
-        )
+        # Caller tensors for ``get(out=...)``, one set per task: the async workers run two
+        # tasks at once, and a tensor shared between them would be overwritten by one get while
+        # the other still checks it (a race in this script, not in the store).
+        self.task = contextvars.ContextVar("task", default=0)
+        self._outs = [
+            {
+                ns.name: torch.empty(
+                    (ns.blocks_per_prompt, *ns.layout.block_shape), dtype=torch.bfloat16
+                )
+                for ns in NAMESPACES
+            }
+            for _ in range(2)
+        ]
+        self._slow_outs = [
+            torch.empty((SLOW_RUN_BLOCKS, *SLOW_NS.layout.block_shape), dtype=torch.bfloat16)
+            for _ in range(2)
+        ]
+
+    @property
+    def outs(self) -> dict[str, torch.Tensor]:
+        return self._outs[self.task.get()]
+
+    @property
+    def slow_out(self) -> torch.Tensor:
+        return self._slow_outs[self.task.get()]
 
     def log(self, **event: Any) -> None:
         self.events.write(json.dumps({"t": round(time.time(), 3), **event}) + "\n")
@@ -375,7 +392,8 @@ class Worker:
         self.shared.add(self.slot, "blocks_asked", len(keys))
         await asyncio.sleep(self.rng.uniform(0.0, 0.2))
 
-    async def loop(self) -> None:
+    async def loop(self, task: int) -> None:
+        self.task.set(task)  # each task runs in its own context: its own caller tensors
         one = self.one_slow if self.plan.role == "slow" else self.one_mixed
         shared = self.shared
         while time.monotonic() < shared.deadline.value and os.getppid() == self.plan.parent_pid:
@@ -389,7 +407,7 @@ class Worker:
 
     async def run(self) -> None:
         tasks = 2 if self.plan.api == "async" else 1
-        await asyncio.gather(*(self.loop() for _ in range(tasks)))
+        await asyncio.gather(*(self.loop(i) for i in range(tasks)))
 
 
 def describe_wrong(ns: NsSpec, key: bytes, row: np.ndarray) -> dict[str, Any]:

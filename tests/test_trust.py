@@ -430,3 +430,36 @@ def test_an_abandoned_handle_cannot_be_used_by_another_connection(daemon) -> Non
                 timeout=5,
             )
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_an_offload_checksums_the_engines_blocks_not_the_slots(daemon, monkeypatch) -> None:
+    """Bug 4 on the paged path: offload gathered into the slots and then checksummed the slots,
+    so a write into a slot between the gather and the checksum was committed as valid. The
+    checksum is now taken from the engine's cache as each piece is copied."""
+    from kvstore.client import paged_io
+
+    lay = SMALL_LAYOUT
+    caches = [
+        torch.randn(2, 8, lay.block_size, lay.num_kv_heads, lay.head_dim).to(lay.dtype)
+        for _ in range(lay.num_layers)
+    ]
+    real = paged_io.gather_with_checksums
+
+    def gather_then_scribble(kv_caches, ids, views, seeds):  # a writer lands after the copy
+        sums = real(kv_caches, ids, views, seeds)
+        for view in views:
+            view.view(torch.uint8).reshape(-1)[:64] = 0xCD
+        return sums
+
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(4))
+        monkeypatch.setattr(paged_io, "gather_with_checksums", gather_then_scribble)
+        assert kv.offload(caches, [0, 1, 2, 3], keys) == 4
+        monkeypatch.setattr(paged_io, "gather_with_checksums", real)
+        assert kv.get(keys).shape[0] == 0  # scribbled slots are misses, never data
+        other = kv.hash_tokens(tokens(4, offset=100))
+        assert kv.offload(caches, [4, 5, 6, 7], other) == 4
+        dest = [torch.zeros_like(c) for c in caches]
+        assert kv.load(dest, [0, 1, 2, 3], other) == 4
+        for src, got in zip(caches, dest, strict=True):
+            assert torch.equal(src[:, 4:8].view(torch.int16), got[:, 0:4].view(torch.int16))

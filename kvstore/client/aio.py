@@ -303,18 +303,28 @@ class AsyncKVStoreClient:
                 continue
             reservation = await self.reserve(ck, priority, _device=gpu)
             try:
+                ids_new = [cids[i] for i in reservation.indices]
+                checksums = None
                 if not reservation.on_gpu:
                     paged_io.ensure_pinned(reservation.arena, kv_caches)
-                await asyncio.to_thread(
-                    on_stream,
-                    stream,
-                    paged_io.gather_into_views,
-                    kv_caches,
-                    [cids[i] for i in reservation.indices],
-                    reservation.views,
-                )
-                # Device checksums launch a kernel and wait for it: off the event loop too.
-                checksums = await asyncio.to_thread(on_stream, stream, reservation.checksums)
+                    checksums = await asyncio.to_thread(
+                        paged_io.gather_with_checksums,
+                        kv_caches,
+                        ids_new,
+                        reservation.views,
+                        reservation.seeds_new,
+                    )
+                if checksums is None:
+                    await asyncio.to_thread(
+                        on_stream,
+                        stream,
+                        paged_io.gather_into_views,
+                        kv_caches,
+                        ids_new,
+                        reservation.views,
+                    )
+                    # Device checksums launch a kernel and wait for it: off the loop too.
+                    checksums = await asyncio.to_thread(on_stream, stream, reservation.checksums)
             except BaseException:
                 await reservation.abort()
                 raise

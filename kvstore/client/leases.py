@@ -81,6 +81,17 @@ class _ReservationState:
         for i, off in zip(self.indices, self.offsets_new, strict=True):
             self.pool.slot(off, nbytes).copy_(rows[i])
 
+    def use_checksums(self, checksums: list[int]) -> None:
+        """Checksums the writer took from its source as it copied (one per block to write)."""
+        if len(checksums) != len(self.indices):
+            raise ValueError(f"{len(checksums)} checksums for {len(self.indices)} blocks")
+        self._checksums = checksums
+
+    @property
+    def seeds_new(self) -> list[int]:
+        """The checksum seed of each key to write (``indices`` order)."""
+        return [self.seeds[i] for i in self.indices]
+
     def checksums(self) -> list[int]:
         """What the commit carries, bound to namespace and key: after ``fill_from``, the
         checksums of the source blocks taken as they were copied; after writes through

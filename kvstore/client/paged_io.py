@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
+import xxhash
 
 from kvstore import kernels
 from kvstore.client._common import MappedArena
@@ -85,6 +87,36 @@ def gather_into_views(
         kernels.gather_blocks(kv_caches, block_ids, views)
         if kv_caches[0].device.type == "cuda":
             torch.cuda.current_stream(kv_caches[0].device).synchronize()
+
+
+def gather_with_checksums(
+    kv_caches: Sequence[torch.Tensor],
+    block_ids: list[int],
+    views: Sequence[torch.Tensor],
+    seeds: Sequence[int],
+) -> list[int] | None:
+    """Gather CPU caches into ``views`` (shared-memory slots) and checksum each block from its
+    source as it is copied: a streaming xxh3 over the source pieces, in the slot's byte order,
+    each hashed right after its copy (while in cache). The checksum vouches for what this client
+    copied, whatever writes into the slot afterwards. None for CUDA caches: their checksums are
+    taken from the slots on the device after the gather kernel (``WriteReservation.checksums``).
+    """
+    if not views:
+        return []
+    if kv_caches[0].device.type != "cpu":
+        return None
+    caches = [kernels.reference.raw(c.detach()).numpy() for c in kv_caches]
+    sums = []
+    for block, view, seed in zip(block_ids, views, seeds, strict=True):
+        dst = kernels.reference.raw(view).numpy()  # [layers, 2, block_size, H, D]
+        h = xxhash.xxh3_64(seed=seed)
+        for layer, cache in enumerate(caches):
+            for kv in (0, 1):
+                src = cache[kv, block]
+                np.copyto(dst[layer, kv], src)
+                h.update(np.ascontiguousarray(src).data)  # no copy when contiguous
+        sums.append(h.intdigest())
+    return sums
 
 
 def scatter_from_views(

@@ -292,11 +292,17 @@ class KVStoreClient:
                 stored += self.put(ck, blocks, priority)
                 continue
             with self.reserve(ck, priority, _device=gpu) as reservation:
+                ids_new = [cids[i] for i in reservation.indices]
+                sums = None
                 if not reservation.on_gpu:
                     paged_io.ensure_pinned(reservation.arena, kv_caches)
-                paged_io.gather_into_views(
-                    kv_caches, [cids[i] for i in reservation.indices], reservation.views
-                )
+                    sums = paged_io.gather_with_checksums(
+                        kv_caches, ids_new, reservation.views, reservation.seeds_new
+                    )
+                if sums is None:
+                    paged_io.gather_into_views(kv_caches, ids_new, reservation.views)
+                else:
+                    reservation.use_checksums(sums)
             stored += reservation.committed
         return stored
 
