@@ -19,9 +19,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from kvstore import KVLayout
 from kvstore.client._common import wait_for_daemon
+
+# CI runs every property test on the same examples (a test that fails by chance blocks every
+# landing); a developer's run explores new ones.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 SMALL_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16)
 """8 KiB bf16 blocks: fast tests that still exercise every shape dimension."""
