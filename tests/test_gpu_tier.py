@@ -681,3 +681,42 @@ async def test_a_reader_of_many_gpu_blocks_gets_the_whole_run_while_write_back_r
         s.check()
     finally:
         await s.stop()
+
+
+async def test_the_pool_takes_a_second_block_size_after_the_first_filled_it() -> None:
+    """The GPU pool shares its slabs between block sizes like the CPU tier: once one size
+    filled it, another size drains the coldest slab (its blocks copied down first) instead of
+    falling back to the CPU tier for good."""
+    big = KVLayout(num_layers=2, num_kv_heads=1, head_dim=64, block_size=16)  # 2 x BB
+    big_ns = Namespace(model="big", layout=big)
+    s = make_store(gpu_blocks=4, cpu_blocks=16)  # two pool slabs of two small slots
+    await s.start()
+    try:
+        small = s.open_namespace(NS)
+        for i in range(4):
+            assert await put_gpu(s, small, keys(1, start=i), [i]) == 1
+        await settle(s)
+        bh = s.open_namespace(big_ns)
+        bkeys = list(block_hashes(big_ns.seed, list(range(16))))
+        reserved = await s.reserve(bh, bkeys, gpu=True)
+        assert reserved.gpu  # a pool slot, from a drained slab
+        slot = s.device.pool.slot(reserved.offsets[0], big.block_bytes)  # type: ignore[union-attr]
+        data = np.random.default_rng(7).integers(0, 256, big.block_bytes, dtype=np.uint8)
+        slot.copy_(torch.from_numpy(data))
+        raw = kernels.device_checksums([slot])[0]
+        s.commit(
+            bh,
+            reserved.reservation_id,
+            [],
+            [bind_device_checksum(raw, big_ns.fingerprint, bkeys[0])],
+        )
+        await settle(s)
+        # The small blocks of the drained slab were copied down, not lost.
+        for i in range(4):
+            lease, offsets, _, _ = await s.acquire(small, keys(1, start=i))
+            assert lease and np.array_equal(read_cpu(s, offsets[0]), block(i))
+            s.release(small, lease)
+        await settle(s)
+        s.check()
+    finally:
+        await s.stop()

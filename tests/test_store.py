@@ -404,3 +404,55 @@ async def wait_idle(s: BlockStore) -> None:
             return
         await asyncio.sleep(0.005)
     raise AssertionError("movement did not settle")
+
+
+async def test_a_delete_during_a_promotion_neither_fails_it_nor_leaks(tmp_path) -> None:
+    """Under a mixed load, a Delete during a promotion made the promotion fail with INTERNAL
+    ("entry N has no key") and leaked the CPU slots it had taken. Promotions now re-check each
+    entry after every await."""
+    cfg = DaemonConfig(
+        gpu=GpuTierConfig(enabled="off"),
+        cpu=CpuTierConfig(capacity_bytes=8 * 4096, slab_bytes=8 * 4096, prefault=False),
+        nvme=NvmeTierConfig(path=str(tmp_path), capacity_bytes=1 << 20, write_through=True),
+    )
+    s = BlockStore(cfg, clock=Clock())
+    await s.start()
+    try:
+        h = s.open_namespace(NS)
+        ks = keys(4)
+        await put(s, h, ks)
+        await wait_idle(s)
+        for k in ks:  # disk only now
+            s.drop_cpu_copy(s.index.get(h.ns_id, k))
+        s.check()
+        task = asyncio.create_task(s.acquire(h, ks))
+        for _ in range(1000):
+            await asyncio.sleep(0)
+            if s.mover._promoting:
+                break
+        assert s.mover._promoting, "the promotion never started"
+        assert s.delete(h, ks) == 4  # while the disk reads are in flight
+        result = await task  # no exception
+        if result.lease_id:
+            s.release(h, result.lease_id)
+        await wait_idle(s)
+        s.check()
+        assert s.cpu_used_bytes == 0  # every slot the promotion took came back
+        assert await s.lookup(h, ks) == 0
+    finally:
+        await s.stop()
+
+
+async def test_seventy_thousand_opens_do_not_exhaust_the_namespace_table() -> None:
+    """Namespaces were never freed: 65,535 opens exhausted the table until restart."""
+    s = make_store()
+    try:
+        for i in range(70_000):
+            h = s.open_namespace(Namespace(model="m", layout=LAYOUT, tenant=f"t{i}"))
+            s.close_handle(h)
+        assert len(s.namespaces()) == 0
+        h = s.open_namespace(NS)
+        assert await put(s, h, keys(1)) == 1
+        s.check()
+    finally:
+        s.close()
