@@ -463,3 +463,29 @@ def test_an_offload_checksums_the_engines_blocks_not_the_slots(daemon, monkeypat
         assert kv.load(dest, [0, 1, 2, 3], other) == 4
         for src, got in zip(caches, dest, strict=True):
             assert torch.equal(src[:, 4:8].view(torch.int16), got[:, 0:4].view(torch.int16))
+
+
+VIEW_AFTER_CLOSE = """
+import sys
+sys.path.insert(0, {tests!r})
+from conftest import SMALL_LAYOUT, random_blocks, tokens
+from kvstore import KVStoreClient
+kv = KVStoreClient({address!r}, layout=SMALL_LAYOUT, model="trust")
+keys = kv.hash_tokens(tokens(2))
+kv.put(keys, random_blocks(SMALL_LAYOUT, 2))
+lease = kv.acquire(keys)
+views = lease.views
+lease.release()
+kv.close()
+print("sum", float(views[0].float().sum()), repr(views[1])[:10], flush=True)
+"""
+
+
+def test_a_view_that_outlives_its_client_reads_mapped_memory(daemon) -> None:
+    """A tensor over the arena kept past ``close()`` (a leftover lease view, a traceback frame
+    that pytest prints) pointed at unmapped memory and crashed the process. The mapping now
+    lives as long as any tensor over it."""
+    code = VIEW_AFTER_CLOSE.format(tests=os.path.dirname(__file__), address=daemon.address)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "sum" in proc.stdout

@@ -185,8 +185,11 @@ class MappedArena:
         self.path = info.path
         self.size_bytes = size
         self.pinned = False  # registered with CUDA as pinned memory (see paged_io)
-        self.bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        # Tensors over the arena come from a numpy view, which holds the mapping's buffer: a
+        # tensor (a lease's view, a traceback's frame) that outlives close() keeps the mapping
+        # alive instead of pointing at unmapped memory (torch.frombuffer does not hold it).
         self._np = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.bytes = torch.from_numpy(self._np)
 
     def slot(self, offset: int, nbytes: int) -> torch.Tensor:
         if offset < 0 or offset + nbytes > self.size_bytes:

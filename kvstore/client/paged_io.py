@@ -21,6 +21,7 @@ import xxhash
 
 from kvstore import kernels
 from kvstore.client._common import MappedArena
+from kvstore.kernels import _validate
 from kvstore.layout import KVLayout
 
 CHUNK_BLOCKS = 32
@@ -105,6 +106,11 @@ def gather_with_checksums(
         return []
     if kv_caches[0].device.type != "cpu":
         return None
+    # The checks gather_blocks makes (the kernels' own validation), before any byte moves.
+    geom = _validate.check_caches(kv_caches)
+    ids = _validate.as_ids(block_ids, "block_ids")
+    _validate.check_blocks(views, geom, ids.numel(), "out")
+    _validate.check_id_range(ids, geom.num_blocks, "block_ids")
     caches = [kernels.reference.raw(c.detach()).numpy() for c in kv_caches]
     sums = []
     for block, view, seed in zip(block_ids, views, seeds, strict=True):
