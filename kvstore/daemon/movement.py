@@ -321,8 +321,13 @@ class Mover:
                 continue
             slab = tier.slab_of(index.disk[victim])
             owners = [store.disk_owner(s) for s in tier.live_slots(slab)]
-            if any(e is None or protected(e) for e in owners):
-                stuck.add(slab)  # a slot being written, or a block being read: not now
+            if any(
+                e is None or protected(e) or index.tier[e] & (IN_CPU | IN_GPU) for e in owners
+            ):
+                # A slot being written, a block being read, or a block with a copy above:
+                # dropping that copy would only make it dirty again, and two sizes taking a
+                # slab from each other on every write-back would churn without end.
+                stuck.add(slab)
                 continue
             self._evict_disk([e for e in owners if e is not None])
         return tier.allocate(block_bytes)
@@ -344,6 +349,7 @@ class Mover:
                 batch = self._next_flush_batch()
                 if not batch:
                     break
+                dirty_before = self._dirty_bytes()
                 self._batches += 1
                 try:
                     results = await asyncio.gather(*(self.flush(e) for e in batch))
@@ -351,6 +357,15 @@ class Mover:
                     self._batches -= 1
                 if not any(results):
                     break  # the disk takes nothing now (full of leased blocks, IO errors)
+                if self._dirty_bytes() >= dirty_before and not self.config.write_through:
+                    # No progress: each write made room on disk by dropping the disk copy of
+                    # another CPU block, which is dirty again. Stop; do not churn.
+                    break
+
+    def _dirty_bytes(self) -> int:
+        """Bytes of CPU blocks with no disk copy."""
+        store = self.store
+        return store.cpu_used_bytes - store.cpu_clean_bytes
 
     def _next_flush_batch(self) -> list[int]:
         store, index = self.store, self.store.index
