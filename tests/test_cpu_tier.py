@@ -361,3 +361,14 @@ def test_random_allocations_keep_every_invariant(ops: list[tuple[str, int]]) -> 
         assert alloc.unassigned_slabs == alloc.num_slabs
     finally:
         arena.close()
+
+
+def test_class_free_slots_counts_only_the_slabs_a_class_holds() -> None:
+    alloc = SlabAllocator(HEADER_BYTES + 4 * 16384, slab_bytes=16384)
+    assert alloc.class_free_slots(4096) == 0  # no slab yet, though the pool has room
+    a = alloc.allocate(4096)
+    assert a is not None and alloc.class_free_slots(4096) == 3
+    alloc.begin_drain(alloc.slab_of(a))
+    assert alloc.class_free_slots(4096) == 0  # a draining slab's slots are not offered
+    alloc.end_drain(alloc.slab_of(a))
+    assert alloc.class_free_slots(4096) == 3

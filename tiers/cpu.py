@@ -391,6 +391,12 @@ class SlabAllocator:
             n += self._slabs[self._tail].size // slot
         return n
 
+    def class_free_slots(self, block_bytes: int) -> int:
+        """Free slots in the slabs this class already holds (draining slabs' excluded), not
+        counting unassigned slabs: what a block can move into without taking a slab. O(1)."""
+        cls = self._classes.get(self.slot_bytes_for(block_bytes))
+        return cls.free if cls is not None else 0
+
     # ----------------------------------------------------------------- slots
     def allocate(self, block_bytes: int) -> int | None:
         """A free slot's offset, or None (see the class docstring). ValueError if the block

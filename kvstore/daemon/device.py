@@ -36,6 +36,7 @@ import torch
 from kvstore import kernels
 from kvstore.checksum import checksum_seed, seeded_checksum
 from kvstore.daemon.room import TierSlots, make_room
+from kvstore.daemon.tierstats import TierCounters
 from kvstore.errors import CapacityError
 from kvstore.index import BELOW_GPU, IN_CPU, IN_GPU, State
 from kvstore.policy import EvictionPolicy, make_policy
@@ -72,8 +73,6 @@ class DeviceTier:
     """See the module docstring. ``pool`` None: the tier is off and every method is a no-op."""
 
     def __init__(self, store: BlockStore, pool: DevicePool | None) -> None:
-        from kvstore.daemon.store import TierCounters
-
         self.store = store
         self.config = store.config.gpu
         self.pool = pool

@@ -321,9 +321,7 @@ class Mover:
                 continue
             slab = tier.slab_of(index.disk[victim])
             owners = [store.disk_owner(s) for s in tier.live_slots(slab)]
-            if any(
-                e is None or protected(e) or index.tier[e] & (IN_CPU | IN_GPU) for e in owners
-            ):
+            if any(e is None or protected(e) or index.tier[e] & (IN_CPU | IN_GPU) for e in owners):
                 # A slot being written, a block being read, or a block with a copy above:
                 # dropping that copy would only make it dirty again, and two sizes taking a
                 # slab from each other on every write-back would churn without end.

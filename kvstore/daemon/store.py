@@ -1,7 +1,14 @@
 """The daemon's block store: namespaces and their handles, the index, leases, reservations, and
 the tiers.
 
-``BlockStore`` is the one owner of the index and of every block state transition. Every method
+``BlockStore`` is the one owner of the index and of every block state transition. Its parts,
+each with one job: ``namespaces`` (records and handles: who may reach what), ``cpu_tier`` (the
+arena's slots, their owners and bytes), ``device`` (the GPU pool), ``movement`` (the NVMe tier
+and the IO between tiers), ``shared`` (Redis), ``room`` (making room in a tier, across block
+sizes), ``invariants`` (the checker) and ``snapshots`` (what Stats shows). The parts change the
+index only through the store's methods, so every transition is made, and checked, here. There
+is one write protocol: a RESERVED entry (from a client's reservation, a fetch from Redis or a
+record found on disk at start-up) becomes visible only through ``_commit_entry``. Every method
 runs on the daemon's event loop; bytes move in executors (the NVMe tier's IO threads,
 ``asyncio.to_thread`` for checksums), so the loop never blocks on a copy or a disk.
 
@@ -44,112 +51,37 @@ up is dropped and counted: a miss, never wrong data.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstore.checksum import block_checksum
 from kvstore.config import DaemonConfig
+from kvstore.daemon.cpu_tier import CpuSlots
+from kvstore.daemon.namespaces import (
+    Handle,
+    Lease,
+    NamespaceRecord,
+    NamespaceTable,
+    Reservation,
+)
+from kvstore.daemon.tierstats import TierCounters, TierSnapshot
 from kvstore.errors import (
     CapacityError,
     LeaseExpiredError,
-    NamespaceMismatchError,
     UnavailableError,
     UnknownNamespaceError,
 )
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, IN_REDIS, BlockIndex, State
 from kvstore.keys import KEY_BYTES, Namespace
-from kvstore.layout import KVLayout
 from kvstore.policy import EvictionPolicy, make_policy
-from kvstore.tiers.cpu import HEADER_BYTES, SharedMemoryArena, SlabAllocator
+from kvstore.tiers.cpu import SharedMemoryArena, SlabAllocator
 
 if TYPE_CHECKING:
     from kvstore.tiers.gpu import DevicePool
     from kvstore.tiers.nvme import NvmeTier
-
-HANDLE_BYTES = 16
-
-
-@dataclass(eq=False)
-class NamespaceRecord:
-    """A namespace the daemon knows. ``namespace`` is None for one recovered from disk whose
-    client has not opened it yet (only its fingerprint and block size are known). The record
-    lives while a handle names it or an entry belongs to it; then its id is recycled."""
-
-    ns_id: int
-    namespace: Namespace | None
-    fingerprint: bytes
-    block_bytes: int
-    priority: int
-    blocks: int = 0  # COMMITTED entries
-    entries: int = 0  # keyed entries (reserved or committed) and orphans
-    handles: int = 0
-    lookup_hits: int = 0
-    lookup_misses: int = 0
-
-    @property
-    def name(self) -> str:
-        return self.namespace.name if self.namespace else f"(recovered {self.fingerprint.hex()})"
-
-
-@dataclass
-class TierCounters:
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    promotions: int = 0
-    demotions: int = 0
-    checksum_failures: int = 0
-    prefetch_hits: int = 0
-    io_errors: int = 0
-
-
-@dataclass
-class _Reservation:
-    eids: list[int]
-    expires_at: float
-    gpu: bool = False  # the slots are in the GPU pool (the commit carries device checksums)
-
-
-@dataclass
-class _Lease:
-    """The entries a read lease pins, each with the key it was leased for (distinct entries)."""
-
-    eids: list[int]
-    keys: list[bytes]
-    expires_at: float
-
-
-@dataclass(eq=False)
-class Handle:
-    """One open namespace of one client: the capability every other call presents.
-
-    ``token`` is what the client holds; the reservations and leases it made live here, so no
-    other handle can commit, abort or release them."""
-
-    token: bytes
-    record: NamespaceRecord
-    reservations: dict[int, _Reservation] = field(default_factory=dict)
-    leases: dict[int, _Lease] = field(default_factory=dict)
-    closed: bool = False
-
-    @property
-    def ns_id(self) -> int:
-        return self.record.ns_id
-
-
-@dataclass
-class TierSnapshot:
-    name: str
-    capacity_bytes: int
-    used_bytes: int
-    blocks: int
-    counters: TierCounters
-    up: bool = True
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -198,49 +130,26 @@ class BlockStore:
         self.config = config
         self.limits = config.limits
         self._clock = clock
-        # The header page comes on top of the capacity, so all of it holds blocks.
-        self.arena = SharedMemoryArena(
-            config.cpu.capacity_bytes + HEADER_BYTES, prefault=config.cpu.prefault
-        )
+        self.cpu_slots = CpuSlots(config.cpu)
         from kvstore.daemon.device import DeviceTier, make_device_pool
 
         try:
             pool = gpu_pool if gpu_pool is not None else make_device_pool(config.gpu)
         except BaseException:
-            self.arena.close()
+            self.cpu_slots.close()
             raise
-        try:
-            # Without prefault, each slab is backed (posix_fallocate) when first used, so a
-            # full /dev/shm is a CapacityError naming it, never a SIGBUS in a client.
-            self.allocator = SlabAllocator(
-                self.arena.size_bytes,
-                config.cpu.slab_bytes,
-                reserve_backing=self.arena.reserve_backing,
-            )
-        except BaseException:
-            self.arena.close()
-            raise
-        self._cpu_owner: dict[int, int] = {}  # CPU slot offset -> the entry in it
         self._disk_owner: dict[int, int] = {}  # NVMe slot -> the entry whose record it holds
         self.index = BlockIndex()
         self.policy: EvictionPolicy = make_policy(config.cpu.policy)
         self.nvme_policy: EvictionPolicy = make_policy(config.nvme.policy)
-        self.cpu = TierCounters()
         self.nvme_counters = TierCounters()
         self.redis_counters = TierCounters()
         self.nvme: NvmeTier | None = None  # set by start() when configured
-        self._namespaces: dict[int, NamespaceRecord] = {}
-        self._free_ns_ids: list[int] = []
-        self._by_name: dict[str, NamespaceRecord] = {}
-        self._by_fingerprint: dict[bytes, NamespaceRecord] = {}
-        self._handles: dict[bytes, Handle] = {}
+        self.names = NamespaceTable(config.limits)
         # (until, in the GPU pool, offset, block bytes) of slots of expired reservations.
         self._quarantine: deque[tuple[float, bool, int, int]] = deque()
-        self._quarantined_cpu = 0
         # Waiters for the commit (or the end) of RESERVED entries, by entry id.
         self._written: dict[int, asyncio.Future[None]] = {}
-        self._cpu_used = 0
-        self._cpu_clean = 0  # bytes of CPU blocks that also have a disk copy
         self._nvme_blocks = 0
         self._reserved_blocks = 0
         from kvstore.daemon.movement import Mover
@@ -249,6 +158,18 @@ class BlockStore:
         self.mover = Mover(self)
         self.shared = SharedTier(self)
         self.device = DeviceTier(self, pool)
+
+    @property
+    def arena(self) -> SharedMemoryArena:
+        return self.cpu_slots.arena
+
+    @property
+    def allocator(self) -> SlabAllocator:
+        return self.cpu_slots.allocator
+
+    @property
+    def cpu(self) -> TierCounters:
+        return self.cpu_slots.counters
 
     async def start(self) -> None:
         """Open the NVMe tier (recovering what it holds), connect the shared tier, and start
@@ -259,7 +180,7 @@ class BlockStore:
 
     async def stop(self) -> None:
         """Write dirty blocks down (bounded by ``drain_timeout_s``), close tiers, unlink."""
-        for handle in list(self._handles.values()):
+        for handle in self.names.handles():
             self.close_handle(handle)
         await self.device.stop()
         await self.shared.stop()
@@ -268,101 +189,24 @@ class BlockStore:
 
     def close(self) -> None:
         self.device.close()
-        self.arena.close()
+        self.cpu_slots.close()
 
     # ----------------------------------------------------------------- namespaces and handles
     def open_namespace(self, namespace: Namespace, priority: int = 0) -> Handle:
-        """Register or join a namespace and hand out a new handle to it. A name already
-        registered with another fingerprint is refused: two clients that claim to share blocks
-        must compute the same keys."""
-        if not 0 <= priority <= 255:
-            raise ValueError(f"priority must be in [0, 255], got {priority}")
-        if len(self._handles) >= self.limits.max_handles:
-            raise CapacityError(
-                f"too many open namespace handles ({self.limits.max_handles}, limits.max_handles)"
-            )
-        record = self._record_for(namespace, priority)
-        token = secrets.token_bytes(HANDLE_BYTES)
-        while token in self._handles:  # pragma: no cover - 2^-128
-            token = secrets.token_bytes(HANDLE_BYTES)
-        handle = Handle(token, record)
-        record.handles += 1
-        self._handles[token] = handle
-        return handle
-
-    def _record_for(self, namespace: Namespace, priority: int) -> NamespaceRecord:
-        block_bytes = namespace.layout.block_bytes
-        self.allocator.check_fits(block_bytes)
-        fingerprint = namespace.fingerprint
-        existing = self._by_name.get(namespace.name)
-        if existing is not None:
-            if existing.fingerprint != fingerprint:
-                assert existing.namespace is not None
-                raise NamespaceMismatchError(
-                    f"namespace {namespace.name!r} is registered with layout "
-                    f"{_describe(existing.namespace.layout)}; this client claims "
-                    f"{_describe(namespace.layout)} (hash version {namespace.hash_version})"
-                )
-            return existing
-        recovered = self._by_fingerprint.get(fingerprint)
-        if recovered is not None:
-            # Blocks of this namespace were found on disk at start-up: bind them to it.
-            if recovered.block_bytes != block_bytes:
-                raise NamespaceMismatchError(
-                    f"blocks on disk for {namespace.name!r} are {recovered.block_bytes} bytes, "
-                    f"the layout gives {block_bytes}"
-                )
-            recovered.namespace = namespace
-            recovered.priority = priority
-            self._by_name[namespace.name] = recovered
-            return recovered
-        record = self._new_namespace(namespace, fingerprint, block_bytes, priority)
-        self._by_name[namespace.name] = record
-        return record
-
-    def _new_namespace(
-        self, namespace: Namespace | None, fingerprint: bytes, block_bytes: int, priority: int
-    ) -> NamespaceRecord:
-        if len(self._namespaces) >= min(self.limits.max_namespaces, 0xFFFF):
-            raise CapacityError(
-                f"too many namespaces ({len(self._namespaces)}, limits.max_namespaces)"
-            )
-        ns_id = self._free_ns_ids.pop() if self._free_ns_ids else len(self._namespaces) + 1
-        record = NamespaceRecord(ns_id, namespace, fingerprint, block_bytes, priority)
-        self._namespaces[ns_id] = record
-        self._by_fingerprint[fingerprint] = record
-        return record
-
-    def _maybe_free_namespace(self, record: NamespaceRecord) -> None:
-        """Forget a namespace no handle names and no entry belongs to; recycle its id."""
-        if record.handles or record.entries or self._namespaces.get(record.ns_id) is not record:
-            return
-        del self._namespaces[record.ns_id]
-        self._free_ns_ids.append(record.ns_id)
-        self._by_fingerprint.pop(record.fingerprint, None)
-        if record.namespace is not None and self._by_name.get(record.namespace.name) is record:
-            del self._by_name[record.namespace.name]
+        """Register or join a namespace and hand out a new handle to it (``NamespaceTable``)."""
+        self.allocator.check_fits(namespace.layout.block_bytes)
+        return self.names.open(namespace, priority)
 
     def recovered_namespace(self, fingerprint: bytes, block_bytes: int) -> NamespaceRecord:
-        record = self._by_fingerprint.get(fingerprint)
-        if record is None:
-            record = self._new_namespace(None, fingerprint, block_bytes, 0)
-        return record
+        return self.names.recovered(fingerprint, block_bytes)
 
     def namespace_record(self, ns_id: int) -> NamespaceRecord:
         """The record of an entry's namespace (recovered ones included)."""
-        return self._namespaces[ns_id]
+        return self.names[ns_id]
 
     def handle(self, token: bytes) -> Handle:
-        """The open handle ``token`` names; UnknownNamespaceError for anything else (a closed
-        handle, another daemon instance's, a guess)."""
-        handle = self._handles.get(bytes(token)) if len(token) == HANDLE_BYTES else None
-        if handle is None:
-            raise UnknownNamespaceError(
-                "unknown namespace handle (closed, or the daemon restarted): open the namespace "
-                "again"
-            )
-        return handle
+        """The open handle ``token`` names; UnknownNamespaceError for anything else."""
+        return self.names.handle(token)
 
     def close_handle(self, handle: Handle) -> tuple[int, int]:
         """The client is gone (or done): abort its reservations and release its leases now.
@@ -370,7 +214,6 @@ class BlockStore:
         if handle.closed:
             return 0, 0
         handle.closed = True
-        del self._handles[handle.token]
         reservations = list(handle.reservations.values())
         leases = list(handle.leases.values())
         handle.reservations.clear()
@@ -383,22 +226,14 @@ class BlockStore:
         for lease in leases:
             for eid in lease.eids:
                 self._drop_one_lease(eid)
-        handle.record.handles -= 1
-        self._maybe_free_namespace(handle.record)
+        self.names.release(handle)
         return len(reservations), len(leases)
 
-    @staticmethod
-    def _new_id(table: dict[int, object]) -> int:
-        while True:
-            rid = secrets.randbits(63) or 1
-            if rid not in table:
-                return rid
-
     def block_bytes_of(self, eid: int) -> int:
-        return self._namespaces[self.index.ns[eid]].block_bytes
+        return self.names[self.index.ns[eid]].block_bytes
 
     def fingerprint_of(self, eid: int) -> bytes:
-        return self._namespaces[self.index.ns[eid]].fingerprint
+        return self.names[self.index.ns[eid]].fingerprint
 
     def check_keys(self, keys: Sequence[bytes], what: str) -> None:
         """The per-request bounds every call with keys obeys (ValueError names the bound)."""
@@ -568,8 +403,8 @@ class BlockStore:
             [e for e in eids if tiers[e] & IN_CPU and self.index.state[e] == State.COMMITTED]
         )
         self.device.note_read(eids)
-        lease_id = self._new_id(handle.leases)  # type: ignore[arg-type]
-        handle.leases[lease_id] = _Lease(
+        lease_id = handle.new_id(handle.leases)
+        handle.leases[lease_id] = Lease(
             eids, list(keys[: len(eids)]), self._clock() + self.config.lease_ttl_s
         )
         on_gpu = [bool(gpu and tiers[e] & IN_GPU) for e in eids]
@@ -712,8 +547,8 @@ class BlockStore:
                 eid = self.add_entry(keys[i], ns_id, IN_CPU, offset, priority)
             eids.append(eid)
             offsets[i] = offset
-        reservation_id = self._new_id(handle.reservations)  # type: ignore[arg-type]
-        handle.reservations[reservation_id] = _Reservation(
+        reservation_id = handle.new_id(handle.reservations)
+        handle.reservations[reservation_id] = Reservation(
             eids, self._clock() + self.config.reservation_ttl_s, gpu=gpu
         )
         return reservation_id
@@ -722,8 +557,8 @@ class BlockStore:
         """A new RESERVED entry (counted as reserved and as one of its namespace's entries)."""
         eid = self.index.add(key, ns_id, tier, offset, priority)
         if tier & IN_CPU:
-            self._cpu_owner[offset] = eid
-        self._namespaces[ns_id].entries += 1
+            self.cpu_slots.place(eid, offset, self.names[ns_id].block_bytes, clean=False)
+        self.names[ns_id].entries += 1
         self._reserved_blocks += 1
         return eid
 
@@ -845,7 +680,7 @@ class BlockStore:
         if self.index.tier[eid] & IN_CPU:
             self.policy.insert(eid, self.index.priority[eid])
         self._reserved_blocks -= 1
-        self._namespaces[self.index.ns[eid]].blocks += 1
+        self.names[self.index.ns[eid]].blocks += 1
         self._note_written(eid)
 
     def commit_fetched(self, eid: int, checksum: int) -> None:
@@ -910,15 +745,11 @@ class BlockStore:
     def cpu_alloc(self, block_bytes: int) -> int | None:
         """A CPU slot, counted as used; None when none is free (or its slab could not be
         backed)."""
-        offset = self.allocator.allocate(block_bytes)
-        if offset is not None:
-            self._cpu_used += block_bytes
-        return offset
+        return self.cpu_slots.alloc(block_bytes)
 
     def cpu_unalloc(self, offset: int, block_bytes: int) -> None:
         """Give back a slot from ``cpu_alloc`` that no entry took."""
-        self.allocator.free(offset, block_bytes)
-        self._cpu_used -= block_bytes
+        self.cpu_slots.unalloc(offset, block_bytes)
 
     def drop_cpu_copy(self, eid: int) -> None:
         """Free an entry's CPU slot; it must have a disk or GPU copy (it stays findable there)."""
@@ -935,12 +766,8 @@ class BlockStore:
         self.nvme_policy.remove(eid)
 
     def _free_cpu_slot(self, eid: int) -> None:
-        bb = self.block_bytes_of(eid)
-        del self._cpu_owner[self.index.offset[eid]]
-        self.allocator.free(self.index.offset[eid], bb)
-        self._cpu_used -= bb
-        if self.index.tier[eid] & IN_NVME:
-            self._cpu_clean -= bb
+        clean = bool(self.index.tier[eid] & IN_NVME)
+        self.cpu_slots.vacate(self.index.offset[eid], self.block_bytes_of(eid), clean)
         self.index.offset[eid] = -1
         self.index.tier[eid] &= ~IN_CPU
 
@@ -953,7 +780,7 @@ class BlockStore:
         del self._disk_owner[self.index.disk[eid]]
         self.nvme.free(self.index.disk[eid])
         if self.index.tier[eid] & IN_CPU:
-            self._cpu_clean -= self.block_bytes_of(eid)
+            self.cpu_slots.note_clean(self.block_bytes_of(eid), clean=False)
         self.index.disk[eid] = -1
         self.index.tier[eid] &= ~IN_NVME
         self._nvme_blocks -= 1
@@ -964,7 +791,7 @@ class BlockStore:
         self.index.tier[eid] |= IN_NVME
         self._nvme_blocks += 1
         if self.index.tier[eid] & IN_CPU:
-            self._cpu_clean += self.block_bytes_of(eid)
+            self.cpu_slots.note_clean(self.block_bytes_of(eid), clean=True)
         self.nvme_policy.insert(eid, self.index.priority[eid])
 
     def mark_in_redis(self, eid: int) -> None:
@@ -983,50 +810,38 @@ class BlockStore:
 
     def cpu_owner(self, offset: int) -> int | None:
         """The entry whose CPU copy is in slot ``offset`` (None: a quarantined slot)."""
-        return self._cpu_owner.get(offset)
+        return self.cpu_slots.owner(offset)
 
     def relocate_cpu(self, eid: int, avoid_slab: int) -> bool:
         """Move a committed, unleased block to a free slot of its class outside ``avoid_slab``
-        (a slab being drained), verifying the copy against the block's checksum. False when
-        its class has no such free slot (taking a new slab would defeat the drain)."""
-        index, allocator = self.index, self.allocator
+        (a slab being drained), verified against its checksum. False when its class has no
+        such free slot; a block that fails verification is dropped (a miss, counted)."""
+        index = self.index
         if index.state[eid] != State.COMMITTED or index.leases[eid]:
             return False
-        bb = self.block_bytes_of(eid)
-        if not any(
-            info.used < info.slots and not info.draining
-            for info in map(allocator.slab_info, allocator.class_slabs(bb))
-        ):
-            return False
-        new = allocator.allocate(bb)
+        new = self.cpu_slots.relocate(
+            eid,
+            index.offset[eid],
+            self.block_bytes_of(eid),
+            avoid_slab,
+            self.fingerprint_of(eid),
+            index.key(eid),
+            index.checksum[eid],
+        )
         if new is None:
             return False
-        if allocator.slab_of(new) == avoid_slab:  # cannot happen while it drains; be sure
-            allocator.free(new, bb)
-            return False
-        old = index.offset[eid]
-        view = self.arena.view
-        view[new : new + bb] = view[old : old + bb]
-        if (
-            block_checksum(view[new : new + bb], self.fingerprint_of(eid), index.key(eid))
-            != (index.checksum[eid])
-        ):
-            allocator.free(new, bb)  # the block was damaged where it was: a miss, counted
+        if new < 0:  # the block was damaged where it was
             self.cpu.checksum_failures += 1
-            self.forget(eid)
-            return True  # its slot is free all the same
-        allocator.free(old, bb)
-        del self._cpu_owner[old]
-        self._cpu_owner[new] = eid
+            self.forget(eid)  # its slot is free all the same
+            return True
         index.offset[eid] = new
         return True
 
     def mark_in_cpu(self, eid: int, offset: int) -> None:
-        self._cpu_owner[offset] = eid
+        clean = bool(self.index.tier[eid] & IN_NVME)
+        self.cpu_slots.place(eid, offset, self.block_bytes_of(eid), clean)
         self.index.offset[eid] = offset
         self.index.tier[eid] |= IN_CPU
-        if self.index.tier[eid] & IN_NVME:
-            self._cpu_clean += self.block_bytes_of(eid)
         self.policy.insert(eid, self.index.priority[eid])
 
     def forget(self, eid: int) -> None:
@@ -1042,7 +857,7 @@ class BlockStore:
             self.nvme_policy.remove(eid)
         if self.index.tier[eid] & IN_GPU:
             self.device.forget_hook(eid)
-        self._namespaces[self.index.ns[eid]].blocks -= 1
+        self.names[self.index.ns[eid]].blocks -= 1
         if self.index.leases[eid]:
             self.index.orphan(eid)
         else:
@@ -1064,8 +879,7 @@ class BlockStore:
         index, bb = self.index, self.block_bytes_of(eid)
         if index.tier[eid] & IN_CPU:
             self._quarantine.append((until, False, index.offset[eid], bb))
-            self._quarantined_cpu += bb
-            del self._cpu_owner[index.offset[eid]]
+            self.cpu_slots.quarantine(index.offset[eid], bb)
             index.offset[eid] = -1
             index.tier[eid] &= ~IN_CPU
         if index.tier[eid] & IN_GPU:
@@ -1083,12 +897,12 @@ class BlockStore:
             self.device.free_slot(eid)
         if state == State.RESERVED:
             self._reserved_blocks -= 1
-        record = self._namespaces[self.index.ns[eid]]
+        record = self.names[self.index.ns[eid]]
         self.index.drop(eid)
         if state == State.RESERVED:
             self._note_written(eid)  # waiters see the key free and may write it themselves
         record.entries -= 1
-        self._maybe_free_namespace(record)
+        self.names.maybe_free(record)
 
     def reap(self) -> tuple[int, int]:
         """Reclaim expired reservations and leases: (reservations, leases) reclaimed.
@@ -1104,11 +918,10 @@ class BlockStore:
             if gpu:
                 self.device.unalloc(offset, block_bytes)
             else:
-                self._quarantined_cpu -= block_bytes
-                self.cpu_unalloc(offset, block_bytes)
+                self.cpu_slots.release_quarantined(offset, block_bytes)
         until = now + self.config.reservation_ttl_s
         reservations = leases = 0
-        for handle in list(self._handles.values()):
+        for handle in self.names.handles():
             for rid in [r for r, v in handle.reservations.items() if v.expires_at <= now]:
                 for eid in handle.reservations.pop(rid).eids:
                     self._quarantine_slots(eid, until)
@@ -1122,205 +935,43 @@ class BlockStore:
 
     # ----------------------------------------------------------------- the checker
     def check(self, io_idle: bool = True) -> None:
-        """Assert the invariants of the module docstring; AssertionError names the first one
-        broken. ``io_idle``: no IO is in flight (lease counts must then be exact)."""
-        index = self.index
-        leased: dict[int, int] = {}
-        reserved: dict[int, int] = {}
-        for handle in self._handles.values():
-            assert not handle.closed and self._handles[handle.token] is handle
-            assert self._namespaces.get(handle.ns_id) is handle.record, "handle's record gone"
-            for reservation in handle.reservations.values():
-                for eid in reservation.eids:
-                    reserved[eid] = reserved.get(eid, 0) + 1
-                    assert index.state[eid] == State.RESERVED, f"reservation of {eid} not RESERVED"
-                    assert index.ns[eid] == handle.ns_id, f"reservation of {eid}: other namespace"
-            for lease in handle.leases.values():
-                assert len(set(lease.eids)) == len(lease.eids), "a lease names an entry twice"
-                for eid, key in zip(lease.eids, lease.keys, strict=True):
-                    leased[eid] = leased.get(eid, 0) + 1
-                    state = index.state[eid]
-                    assert state in (State.COMMITTED, State.ORPHAN), f"leased {eid} is {state}"
-                    if state == State.COMMITTED:
-                        assert index.has_key(eid, handle.ns_id, key), f"lease of {eid}: key moved"
-        entries: dict[int, int] = {}
-        blocks: dict[int, int] = {}
-        in_cpu: set[int] = set()
-        in_nvme: set[int] = set()
-        cpu_bytes = clean = 0
-        n_reserved = 0
-        for eid in range(index.capacity):
-            state = index.state[eid]
-            if state == State.FREE:
-                assert not index.leases[eid], f"free entry {eid} is leased"
-                continue
-            ns = index.ns[eid]
-            assert ns in self._namespaces, f"entry {eid} of unknown namespace {ns}"
-            entries[ns] = entries.get(ns, 0) + 1
-            bb = self._namespaces[ns].block_bytes
-            tier = index.tier[eid]
-            if tier & IN_NVME:
-                assert self._disk_owner.get(index.disk[eid]) == eid, f"disk slot owner of {eid}"
-            if tier & IN_CPU:
-                assert index.offset[eid] >= 0, f"entry {eid} in the CPU tier without a slot"
-                assert self._cpu_owner.get(index.offset[eid]) == eid, f"slot owner of {eid}"
-                cpu_bytes += bb
-                if tier & IN_NVME:
-                    clean += bb
-            if state == State.RESERVED:
-                n_reserved += 1
-                assert reserved.get(eid, 0) <= 1, f"entry {eid} in two reservations"
-            elif state == State.COMMITTED:
-                blocks[ns] = blocks.get(ns, 0) + 1
-                assert eid not in reserved, f"committed entry {eid} still reserved"
-                if tier & IN_CPU:
-                    in_cpu.add(eid)
-                if tier & IN_NVME:
-                    in_nvme.add(eid)
-            else:
-                assert state == State.ORPHAN and index.leases[eid], f"orphan {eid} not leased"
-            if io_idle:
-                assert index.leases[eid] == leased.get(eid, 0), (
-                    f"entry {eid}: {index.leases[eid]} leases counted, {leased.get(eid, 0)} held"
-                )
-            else:
-                assert index.leases[eid] >= leased.get(eid, 0), f"entry {eid}: leases lost"
-        for ns, record in self._namespaces.items():
-            assert record.ns_id == ns
-            assert record.entries == entries.get(ns, 0), (
-                f"namespace {record.name}: {record.entries} entries counted, "
-                f"{entries.get(ns, 0)} held"
-            )
-            assert record.blocks == blocks.get(ns, 0), f"namespace {record.name}: blocks count"
-            assert record.handles or record.entries, f"namespace {record.name} not freed"
-        assert n_reserved == self._reserved_blocks, "reserved count"
-        assert len(self._cpu_owner) == sum(
-            1 for e in range(index.capacity) if index.state[e] and index.tier[e] & IN_CPU
-        ), "a CPU slot owner without its entry"
-        self.allocator.check()
-        if io_idle:
-            assert set(self.policy.order()) == in_cpu, "cpu policy != committed CPU entries"
-            assert set(self.nvme_policy.order()) == in_nvme, "nvme policy != committed disk ones"
-            assert self._cpu_used == cpu_bytes + self._quarantined_cpu, (
-                f"cpu used {self._cpu_used} != {cpu_bytes} in entries + "
-                f"{self._quarantined_cpu} quarantined"
-            )
-            assert self._cpu_clean == clean, f"cpu clean {self._cpu_clean} != {clean}"
-            if self.nvme is not None:
-                assert self._nvme_blocks == len(in_nvme) + sum(
-                    1
-                    for e in range(index.capacity)
-                    if index.state[e] == State.ORPHAN and index.tier[e] & IN_NVME
-                ), "nvme block count"
+        """Assert the invariants of the module docstring and of every part's books;
+        AssertionError names the first one broken. ``io_idle``: no IO is in flight (lease
+        counts and byte totals must then be exact)."""
+        from kvstore.daemon.invariants import check_store
+
+        check_store(self, io_idle)
 
     # ----------------------------------------------------------------- stats
     @property
     def active_leases(self) -> int:
-        return sum(len(h.leases) for h in self._handles.values())
+        return sum(len(h.leases) for h in self.names.handles())
 
     @property
     def active_reservations(self) -> int:
-        return sum(len(h.reservations) for h in self._handles.values())
+        return sum(len(h.reservations) for h in self.names.handles())
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self._reserved_blocks
 
     @property
     def open_handles(self) -> int:
-        return len(self._handles)
+        return len(self.names)
 
     @property
     def cpu_used_bytes(self) -> int:
-        return self._cpu_used
+        return self.cpu_slots.used_bytes
 
     @property
     def cpu_clean_bytes(self) -> int:
-        return self._cpu_clean
+        return self.cpu_slots.clean_bytes
 
     def tier_snapshots(self) -> list[TierSnapshot]:
-        cpu_blocks = len(self.policy)
-        snaps = []
-        if self.device.enabled:
-            device = self.device
-            pool = device.pool
-            assert pool is not None
-            snaps.append(
-                TierSnapshot(
-                    "gpu",
-                    device.capacity_bytes(),
-                    device.used_bytes,
-                    len(device.policy),
-                    device.counters,
-                    extra={
-                        "clean_below_bytes": float(device.clean_bytes()),
-                        "device": float(pool.device.index or 0),
-                    },
-                )
-            )
-        snaps += [
-            TierSnapshot(
-                "cpu",
-                self.allocator.capacity_bytes,
-                self._cpu_used,
-                cpu_blocks,
-                self.cpu,
-                extra={
-                    "reserved_blocks": float(self._reserved_blocks),
-                    "clean_bytes": float(self._cpu_clean),
-                },
-            )
-        ]
-        if self.nvme is not None:
-            stats = self.nvme.stats()
-            extra = {
-                k: float(v)
-                for k, v in stats.items()
-                if k not in ("capacity_bytes", "used_bytes", "blocks")
-                and isinstance(v, int | float)
-            }
-            extra["prefetch_hits"] = float(self.nvme_counters.prefetch_hits)
-            extra["io_errors"] = float(self.nvme_counters.io_errors)
-            snaps.append(
-                TierSnapshot(
-                    "nvme",
-                    int(stats["capacity_bytes"]),
-                    int(stats["used_bytes"]),
-                    self._nvme_blocks,
-                    self.nvme_counters,
-                    extra=extra,
-                )
-            )
-        if self.shared.enabled:
-            stats = self.shared.stats()
-            c = self.redis_counters
-            c.promotions = self.shared.promotions
-            c.demotions = self.shared.demotions
-            c.checksum_failures = int(stats.get("checksum_failures", 0))
-            c.evictions = int(stats.get("evictions", 0))
-            extra = {
-                k: float(v)
-                for k, v in stats.items()
-                if k in ("bytes_written", "bytes_read", "errors", "reconnects", "unavailable")
-            }
-            extra["skipped_while_down"] = float(self.shared.skipped)
-            extra["dropped_while_down"] = float(self.shared.dropped_while_down)
-            bound = self.config.redis.max_bytes_per_namespace
-            snaps.append(
-                TierSnapshot(
-                    "redis",
-                    bound,
-                    int(stats.get("bytes_written", 0)),
-                    int(stats.get("puts", 0)),
-                    c,
-                    up=bool(stats.get("up", False)),
-                    extra=extra,
-                )
-            )
-        return snaps
+        """Occupancy and counters of every tier, top down (``Stats``, the metrics)."""
+        from kvstore.daemon.snapshots import tier_snapshots
+
+        return tier_snapshots(self)
 
     def namespaces(self) -> list[NamespaceRecord]:
-        return [r for r in self._namespaces.values() if r.namespace is not None or r.blocks]
-
-
-def _describe(layout: KVLayout) -> str:
-    return (
-        f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim} "
-        f"block {layout.block_size} {layout.dtype_name}"
-    )
+        return [r for r in self.names.records() if r.namespace is not None or r.blocks]

@@ -1,0 +1,110 @@
+"""The block store's checker: every invariant the store and its parts keep, asserted at once.
+
+The tests call it after every step (``BlockStore.check``); it reads everything and changes
+nothing. What it asserts is stated where each invariant is kept: the store's module docstring
+(entries, reservations, leases, policies, byte totals), ``namespaces`` (handles and records),
+``cpu_tier`` (slot owners and bytes) and ``kvstore.tiers.cpu.SlabAllocator.check`` (slabs).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvstore.index import IN_CPU, IN_NVME, State
+
+if TYPE_CHECKING:
+    from kvstore.daemon.store import BlockStore
+
+
+def check_store(store: BlockStore, io_idle: bool = True) -> None:
+    """AssertionError naming the first invariant broken. ``io_idle``: no IO is in flight."""
+    index = store.index
+    leased: dict[int, int] = {}
+    reserved: dict[int, int] = {}
+    for handle in store.names.handles():
+        assert not handle.closed and store.names.is_open(handle)
+        assert store.names.get(handle.ns_id) is handle.record, "handle's record gone"
+        for reservation in handle.reservations.values():
+            for eid in reservation.eids:
+                reserved[eid] = reserved.get(eid, 0) + 1
+                assert index.state[eid] == State.RESERVED, f"reservation of {eid} not RESERVED"
+                assert index.ns[eid] == handle.ns_id, f"reservation of {eid}: other namespace"
+        for lease in handle.leases.values():
+            assert len(set(lease.eids)) == len(lease.eids), "a lease names an entry twice"
+            for eid, key in zip(lease.eids, lease.keys, strict=True):
+                leased[eid] = leased.get(eid, 0) + 1
+                state = index.state[eid]
+                assert state in (State.COMMITTED, State.ORPHAN), f"leased {eid} is {state}"
+                if state == State.COMMITTED:
+                    assert index.has_key(eid, handle.ns_id, key), f"lease of {eid}: key moved"
+    entries: dict[int, int] = {}
+    blocks: dict[int, int] = {}
+    in_cpu: set[int] = set()
+    in_nvme: set[int] = set()
+    cpu_bytes = clean = 0
+    n_reserved = 0
+    for eid in range(index.capacity):
+        state = index.state[eid]
+        if state == State.FREE:
+            assert not index.leases[eid], f"free entry {eid} is leased"
+            continue
+        ns = index.ns[eid]
+        assert store.names.get(ns) is not None, f"entry {eid} of unknown namespace {ns}"
+        entries[ns] = entries.get(ns, 0) + 1
+        bb = store.names[ns].block_bytes
+        tier = index.tier[eid]
+        if tier & IN_NVME:
+            assert store.disk_owner(index.disk[eid]) == eid, f"disk slot owner of {eid}"
+        if tier & IN_CPU:
+            assert index.offset[eid] >= 0, f"entry {eid} in the CPU tier without a slot"
+            assert store.cpu_slots.owner(index.offset[eid]) == eid, f"slot owner of {eid}"
+            cpu_bytes += bb
+            if tier & IN_NVME:
+                clean += bb
+        if state == State.RESERVED:
+            n_reserved += 1
+            assert reserved.get(eid, 0) <= 1, f"entry {eid} in two reservations"
+        elif state == State.COMMITTED:
+            blocks[ns] = blocks.get(ns, 0) + 1
+            assert eid not in reserved, f"committed entry {eid} still reserved"
+            if tier & IN_CPU:
+                in_cpu.add(eid)
+            if tier & IN_NVME:
+                in_nvme.add(eid)
+        else:
+            assert state == State.ORPHAN and index.leases[eid], f"orphan {eid} not leased"
+        if io_idle:
+            assert index.leases[eid] == leased.get(eid, 0), (
+                f"entry {eid}: {index.leases[eid]} leases counted, {leased.get(eid, 0)} held"
+            )
+        else:
+            assert index.leases[eid] >= leased.get(eid, 0), f"entry {eid}: leases lost"
+    for record in store.names.records():
+        ns = record.ns_id
+        assert record.ns_id == ns
+        assert record.entries == entries.get(ns, 0), (
+            f"namespace {record.name}: {record.entries} entries counted, {entries.get(ns, 0)} held"
+        )
+        assert record.blocks == blocks.get(ns, 0), f"namespace {record.name}: blocks count"
+        assert record.handles or record.entries, f"namespace {record.name} not freed"
+    assert n_reserved == store._reserved_blocks, "reserved count"
+    assert store.cpu_slots.owned() == sum(
+        1 for e in range(index.capacity) if index.state[e] and index.tier[e] & IN_CPU
+    ), "a CPU slot owner without its entry"
+    store.allocator.check()
+    store.names.check()
+    if io_idle:
+        assert set(store.policy.order()) == in_cpu, "cpu policy != committed CPU entries"
+        assert set(store.nvme_policy.order()) == in_nvme, "nvme policy != committed disk ones"
+        slots = store.cpu_slots
+        assert slots.used_bytes == cpu_bytes + slots.quarantined_bytes, (
+            f"cpu used {slots.used_bytes} != {cpu_bytes} in entries + "
+            f"{slots.quarantined_bytes} quarantined"
+        )
+        assert slots.clean_bytes == clean, f"cpu clean {slots.clean_bytes} != {clean}"
+        if store.nvme is not None:
+            assert store._nvme_blocks == len(in_nvme) + sum(
+                1
+                for e in range(index.capacity)
+                if index.state[e] == State.ORPHAN and index.tier[e] & IN_NVME
+            ), "nvme block count"

@@ -1,0 +1,248 @@
+"""Who may reach which blocks: the namespaces the daemon knows and the handles clients hold.
+
+``NamespaceTable`` owns both. A namespace record lives while a handle names it or an entry of
+the index belongs to it (``entries``); then it is forgotten and its small id recycled, so a
+client that opens and closes namespaces forever fills nothing. A handle is 16 random bytes,
+known only to this daemon instance, made for one client's open stream; the reservations and
+leases that client makes live in it, so nothing but that handle reaches them.
+
+Invariants (kept here; ``kvstore.daemon.invariants`` checks them with the rest):
+- every open handle is in the table under its token and names a live record;
+- ``record.handles`` counts the open handles naming it; a record with no handle and no entry
+  is not in the table;
+- ``by_name`` and ``by_fingerprint`` index live records only.
+
+Event-loop only. Block state (what a closed handle's reservations and leases held) is the
+store's: it reclaims those before calling ``release``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kvstore.config import LimitsConfig
+from kvstore.errors import CapacityError, NamespaceMismatchError, UnknownNamespaceError
+from kvstore.keys import Namespace
+from kvstore.layout import KVLayout
+
+HANDLE_BYTES = 16
+MAX_NAMESPACE_ID = 0xFFFF  # the index stores namespace ids as uint16
+
+
+@dataclass(eq=False)
+class NamespaceRecord:
+    """A namespace the daemon knows. ``namespace`` is None for one recovered from disk whose
+    client has not opened it yet (only its fingerprint and block size are known)."""
+
+    ns_id: int
+    namespace: Namespace | None
+    fingerprint: bytes
+    block_bytes: int
+    priority: int
+    blocks: int = 0  # COMMITTED entries
+    entries: int = 0  # keyed entries (reserved or committed) and orphans
+    handles: int = 0
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.namespace.name if self.namespace else f"(recovered {self.fingerprint.hex()})"
+
+
+@dataclass
+class Reservation:
+    """RESERVED entries a client is writing (in key order of its Reserve call)."""
+
+    eids: list[int]
+    expires_at: float
+    gpu: bool = False  # the slots are in the GPU pool (the commit carries device checksums)
+
+
+@dataclass
+class Lease:
+    """The entries a read lease pins, each with the key it was leased for (distinct entries)."""
+
+    eids: list[int]
+    keys: list[bytes]
+    expires_at: float
+
+
+@dataclass(eq=False)
+class Handle:
+    """One open namespace of one client: the capability every other call presents.
+
+    ``token`` is what the client holds; the reservations and leases it made live here, so no
+    other handle can commit, abort or release them."""
+
+    token: bytes
+    record: NamespaceRecord
+    reservations: dict[int, Reservation] = field(default_factory=dict)
+    leases: dict[int, Lease] = field(default_factory=dict)
+    closed: bool = False
+
+    @property
+    def ns_id(self) -> int:
+        return self.record.ns_id
+
+    def new_id(self, table: dict[int, Reservation] | dict[int, Lease]) -> int:
+        """A random reservation or lease id, unused in ``table``."""
+        while True:
+            rid = secrets.randbits(63) or 1
+            if rid not in table:
+                return rid
+
+
+def describe(layout: KVLayout) -> str:
+    return (
+        f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim} "
+        f"block {layout.block_size} {layout.dtype_name}"
+    )
+
+
+class NamespaceTable:
+    """See the module docstring."""
+
+    def __init__(self, limits: LimitsConfig) -> None:
+        self.limits = limits
+        self._records: dict[int, NamespaceRecord] = {}
+        self._free_ids: list[int] = []
+        self._by_name: dict[str, NamespaceRecord] = {}
+        self._by_fingerprint: dict[bytes, NamespaceRecord] = {}
+        self._handles: dict[bytes, Handle] = {}
+
+    # ----------------------------------------------------------------- handles
+    def open(self, namespace: Namespace, priority: int) -> Handle:
+        """A new handle to ``namespace``, registering or joining it. A name already registered
+        with another fingerprint is refused: clients that claim to share blocks must compute
+        the same keys."""
+        if not 0 <= priority <= 255:
+            raise ValueError(f"priority must be in [0, 255], got {priority}")
+        if len(self._handles) >= self.limits.max_handles:
+            raise CapacityError(
+                f"too many open namespace handles ({self.limits.max_handles}, limits.max_handles)"
+            )
+        record = self._record_for(namespace, priority)
+        token = secrets.token_bytes(HANDLE_BYTES)
+        while token in self._handles:  # pragma: no cover - 2^-128
+            token = secrets.token_bytes(HANDLE_BYTES)
+        handle = Handle(token, record)
+        record.handles += 1
+        self._handles[token] = handle
+        return handle
+
+    def handle(self, token: bytes) -> Handle:
+        """The open handle ``token`` names; UnknownNamespaceError for anything else (a closed
+        handle, another daemon instance's, a guess)."""
+        handle = self._handles.get(bytes(token)) if len(token) == HANDLE_BYTES else None
+        if handle is None:
+            raise UnknownNamespaceError(
+                "unknown namespace handle (closed, or the daemon restarted): open the namespace "
+                "again"
+            )
+        return handle
+
+    def release(self, handle: Handle) -> None:
+        """Forget a closed handle (the store reclaimed what it held) and, with it, a namespace
+        nothing else keeps."""
+        assert handle.closed and not handle.reservations and not handle.leases
+        del self._handles[handle.token]
+        handle.record.handles -= 1
+        self.maybe_free(handle.record)
+
+    def handles(self) -> list[Handle]:
+        return list(self._handles.values())
+
+    def is_open(self, handle: Handle) -> bool:
+        return self._handles.get(handle.token) is handle
+
+    def __len__(self) -> int:
+        """Open handles."""
+        return len(self._handles)
+
+    # ----------------------------------------------------------------- records
+    def _record_for(self, namespace: Namespace, priority: int) -> NamespaceRecord:
+        block_bytes = namespace.layout.block_bytes
+        fingerprint = namespace.fingerprint
+        existing = self._by_name.get(namespace.name)
+        if existing is not None:
+            if existing.fingerprint != fingerprint:
+                assert existing.namespace is not None
+                raise NamespaceMismatchError(
+                    f"namespace {namespace.name!r} is registered with layout "
+                    f"{describe(existing.namespace.layout)}; this client claims "
+                    f"{describe(namespace.layout)} (hash version {namespace.hash_version})"
+                )
+            return existing
+        recovered = self._by_fingerprint.get(fingerprint)
+        if recovered is not None:
+            # Blocks of this namespace were found on disk at start-up: bind them to it.
+            if recovered.block_bytes != block_bytes:
+                raise NamespaceMismatchError(
+                    f"blocks on disk for {namespace.name!r} are {recovered.block_bytes} bytes, "
+                    f"the layout gives {block_bytes}"
+                )
+            recovered.namespace = namespace
+            recovered.priority = priority
+            self._by_name[namespace.name] = recovered
+            return recovered
+        record = self._new(namespace, fingerprint, block_bytes, priority)
+        self._by_name[namespace.name] = record
+        return record
+
+    def _new(
+        self, namespace: Namespace | None, fingerprint: bytes, block_bytes: int, priority: int
+    ) -> NamespaceRecord:
+        if len(self._records) >= min(self.limits.max_namespaces, MAX_NAMESPACE_ID):
+            raise CapacityError(
+                f"too many namespaces ({len(self._records)}, limits.max_namespaces)"
+            )
+        ns_id = self._free_ids.pop() if self._free_ids else len(self._records) + 1
+        record = NamespaceRecord(ns_id, namespace, fingerprint, block_bytes, priority)
+        self._records[ns_id] = record
+        self._by_fingerprint[fingerprint] = record
+        return record
+
+    def recovered(self, fingerprint: bytes, block_bytes: int) -> NamespaceRecord:
+        """The record of blocks found on disk at start-up, by fingerprint."""
+        record = self._by_fingerprint.get(fingerprint)
+        if record is None:
+            record = self._new(None, fingerprint, block_bytes, 0)
+        return record
+
+    def maybe_free(self, record: NamespaceRecord) -> None:
+        """Forget a namespace no handle names and no entry belongs to; recycle its id."""
+        if record.handles or record.entries or self._records.get(record.ns_id) is not record:
+            return
+        del self._records[record.ns_id]
+        self._free_ids.append(record.ns_id)
+        self._by_fingerprint.pop(record.fingerprint, None)
+        if record.namespace is not None and self._by_name.get(record.namespace.name) is record:
+            del self._by_name[record.namespace.name]
+
+    def __getitem__(self, ns_id: int) -> NamespaceRecord:
+        return self._records[ns_id]
+
+    def get(self, ns_id: int) -> NamespaceRecord | None:
+        return self._records.get(ns_id)
+
+    def records(self) -> Iterator[NamespaceRecord]:
+        return iter(list(self._records.values()))
+
+    def check(self) -> None:
+        """Assert the invariants of the module docstring."""
+        counts: dict[int, int] = {}
+        for token, handle in self._handles.items():
+            assert handle.token == token and not handle.closed, "a closed handle is still open"
+            assert self._records.get(handle.ns_id) is handle.record, "a handle's record is gone"
+            counts[handle.ns_id] = counts.get(handle.ns_id, 0) + 1
+        for ns_id, record in self._records.items():
+            assert record.ns_id == ns_id
+            assert record.handles == counts.get(ns_id, 0), f"{record.name}: handle count"
+            assert record.handles or record.entries, f"namespace {record.name} not freed"
+        for record in self._by_fingerprint.values():
+            assert self._records.get(record.ns_id) is record, "by_fingerprint names a dead record"
+        for record in self._by_name.values():
+            assert self._records.get(record.ns_id) is record, "by_name names a dead record"

@@ -1,0 +1,80 @@
+"""What ``Stats`` and the metrics show of each tier: its capacity, use, blocks and counters."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvstore.daemon.tierstats import TierSnapshot
+
+if TYPE_CHECKING:
+    from kvstore.daemon.store import BlockStore
+
+
+def tier_snapshots(store: BlockStore) -> list[TierSnapshot]:
+    """Occupancy and counters of every tier, top down."""
+    cpu_blocks = len(store.policy)
+    snaps = []
+    if store.device.enabled:
+        device = store.device
+        pool = device.pool
+        assert pool is not None
+        snaps.append(
+            TierSnapshot(
+                "gpu",
+                device.capacity_bytes(),
+                device.used_bytes,
+                len(device.policy),
+                device.counters,
+                extra={
+                    "clean_below_bytes": float(device.clean_bytes()),
+                    "device": float(pool.device.index or 0),
+                },
+            )
+        )
+    snaps.append(store.cpu_slots.snapshot(cpu_blocks, store.reserved_blocks))
+    if store.nvme is not None:
+        stats = store.nvme.stats()
+        extra = {
+            k: float(v)
+            for k, v in stats.items()
+            if k not in ("capacity_bytes", "used_bytes", "blocks") and isinstance(v, int | float)
+        }
+        extra["prefetch_hits"] = float(store.nvme_counters.prefetch_hits)
+        extra["io_errors"] = float(store.nvme_counters.io_errors)
+        snaps.append(
+            TierSnapshot(
+                "nvme",
+                int(stats["capacity_bytes"]),
+                int(stats["used_bytes"]),
+                store._nvme_blocks,
+                store.nvme_counters,
+                extra=extra,
+            )
+        )
+    if store.shared.enabled:
+        stats = store.shared.stats()
+        c = store.redis_counters
+        c.promotions = store.shared.promotions
+        c.demotions = store.shared.demotions
+        c.checksum_failures = int(stats.get("checksum_failures", 0))
+        c.evictions = int(stats.get("evictions", 0))
+        extra = {
+            k: float(v)
+            for k, v in stats.items()
+            if k in ("bytes_written", "bytes_read", "errors", "reconnects", "unavailable")
+        }
+        extra["skipped_while_down"] = float(store.shared.skipped)
+        extra["dropped_while_down"] = float(store.shared.dropped_while_down)
+        bound = store.config.redis.max_bytes_per_namespace
+        snaps.append(
+            TierSnapshot(
+                "redis",
+                bound,
+                int(stats.get("bytes_written", 0)),
+                int(stats.get("puts", 0)),
+                c,
+                up=bool(stats.get("up", False)),
+                extra=extra,
+            )
+        )
+    return snaps
