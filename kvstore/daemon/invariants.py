@@ -103,7 +103,7 @@ def check_store(store: BlockStore, io_idle: bool = True) -> None:
         )
         assert slots.clean_bytes == clean, f"cpu clean {slots.clean_bytes} != {clean}"
         if store.nvme is not None:
-            assert store._nvme_blocks == len(in_nvme) + sum(
+            assert store.disk.blocks == len(in_nvme) + sum(
                 1
                 for e in range(index.capacity)
                 if index.state[e] == State.ORPHAN and index.tier[e] & IN_NVME

@@ -80,7 +80,7 @@ class Mover:
             io_threads=self.config.io_threads,
         )
         records = await tier.open()
-        self.store.nvme = tier
+        self.store.disk.tier = tier
         self._recover(records)
         self._flusher = asyncio.create_task(self._flush_loop())
 

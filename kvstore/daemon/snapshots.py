@@ -32,25 +32,9 @@ def tier_snapshots(store: BlockStore) -> list[TierSnapshot]:
             )
         )
     snaps.append(store.cpu_slots.snapshot(cpu_blocks, store.reserved_blocks))
-    if store.nvme is not None:
-        stats = store.nvme.stats()
-        extra = {
-            k: float(v)
-            for k, v in stats.items()
-            if k not in ("capacity_bytes", "used_bytes", "blocks") and isinstance(v, int | float)
-        }
-        extra["prefetch_hits"] = float(store.nvme_counters.prefetch_hits)
-        extra["io_errors"] = float(store.nvme_counters.io_errors)
-        snaps.append(
-            TierSnapshot(
-                "nvme",
-                int(stats["capacity_bytes"]),
-                int(stats["used_bytes"]),
-                store._nvme_blocks,
-                store.nvme_counters,
-                extra=extra,
-            )
-        )
+    disk = store.disk.snapshot()
+    if disk is not None:
+        snaps.append(disk)
     if store.shared.enabled:
         stats = store.shared.stats()
         c = store.redis_counters

@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING
 from kvstore.checksum import block_checksum
 from kvstore.config import DaemonConfig
 from kvstore.daemon.cpu_tier import CpuSlots
+from kvstore.daemon.disk_tier import DiskSlots
 from kvstore.daemon.namespaces import (
     Handle,
     Lease,
@@ -138,19 +139,16 @@ class BlockStore:
         except BaseException:
             self.cpu_slots.close()
             raise
-        self._disk_owner: dict[int, int] = {}  # NVMe slot -> the entry whose record it holds
         self.index = BlockIndex()
         self.policy: EvictionPolicy = make_policy(config.cpu.policy)
         self.nvme_policy: EvictionPolicy = make_policy(config.nvme.policy)
-        self.nvme_counters = TierCounters()
         self.redis_counters = TierCounters()
-        self.nvme: NvmeTier | None = None  # set by start() when configured
+        self.disk = DiskSlots()  # its NvmeTier is opened by the Mover's start()
         self.names = NamespaceTable(config.limits)
         # (until, in the GPU pool, offset, block bytes) of slots of expired reservations.
         self._quarantine: deque[tuple[float, bool, int, int]] = deque()
         # Waiters for the commit (or the end) of RESERVED entries, by entry id.
         self._written: dict[int, asyncio.Future[None]] = {}
-        self._nvme_blocks = 0
         self._reserved_blocks = 0
         from kvstore.daemon.movement import Mover
         from kvstore.daemon.shared import SharedTier
@@ -170,6 +168,15 @@ class BlockStore:
     @property
     def cpu(self) -> TierCounters:
         return self.cpu_slots.counters
+
+    @property
+    def nvme(self) -> NvmeTier | None:
+        """The NVMe tier's IO object, once the Mover opened it (None without one)."""
+        return self.disk.tier
+
+    @property
+    def nvme_counters(self) -> TierCounters:
+        return self.disk.counters
 
     async def start(self) -> None:
         """Open the NVMe tier (recovering what it holds), connect the shared tier, and start
@@ -773,23 +780,19 @@ class BlockStore:
 
     def disk_owner(self, slot: int) -> int | None:
         """The entry whose disk copy is in ``slot`` (None: a slot being written)."""
-        return self._disk_owner.get(slot)
+        return self.disk.owner(slot)
 
     def _free_disk_slot(self, eid: int) -> None:
-        assert self.nvme is not None
-        del self._disk_owner[self.index.disk[eid]]
-        self.nvme.free(self.index.disk[eid])
+        self.disk.vacate(self.index.disk[eid])
         if self.index.tier[eid] & IN_CPU:
             self.cpu_slots.note_clean(self.block_bytes_of(eid), clean=False)
         self.index.disk[eid] = -1
         self.index.tier[eid] &= ~IN_NVME
-        self._nvme_blocks -= 1
 
     def mark_on_disk(self, eid: int, slot: int) -> None:
-        self._disk_owner[slot] = eid
+        self.disk.place(eid, slot)
         self.index.disk[eid] = slot
         self.index.tier[eid] |= IN_NVME
-        self._nvme_blocks += 1
         if self.index.tier[eid] & IN_CPU:
             self.cpu_slots.note_clean(self.block_bytes_of(eid), clean=True)
         self.nvme_policy.insert(eid, self.index.priority[eid])
