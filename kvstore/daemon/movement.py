@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from kvstore.checksum import block_checksum
@@ -173,31 +174,25 @@ class Mover:
             # the other hosts would lose.
             return protected(eid) or shared.must_reach_redis(eid)
 
-        async with self._room:
-            if shared.enabled and shared.down:
-                try:
-                    return await make_room(
-                        self._slots,
-                        block_bytes,
-                        n,
-                        partial=False,
-                        policy=store.policy,
-                        protected=spare_unshared,
-                        evict=self._evict_cpu,
-                        busy="leased or being written",
-                    )
-                except CapacityError:
-                    pass  # then they go too (counted in dropped_while_down)
-            return await make_room(
+        def room(spare: Callable[[int], bool], all_or_nothing: bool) -> Awaitable[list[int]]:
+            return make_room(
                 self._slots,
                 block_bytes,
                 n,
-                partial=partial,
+                partial=partial and not all_or_nothing,
                 policy=store.policy,
-                protected=protected,
+                protected=spare,
                 evict=self._evict_cpu,
                 busy="leased or being written",
             )
+
+        async with self._room:
+            if shared.enabled and shared.down:
+                try:
+                    return await room(spare_unshared, all_or_nothing=True)
+                except CapacityError:
+                    pass  # then they go too (counted in dropped_while_down)
+            return await room(protected, all_or_nothing=False)
 
     async def _evict_cpu(self, victims: list[int]) -> None:
         """Drop victims' CPU copies, writing dirty ones down first (or dropping them when
