@@ -373,13 +373,7 @@ async def test_a_second_block_size_reaches_a_disk_the_first_one_filled(tmp_path)
     other size is emptied for them."""
     big_layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16)  # 8 KiB
     big_ns = Namespace(model="big", layout=big_layout)
-    cfg = DaemonConfig(
-        gpu=GpuTierConfig(enabled="off"),
-        cpu=CpuTierConfig(capacity_bytes=64 * 8192, slab_bytes=64 * 8192, prefault=False),
-        nvme=NvmeTierConfig(path=str(tmp_path), capacity_bytes=1 << 20, write_through=True),
-    )
-    s = BlockStore(cfg, clock=Clock())
-    await s.start()
+    s = await disk_store(tmp_path, cpu_bytes=64 * 8192)
     try:
         small = s.open_namespace(NS)
         big = s.open_namespace(big_ns)
@@ -398,6 +392,18 @@ async def test_a_second_block_size_reaches_a_disk_the_first_one_filled(tmp_path)
         await s.stop()
 
 
+async def disk_store(directory, cpu_bytes: int) -> BlockStore:
+    """A started store with a CPU tier of one slab and a 1 MiB write-through NVMe tier."""
+    cfg = DaemonConfig(
+        gpu=GpuTierConfig(enabled="off"),
+        cpu=CpuTierConfig(capacity_bytes=cpu_bytes, slab_bytes=cpu_bytes, prefault=False),
+        nvme=NvmeTierConfig(path=str(directory), capacity_bytes=1 << 20, write_through=True),
+    )
+    s = BlockStore(cfg, clock=Clock())
+    await s.start()
+    return s
+
+
 async def wait_idle(s: BlockStore) -> None:
     for _ in range(2000):
         if s.mover.idle:
@@ -410,13 +416,7 @@ async def test_a_delete_during_a_promotion_neither_fails_it_nor_leaks(tmp_path) 
     """Under a mixed load, a Delete during a promotion made the promotion fail with INTERNAL
     ("entry N has no key") and leaked the CPU slots it had taken. Promotions now re-check each
     entry after every await."""
-    cfg = DaemonConfig(
-        gpu=GpuTierConfig(enabled="off"),
-        cpu=CpuTierConfig(capacity_bytes=8 * 4096, slab_bytes=8 * 4096, prefault=False),
-        nvme=NvmeTierConfig(path=str(tmp_path), capacity_bytes=1 << 20, write_through=True),
-    )
-    s = BlockStore(cfg, clock=Clock())
-    await s.start()
+    s = await disk_store(tmp_path, cpu_bytes=8 * 4096)
     try:
         h = s.open_namespace(NS)
         ks = keys(4)

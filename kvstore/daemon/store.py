@@ -463,10 +463,6 @@ class BlockStore:
         offset = index.offset[eid]
         return key, bytes(self.arena.view[offset : offset + size]), index.checksum[eid]
 
-    def lease_size(self, handle: Handle, lease_id: int) -> int:
-        lease = handle.leases.get(lease_id)
-        return 0 if lease is None else len(lease.eids)
-
     # ----------------------------------------------------------------- writes
     async def reserve(
         self,
