@@ -60,6 +60,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (and /healthz), e.g. "
         "127.0.0.1:9464; empty: off (default: $KVSTORE_METRICS_ADDRESS, else off)",
     )
+    serve.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback TCP address without TLS and credentials (logged at start)",
+    )
     serve.add_argument("--log-level", default="WARNING")
 
     stat = sub.add_parser("stat", help="tier occupancy, hits, evictions")
@@ -150,8 +155,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_address = cfg.metrics_address
         if args.metrics_address is not None:
             metrics_address = args.metrics_address
+        auth = cfg.auth
+        if args.insecure:
+            auth = dataclasses.replace(auth, insecure=True)
         cfg = dataclasses.replace(
             cfg,
+            auth=auth,
             gpu=gpu,
             cpu=cpu,
             nvme=nvme,
@@ -164,7 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(run_daemon(cfg, on_ready=print_ready))
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError, OSError) as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -286,17 +295,35 @@ def render_stats(d: dict[str, Any]) -> str:
 def cmd_stat(args: argparse.Namespace) -> int:
     import grpc
 
-    from kvstore.client._common import translate_error
+    from kvstore.client._common import (
+        Credentials,
+        call_metadata,
+        make_channel,
+        open_session,
+        translate_error,
+    )
+    from kvstore.errors import KVStoreError
     from kvstore.v1 import kvstore_pb2 as pb
     from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
     address = args.address or default_address()
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), timeout=args.timeout)
-        except grpc.RpcError as err:
-            print(f"kvstore stat: {address}: {translate_error(err)}", file=sys.stderr)
-            return 1
+    credentials = Credentials.resolve()
+    try:
+        # On the unix socket the kernel vouches for this process (a session); over TCP the
+        # token or certificate in KVSTORE_TOKEN / KVSTORE_TLS_* does.
+        session = open_session(address, "grpc", args.timeout)
+    except KVStoreError as exc:
+        print(f"kvstore stat: {address}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        with make_channel(address, credentials, lambda: call_metadata(credentials, session)) as ch:
+            reply = pb_grpc.KVStoreStub(ch).Stats(pb.StatsRequest(), timeout=args.timeout)
+    except grpc.RpcError as err:
+        print(f"kvstore stat: {address}: {translate_error(err)}", file=sys.stderr)
+        return 1
+    finally:
+        if session is not None:
+            session.close()
     d = stats_to_dict(reply)
     print(json.dumps(d, indent=2) if args.json else render_stats(d))
     return 0

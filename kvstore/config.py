@@ -172,6 +172,108 @@ class LimitsConfig:
             raise ValueError(f"limits.chunk_bytes must be at most 16MiB, got {self.chunk_bytes}")
 
 
+ROLES = ("user", "operator")
+
+
+@dataclass(frozen=True)
+class AccessRule:
+    """One ``[[access]]`` entry of the tenant policy: callers matching any of its credentials
+    (a unix uid or primary gid from the kernel, a bearer token's name, a TLS client
+    certificate's name) may use ``tenants``; an ``operator`` also sees every namespace in
+    ``Stats``."""
+
+    name: str = ""
+    uids: tuple[int, ...] = ()
+    gids: tuple[int, ...] = ()
+    tokens: tuple[str, ...] = ()
+    cert_names: tuple[str, ...] = ()
+    tenants: tuple[str, ...] = ()
+    role: str = "user"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"access {self.name!r}: role {self.role!r} unknown; choose {ROLES}")
+        if not (self.uids or self.gids or self.tokens or self.cert_names):
+            raise ValueError(
+                f"access {self.name!r} names no credential (uids, gids, tokens, cert_names)"
+            )
+
+
+@dataclass(frozen=True)
+class SharedTenant:
+    """``[shared.NAME]``: tenant NAME's namespaces are readable by ``readers`` and writable by
+    ``writers`` (tenant names), on purpose: a system prompt many applications share."""
+
+    readers: tuple[str, ...] = ()
+    writers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """Who may call, and how they prove it. See README "Security"."""
+
+    # Bearer tokens by name: "env:VARIABLE" or "file:/path" (never the secret itself, so the
+    # config can be world-readable). A TCP caller sends ``authorization: Bearer <token>``.
+    tokens: tuple[tuple[str, str], ...] = ()
+    tls_cert: str = ""  # server certificate chain (PEM): TLS on the TCP address
+    tls_key: str = ""
+    tls_client_ca: str = ""  # set: clients must present a certificate signed by this CA
+    # Serve a non-loopback TCP address without TLS and credentials (logged at every start).
+    insecure: bool = False
+    reflection: bool = True  # gRPC server reflection (grpcurl); only the schema, never data
+    access: tuple[AccessRule, ...] = ()  # the tenant policy; empty: single-user daemon
+    shared: tuple[tuple[str, SharedTenant], ...] = ()
+
+    @property
+    def has_policy(self) -> bool:
+        return bool(self.access)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("auth.tls_cert and auth.tls_key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError(
+                "auth.tls_client_ca needs auth.tls_cert (client certificates need TLS)"
+            )
+        names = {name for name, _ in self.tokens}
+        for name, source in self.tokens:
+            if not source.startswith(("env:", "file:")):
+                raise ValueError(
+                    f"auth.tokens.{name} must be 'env:VARIABLE' or 'file:/path', not the secret"
+                )
+        for rule in self.access:
+            for token in rule.tokens:
+                if token not in names:
+                    raise ValueError(
+                        f"access {rule.name!r} names token {token!r}, not in auth.tokens"
+                    )
+        if self.shared and not self.access:
+            raise ValueError("[shared.*] needs a tenant policy ([[access]] entries)")
+
+
+@dataclass(frozen=True)
+class ConnectionsConfig:
+    """Bounds on connections (gRPC and the session socket), so idle or hostile peers cannot
+    take the daemon's memory or descriptors."""
+
+    max_connections: int = 1024  # open gRPC connections; more are refused at accept
+    max_sessions: int = 1024  # open session-socket connections (same-host clients)
+    max_concurrent_rpcs: int = 8192  # calls in flight, OpenNamespace streams included
+    max_streams_per_connection: int = 512
+    idle_timeout_s: float = 300.0  # a connection with no call for this long is closed
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ValueError(
+                    f"connections.{f.name} must be positive, got {getattr(self, f.name)}"
+                )
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     address: str = ""
@@ -182,6 +284,8 @@ class DaemonConfig:
     # bytes-path blocks travel in limits.chunk_bytes chunks, so this stays far below a block.
     max_message_bytes: int = 4 << 20
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
     gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     nvme: NvmeTierConfig = field(default_factory=NvmeTierConfig)
@@ -245,6 +349,24 @@ _KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "write_wait_s": ("write_wait_s", float),
         "chunk": ("chunk_bytes", parse_size),
     },
+    "auth": {
+        "tls_cert": ("tls_cert", str),
+        "tls_key": ("tls_key", str),
+        "tls_client_ca": ("tls_client_ca", str),
+        "insecure": ("insecure", bool),
+        "reflection": ("reflection", bool),
+        "tokens": (
+            "tokens",
+            lambda v: tuple(sorted((str(k), str(x)) for k, x in _table(v, "auth.tokens").items())),
+        ),
+    },
+    "connections": {
+        "max_connections": ("max_connections", int),
+        "max_sessions": ("max_sessions", int),
+        "max_concurrent_rpcs": ("max_concurrent_rpcs", int),
+        "max_streams_per_connection": ("max_streams_per_connection", int),
+        "idle_timeout_s": ("idle_timeout_s", float),
+    },
     "gpu": {
         "enabled": ("enabled", _gpu_mode),
         "device": ("device", int),
@@ -281,6 +403,54 @@ _KEYS: dict[str, dict[str, tuple[str, Any]]] = {
 }
 
 
+def _table(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a table")
+    return value
+
+
+_ACCESS_KEYS = {f.name for f in dataclasses.fields(AccessRule)}
+
+
+def _access(value: Any, source: str) -> tuple[AccessRule, ...]:
+    """``[[access]]``: a list of tables (see ``AccessRule``)."""
+    if not isinstance(value, list):
+        raise ValueError(f"{source}: [[access]] must be an array of tables")
+    rules = []
+    for i, entry in enumerate(value):
+        entry = _table(entry, f"{source}: access[{i}]")
+        unknown = set(entry) - _ACCESS_KEYS
+        if unknown:
+            raise ValueError(f"{source}: unknown keys in access[{i}]: {sorted(unknown)}")
+        kwargs: dict[str, Any] = {"name": str(entry.get("name", f"access[{i}]"))}
+        for key in ("uids", "gids"):
+            kwargs[key] = tuple(int(x) for x in entry.get(key, ()))
+        for key in ("tokens", "cert_names", "tenants"):
+            kwargs[key] = tuple(str(x) for x in entry.get(key, ()))
+        kwargs["role"] = str(entry.get("role", "user"))
+        rules.append(AccessRule(**kwargs))
+    return tuple(rules)
+
+
+def _shared(value: Any, source: str) -> tuple[tuple[str, SharedTenant], ...]:
+    out = []
+    for name, entry in sorted(_table(value, f"{source}: [shared]").items()):
+        entry = _table(entry, f"{source}: [shared.{name}]")
+        unknown = set(entry) - {"readers", "writers"}
+        if unknown:
+            raise ValueError(f"{source}: unknown keys in [shared.{name}]: {sorted(unknown)}")
+        out.append(
+            (
+                str(name),
+                SharedTenant(
+                    readers=tuple(str(x) for x in entry.get("readers", ())),
+                    writers=tuple(str(x) for x in entry.get("writers", ())),
+                ),
+            )
+        )
+    return tuple(out)
+
+
 def _fields(data: dict[str, Any], section: str, source: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in _section(data, section).items():
@@ -292,11 +462,18 @@ def _fields(data: dict[str, Any], section: str, source: str) -> dict[str, Any]:
 
 
 def _apply(base: DaemonConfig, data: dict[str, Any], source: str) -> DaemonConfig:
-    unknown = set(data) - set(_KEYS)
+    unknown = set(data) - set(_KEYS) - {"access", "shared"}
     if unknown:
         raise ValueError(f"{source}: unknown config sections {sorted(unknown)}")
+    auth = dataclasses.replace(base.auth, **_fields(data, "auth", source))
+    if "access" in data:
+        auth = dataclasses.replace(auth, access=_access(data["access"], source))
+    if "shared" in data:
+        auth = dataclasses.replace(auth, shared=_shared(data["shared"], source))
     return dataclasses.replace(
         base,
+        auth=auth,
+        connections=dataclasses.replace(base.connections, **_fields(data, "connections", source)),
         gpu=dataclasses.replace(base.gpu, **_fields(data, "gpu", source)),
         cpu=dataclasses.replace(base.cpu, **_fields(data, "cpu", source)),
         nvme=dataclasses.replace(base.nvme, **_fields(data, "nvme", source)),

@@ -32,6 +32,15 @@ class UnavailableError(KVStoreError):
     """The daemon cannot be reached."""
 
 
+class UnauthenticatedError(KVStoreError):
+    """The daemon does not know who is calling (UNAUTHENTICATED): no credential, or a wrong one."""
+
+
+class PermissionDeniedError(KVStoreError, PermissionError):
+    """The caller is known but may not do this (PERMISSION_DENIED): another tenant's namespace,
+    or a write to a namespace it may only read."""
+
+
 ERRORS_BY_NAME: dict[str, type[KVStoreError]] = {
     cls.__name__: cls
     for cls in (
@@ -41,6 +50,8 @@ ERRORS_BY_NAME: dict[str, type[KVStoreError]] = {
         CapacityError,
         LeaseExpiredError,
         UnavailableError,
+        UnauthenticatedError,
+        PermissionDeniedError,
     )
 }
 """Error classes by name: the daemon sends the name in the ``kvstore-error`` trailer and the

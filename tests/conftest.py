@@ -324,3 +324,13 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def kv_channel(kv):
+    """A raw gRPC channel to ``kv``'s daemon whose calls carry ``kv``'s credentials (its
+    session): raw stubs then act as that client, and may use its handle."""
+    from kvstore.client._common import call_metadata, make_channel
+
+    return make_channel(
+        kv.address, kv._credentials, lambda: call_metadata(kv._credentials, kv._session)
+    )

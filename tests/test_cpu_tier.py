@@ -1,187 +1,123 @@
 """The CPU tier's arena and slab allocator, on real shared memory.
 
-The backing tests need a filesystem that fills up: each runs in a child process, in its own
-mount namespace (``unshare``) with a fresh small tmpfs, so a SIGBUS fails the test instead of
-killing pytest and nothing is left mounted. The child loads ``tiers/cpu.py`` by path (it imports
-only the standard library), which keeps each child at tens of milliseconds.
+Slabs are unnamed sealed files (``memfd``), one per slab, in the daemon's one mapping.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
-import json
 import os
-import signal
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvstore.tiers.cpu as cpu
 from kvstore.tiers.cpu import HEADER_BYTES, SLOT_ALIGN, SharedMemoryArena, SlabAllocator
 
 KiB, MiB = 1 << 10, 1 << 20
 
-# ----------------------------------------------------------------- a small tmpfs per child
-
-_UNSHARE = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "-r", "--mount"]
-_PRELUDE = f"""
-import importlib.util, json, mmap, os, sys
-spec = importlib.util.spec_from_file_location("cpu_under_test", {cpu.__file__!r})
-cpu = importlib.util.module_from_spec(spec)
-sys.modules["cpu_under_test"] = cpu
-spec.loader.exec_module(cpu)
-MNT = sys.argv[1]
-KiB, MiB = 1 << 10, 1 << 20
-
-
-def fill(path):
-    \"\"\"Write a file until its filesystem is full.\"\"\"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        while True:
-            os.write(fd, b"\\1" * (64 * KiB))
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-"""
-
-
-@pytest.fixture(scope="session")
-def small_tmpfs_ok(tmp_path_factory: pytest.TempPathFactory) -> None:
-    mnt = tmp_path_factory.mktemp("probe")
-    try:
-        probe = subprocess.run(
-            [*_UNSHARE, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot make a small tmpfs in a mount namespace: {e}")
-    if probe.returncode:
-        pytest.skip(f"cannot make a small tmpfs in a mount namespace: {probe.stderr.strip()}")
-
-
-def run_on_small_tmpfs(tmp_path: Path, size: str, body: str) -> dict:
-    """Run ``body`` in a child with a fresh ``size`` tmpfs mounted at ``MNT``; its last line of
-    output is JSON. A child killed by SIGBUS fails the test with that name."""
-    script = tmp_path / "child.py"
-    script.write_text(_PRELUDE + textwrap.dedent(body))
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    shell = 'mount -t tmpfs -o size="$1" tmpfs "$2" && exec "$3" "$4" "$2"'
-    cmd = [*_UNSHARE, "sh", "-c", shell, "sh", size, str(mnt), sys.executable, str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    if proc.returncode in (-signal.SIGBUS, 128 + signal.SIGBUS):
-        pytest.fail(f"the child was killed by SIGBUS\n{proc.stdout}{proc.stderr}")
-    assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 # ----------------------------------------------------------------- 1. never SIGBUS
 
 
-def test_slots_on_a_nearly_full_tmpfs_never_sigbus(small_tmpfs_ok: None, tmp_path: Path) -> None:
-    """A 32 MiB arena without prefault on an 8 MiB tmpfs that is 3 MiB full: a client writes
-    every byte of every slot it is handed. Before backing, the first write past what tmpfs
-    could hold killed the writer with SIGBUS; now the allocator hands out only backed slabs,
-    says why it stopped, and takes more once space comes back."""
-    out = run_on_small_tmpfs(
-        tmp_path,
-        "8m",
-        """
-        ballast = os.path.join(MNT, "ballast")
-        with open(ballast, "wb") as f:
-            f.write(b"\\1" * (3 * MiB))
-        arena = cpu.SharedMemoryArena(cpu.HEADER_BYTES + 32 * MiB, prefault=False, directory=MNT)
-        alloc = cpu.SlabAllocator(arena.size_bytes, 1 * MiB, reserve_backing=arena.reserve_backing)
-        fd = os.open(arena.path, os.O_RDWR)  # a client maps the arena as clients do
-        client = mmap.mmap(fd, arena.size_bytes)
-        os.close(fd)
+class FailingBacking:
+    """The arena's backing, failing (as when the machine is out of memory) after ``budget``
+    slabs: what the allocator does then is what the daemon does when memory runs out."""
+
+    def __init__(self, arena: SharedMemoryArena, budget: int) -> None:
+        self.arena, self.budget, self.calls = arena, budget, 0
+
+    def __call__(self, base: int, size: int, domain: int) -> None:
+        if self.arena.backs(base, domain):
+            return
+        if self.budget <= 0:
+            raise OSError(errno.ENOMEM, f"cannot back a {size}-byte slab (test budget)")
+        self.budget -= 1
+        self.calls += 1
+        self.arena.back(base, size, domain)
+
+
+def test_a_slab_that_cannot_be_backed_is_set_aside_never_touched() -> None:
+    """Memory for a slab is allocated before any slot in it is handed out; when it cannot be,
+    the allocator says why, stops counting the slabs that were never backed (the daemon then
+    evicts instead of failing again) and takes them once memory comes back. Every slot handed
+    out is real memory, written end to end."""
+    arena = SharedMemoryArena(HEADER_BYTES + 32 * MiB, prefault=False)
+    try:
+        backing = FailingBacking(arena, budget=4)
+        alloc = SlabAllocator(arena.size_bytes, 1 * MiB, back=backing)
+        arena.slab_bytes = alloc.slab_bytes
         slot = 256 * KiB
         offsets = []
         while (off := alloc.allocate(slot)) is not None:
-            client[off : off + slot] = bytes([len(offsets) % 251 + 1]) * slot
+            arena.view[off : off + slot] = bytes([len(offsets) % 251 + 1]) * slot
             offsets.append(off)
         alloc.check()
-        out = {
-            "slots": len(offsets),
-            "backed": sum(alloc.slab_info(i).backed for i in range(alloc.num_slabs)),
-            "unbackable": alloc.unbackable_slabs,
-            "error": alloc.backing_error,
-            "free_slots": alloc.free_slots(slot),
-            "intact": all(
-                arena.view[o : o + slot] == bytes([i % 251 + 1]) * slot
-                for i, o in enumerate(offsets)
-            ),
-        }
-        os.unlink(ballast)  # space comes back
-        out["retried"] = alloc.retry_backing()
+        assert len(offsets) == 4 * 4  # slab 0 at construction and three more, then a failure
+        assert alloc.unbackable_slabs == 32 - 4 and alloc.free_slots(slot) == 0
+        assert alloc.backing_error is not None and "cannot back" in alloc.backing_error
+        assert all(
+            arena.view[o : o + slot] == bytes([i % 251 + 1]) * slot for i, o in enumerate(offsets)
+        )
+        backing.budget = 3  # memory comes back
+        assert alloc.retry_backing() == 32 - 4
         more = 0
         while (off := alloc.allocate(slot)) is not None:
-            client[off : off + slot] = b"\\7" * slot
+            arena.view[off : off + slot] = b"\7" * slot
             more += 1
         alloc.check()
-        out["more"] = more
+        assert more == 12
+    finally:
+        arena.close()
+
+
+def test_a_slab_passing_to_another_domain_gets_fresh_sealed_memory() -> None:
+    """Tenants never share memory: a slab emptied by one domain and taken by another gets a new
+    file (a new uid), and the old file's pages are freed, so a client that still maps it reads
+    zeros, not the new tenant's blocks. Descriptors are sealed (no truncation, which would
+    SIGBUS the daemon) and read-only ones cannot be mapped writable."""
+    import mmap
+
+    arena = SharedMemoryArena(HEADER_BYTES + 4 * MiB, prefault=False)
+    try:
+        alloc = SlabAllocator(arena.size_bytes, 1 * MiB, back=arena.back)
+        arena.slab_bytes = alloc.slab_bytes
+        a = alloc.allocate(1 * MiB, domain=1)
+        assert a is not None
+        arena.view[a : a + 1 * MiB] = b"A" * MiB
+        uid_a = arena.address(a) >> 32
+        fd = arena.export(uid_a, writable=True)
+        client = mmap.mmap(fd, 1 * MiB)
+        with pytest.raises(OSError) as err:
+            os.ftruncate(fd, 0)
+        assert err.value.errno == errno.EPERM
+        os.close(fd)
+        assert client[:4] == b"AAAA"
+        alloc.free(a, 1 * MiB)  # the slab empties and goes back to the pool
+        b = alloc.allocate(1 * MiB, domain=2)
+        assert b == a  # the same slab, now another tenant's
+        arena.view[b : b + 1 * MiB] = b"B" * MiB
+        uid_b = arena.address(b) >> 32
+        assert uid_b != uid_a and arena.file(uid_a) is None
+        assert client[: 1 * MiB] == bytes(1 * MiB)  # zeros: the old pages are gone
+        with pytest.raises(KeyError):
+            arena.export(uid_a, writable=False)
+        ro = arena.export(uid_b, writable=False)
+        with pytest.raises(PermissionError):
+            mmap.mmap(ro, 1 * MiB, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        view = mmap.mmap(ro, 1 * MiB, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        assert view[:4] == b"BBBB"
+        view.close()
+        os.close(ro)
         client.close()
+        # The same domain again: no new file, the slab keeps its memory.
+        alloc.free(b, 1 * MiB)
+        c = alloc.allocate(1 * MiB, domain=2)
+        assert c == b and arena.address(c) >> 32 == uid_b
+        alloc.check()
+    finally:
         arena.close()
-        print(json.dumps(out))
-        """,
-    )
-    # 5 MiB free, less the header page: four 1 MiB slabs of four slots, then a slab fails.
-    assert out["slots"] == 16 and out["backed"] == 4 and out["intact"], out
-    # The slab that failed and every other never-backed one are set aside at once, so that
-    # free_slots stops counting them (the daemon then evicts instead of failing again).
-    assert out["unbackable"] == 32 - 4 and out["free_slots"] == 0, out
-    assert str(tmp_path / "mnt") in out["error"] and "bytes free" in out["error"], out
-    assert out["retried"] == 32 - 4 and out["more"] == 12, out  # three more slabs fit now
-
-
-def test_an_arena_its_directory_cannot_hold_is_refused_at_start(
-    small_tmpfs_ok: None, tmp_path: Path
-) -> None:
-    """A clear OSError naming the directory and the sizes, never a SIGBUS: a prefaulted arena
-    bigger than the directory's free space, a first slab that cannot be backed, a full
-    directory (where the token write into the header page used to SIGBUS). Nothing is left."""
-    out = run_on_small_tmpfs(
-        tmp_path,
-        "4m",
-        """
-        out = {}
-        try:
-            cpu.SharedMemoryArena(cpu.HEADER_BYTES + 8 * MiB, prefault=True, directory=MNT)
-        except OSError as e:
-            out["prefault"] = [e.errno, str(e)]
-        arena = cpu.SharedMemoryArena(cpu.HEADER_BYTES + 8 * MiB, prefault=False, directory=MNT)
-        try:
-            cpu.SlabAllocator(arena.size_bytes, 8 * MiB, reserve_backing=arena.reserve_backing)
-        except OSError as e:
-            out["first_slab"] = [e.errno, str(e)]
-        arena.close()
-        fill(os.path.join(MNT, "ballast"))
-        try:
-            cpu.SharedMemoryArena(cpu.HEADER_BYTES + 1 * MiB, prefault=False, directory=MNT)
-        except OSError as e:
-            out["full"] = [e.errno, str(e)]
-        out["left"] = [n for n in os.listdir(MNT) if n.startswith("kvstore-")]
-        print(json.dumps(out))
-        """,
-    )
-    mnt = str(tmp_path / "mnt")
-    for case, needed in (("prefault", 8 * MiB + HEADER_BYTES), ("first_slab", 8 * MiB)):
-        assert case in out, out
-        code, message = out[case]
-        assert code == 28 and mnt in message, out  # ENOSPC
-        assert f"needs {needed} more" in message and "bytes free" in message, out
-    assert out["full"][0] == 28 and mnt in out["full"][1], out
-    assert out["left"] == [], out
 
 
 # ----------------------------------------------------------------- 2. mixed block sizes
@@ -205,7 +141,7 @@ def test_a_second_block_size_gets_the_slabs_the_first_gave_back(arena: SharedMem
     """One model filled the tier, then a model with another block size came: once the first
     model's blocks are gone, its slabs serve the second (they used to stay with the first
     class for good, and every put of the second model failed)."""
-    alloc = SlabAllocator(arena.size_bytes, 256 * KiB, reserve_backing=arena.reserve_backing)
+    alloc = SlabAllocator(arena.size_bytes, 256 * KiB, back=arena.back)
     first = fill_class(alloc, 64 * KiB)
     assert len(first) == 16 * 4 and alloc.free_slots(96 * KiB) == 0
     assert alloc.allocate(96 * KiB) is None
@@ -234,7 +170,7 @@ def test_a_second_block_size_gets_the_slabs_the_first_gave_back(arena: SharedMem
 def test_a_draining_slab_is_not_refilled_and_goes_to_another_class(
     arena: SharedMemoryArena,
 ) -> None:
-    alloc = SlabAllocator(arena.size_bytes, 256 * KiB, reserve_backing=arena.reserve_backing)
+    alloc = SlabAllocator(arena.size_bytes, 256 * KiB, back=arena.back)
     small = fill_class(alloc, 64 * KiB)
     victim = alloc.slab_of(small[5])
     assert alloc.class_slabs(64 * KiB) == list(range(16))
@@ -318,7 +254,7 @@ OPS = st.lists(
 def test_random_allocations_keep_every_invariant(ops: list[tuple[str, int]]) -> None:
     arena = SharedMemoryArena(HEADER_BYTES + 8 * 64 * KiB + 20 * KiB, prefault=False)
     try:
-        alloc = SlabAllocator(arena.size_bytes, 64 * KiB, reserve_backing=arena.reserve_backing)
+        alloc = SlabAllocator(arena.size_bytes, 64 * KiB, back=arena.back)
         end = HEADER_BYTES + alloc.capacity_bytes
         held: dict[int, tuple[int, int]] = {}  # offset -> (block bytes, stamp)
         for step, (op, n) in enumerate(ops):

@@ -496,7 +496,7 @@ def test_serve_with_the_gpu_tier_on_and_no_cuda_exits_with_the_reason(tmp_path) 
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert "the gpu tier is on but torch sees no CUDA device" in stderr
-    # Its arena (named after its pid) was unlinked; other processes' arenas are theirs.
+    # Its arena has no name anywhere: nothing under /dev/shm is left behind.
     assert not list(Path("/dev/shm").glob(f"kvstore-{proc.pid}-*"))
 
 
@@ -506,16 +506,22 @@ def test_a_lease_mixing_pool_and_arena_slots_verifies_each_kind() -> None:
     run; ``intact`` checks each with its own checksum and ends the run at the first bad one."""
     from kvstore.client._common import MappedArena
     from kvstore.client.leases import ReadLease, WriteReservation
-    from kvstore.tiers.cpu import SharedMemoryArena
-    from kvstore.v1 import kvstore_pb2 as pb
+    from kvstore.tiers.cpu import SharedMemoryArena, SlabAllocator
 
     arena = SharedMemoryArena(HEADER_BYTES + 4 * BB, prefault=False)
+    alloc = SlabAllocator(arena.size_bytes, 4 * BB, back=arena.back)
+    arena.slab_bytes = alloc.slab_bytes
     pool = DevicePool(HEADER_BYTES + 4 * BB, "cpu")  # stands in for the mapped pool
-    mapped = MappedArena(
-        pb.ArenaInfo(path=arena.path, size_bytes=arena.size_bytes, token=arena.token)
-    )
+
+    class LocalSession:  # hands over slab descriptors as the daemon's session socket does
+        def slab(self, uid: int) -> tuple[int, int, bool]:
+            return arena.export(uid, writable=True), 4 * BB, True
+
+    mapped = MappedArena(LocalSession())  # type: ignore[arg-type]
     try:
         offs = [HEADER_BYTES + i * BB for i in range(4)]
+        assert [alloc.allocate(BB) for _ in range(4)] == offs  # backs the arena's one slab
+        addr = arena.address
         ks = keys(4)  # block i is stored under ks[i]
         seeds = [checksum_seed(NS.fingerprint, k) for k in ks]
         # Write two blocks into the pool the way a worker's reservation does.
@@ -538,7 +544,7 @@ def test_a_lease_mixing_pool_and_arena_slots_verifies_each_kind() -> None:
         lease = ReadLease(
             mapped,
             LAYOUT,
-            [offs[0], offs[2], offs[1], offs[3]],
+            [offs[0], addr(offs[2]), offs[1], addr(offs[3])],
             [device_sums[0], xxh(block(2), ks[2]), device_sums[1], xxh(block(3), ks[3])],
             [seeds[0], seeds[2], seeds[1], seeds[3]],
             lambda: None,

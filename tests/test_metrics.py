@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-from conftest import SMALL_LAYOUT, DaemonProcess, config_toml, random_blocks, tokens
+from conftest import SMALL_LAYOUT, DaemonProcess, config_toml, kv_channel, random_blocks, tokens
 
 from kvstore import KVStoreClient
 from kvstore.config import DaemonConfig, load_config, split_host_port
@@ -262,7 +262,7 @@ def test_a_cancelled_stream_is_timed_and_gives_its_lease_back(
         keys = kv.hash_tokens(tokens(512, offset=4000))
         assert kv.put(keys, random_blocks(SMALL_LAYOUT, 512, seed=6)) == 512
         before = metrics_daemon.scrape()
-        with grpc.insecure_channel(metrics_daemon.address) as channel:
+        with kv_channel(kv) as channel:
             stream = pb_grpc.KVStoreStub(channel).GetBlocks(
                 pb.GetBlocksRequest(handle=kv._handle, keys=b"".join(keys)), timeout=30
             )

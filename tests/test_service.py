@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import multiprocessing as mp
 import os
@@ -13,7 +14,7 @@ import time
 import grpc
 import pytest
 import torch
-from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tokens, wait_healthy
+from conftest import SMALL_LAYOUT, kv_channel, random_blocks, same_bytes, tokens, wait_healthy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -184,7 +185,7 @@ def test_errors_come_back_as_typed_exceptions(daemon) -> None:
         from kvstore.client._common import translate_error
 
         assert isinstance(translate_error(err.value), UnknownNamespaceError)
-    with client(daemon) as kv, grpc.insecure_channel(daemon.address) as ch:
+    with client(daemon) as kv, kv_channel(kv) as ch:
         with pytest.raises(grpc.RpcError) as err:
             request = pb.LookupRequest(handle=kv._handle, keys=b"x")
             pb_grpc.KVStoreStub(ch).Lookup(request, timeout=5)
@@ -401,12 +402,18 @@ def test_socket_is_owner_only(daemon) -> None:
 
 def test_sigterm_stops_cleanly_and_unlinks_everything(daemon_factory) -> None:
     d = daemon_factory()
+    assert d.proc is not None
     with client(d) as kv:
-        arena_path = kv._arena.path if kv._arena else ""
-        assert os.path.exists(arena_path)
+        assert (
+            kv.uses_shared_memory
+            and kv.put(kv.hash_tokens(tokens(1)), random_blocks(SMALL_LAYOUT, 1)) == 1
+        )
+        # The arena is unnamed slab files: nothing under /dev/shm another process could open.
+        assert not glob.glob(f"/dev/shm/kvstore-{d.proc.pid}-*")
+        assert os.path.exists(str(d.socket_path) + ".session")
     assert d.stop(signal.SIGTERM) == 0
-    assert not os.path.exists(arena_path)
     assert not d.socket_path.exists()
+    assert not os.path.exists(str(d.socket_path) + ".session")
 
 
 def test_sigint_exits_zero(daemon_factory) -> None:

@@ -251,12 +251,23 @@ async def test_a_tenant_cannot_preempt_or_shadow_another_tenants_keys(store: Blo
     store.check()
 
 
-def test_arena_is_unlinked_on_close() -> None:
+def test_arena_slab_files_are_unnamed_and_closed_on_close() -> None:
+    def slab_fds() -> list[str]:
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("/memfd:kvstore-slab"):
+                out.append(target)
+        return out
+
+    before = len(slab_fds())
     s = make_store()
-    path = s.arena.path
-    assert os.path.exists(path) and os.stat(path).st_mode & 0o777 == 0o600
+    assert len(slab_fds()) > before  # the prefaulted slabs' files, reachable by fd only
     s.close()
-    assert not os.path.exists(path)
+    assert len(slab_fds()) == before
 
 
 def test_slab_allocator_mixes_sizes_and_reports_full() -> None:

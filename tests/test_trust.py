@@ -17,11 +17,11 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tokens, wait_for
+from conftest import SMALL_LAYOUT, kv_channel, random_blocks, same_bytes, tokens, wait_for
 
 from kvstore import KVLayout, KVStoreClient
 from kvstore.checksum import block_checksum
-from kvstore.client._common import MappedArena, StreamAssembler, channel_options, seeds_for
+from kvstore.client._common import MappedArena, StreamAssembler, seeds_for
 from kvstore.keys import Namespace
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -74,7 +74,7 @@ def test_a_slow_bytes_reader_never_gets_other_blocks_after_its_lease_expires(
         keys = alice.hash_tokens(tokens(n))
         mine = random_blocks(big, n, seed=1)
         assert alice.put(keys, mine) == n
-        with grpc.insecure_channel(d.address, options=channel_options()) as ch:
+        with kv_channel(alice) as ch:
             stream = pb_grpc.KVStoreStub(ch).GetBlocks(
                 pb.GetBlocksRequest(handle=alice._handle, keys=b"".join(keys)), timeout=60
             )
@@ -176,9 +176,11 @@ def test_reservations_and_leases_belong_to_their_handle(daemon) -> None:
     with (
         client(daemon, "a") as a,
         client(daemon, "b") as b,
-        grpc.insecure_channel(daemon.address) as ch,
+        kv_channel(b) as ch,
+        kv_channel(a) as ch_a,
     ):
-        stub = pb_grpc.KVStoreStub(ch)
+        stub = pb_grpc.KVStoreStub(ch)  # b's calls, with b's own handle
+        stub_a = pb_grpc.KVStoreStub(ch_a)
         keys = a.hash_tokens(tokens(2))
         reservation = a.reserve(keys)
         assert reservation.reservation_id > 1 << 20  # random, not 1, 2, 3...
@@ -198,7 +200,7 @@ def test_reservations_and_leases_belong_to_their_handle(daemon) -> None:
         blocks = random_blocks(SMALL_LAYOUT, 2)
         reservation.fill_from(blocks.view(torch.uint8).reshape(2, BB))
         assert reservation.commit() == 2  # untouched by b's attempts
-        lease = stub.Acquire(pb.AcquireRequest(handle=a._handle, keys=b"".join(keys)), timeout=5)
+        lease = stub_a.Acquire(pb.AcquireRequest(handle=a._handle, keys=b"".join(keys)), timeout=5)
         assert lease.lease_id > 1 << 20
         # b cannot release a's lease, even knowing its id.
         release = pb.ReleaseRequest(handle=b._handle, lease_id=lease.lease_id)
@@ -206,7 +208,14 @@ def test_reservations_and_leases_belong_to_their_handle(daemon) -> None:
             grpc.StatusCode.FAILED_PRECONDITION
         )
         assert a.stats().active_leases == 1
-        stub.Release(pb.ReleaseRequest(handle=a._handle, lease_id=lease.lease_id), timeout=5)
+        stub_a.Release(pb.ReleaseRequest(handle=a._handle, lease_id=lease.lease_id), timeout=5)
+        # a's handle is a's alone: b's calls presenting it reach nothing.
+        assert (
+            code_of(
+                lambda: stub.Lookup(pb.LookupRequest(handle=a._handle, keys=keys[0]), timeout=5)
+            )
+            == grpc.StatusCode.NOT_FOUND
+        )
         assert a.stats().active_leases == 0
         assert same_bytes(a.get(keys), blocks)
 
@@ -241,7 +250,7 @@ def test_repeated_keys_are_refused_and_pin_nothing(daemon) -> None:
     """Bug 5: Acquire with a key repeated 65,535 times overflowed a lease counter and left the
     leases taken before the error pinned forever. Bug 10: GetBlocks of one key repeated
     streamed the block once per repeat."""
-    with client(daemon) as kv, grpc.insecure_channel(daemon.address) as ch:
+    with client(daemon) as kv, kv_channel(kv) as ch:
         stub = pb_grpc.KVStoreStub(ch)
         key = kv.hash_tokens(tokens(1))[0]
         kv.put([key], random_blocks(SMALL_LAYOUT, 1))
@@ -278,7 +287,7 @@ def test_prefetch_of_repeated_disk_only_keys_does_not_wedge_reads(daemon_factory
         nvme_capacity="8MiB",
         write_through=True,
     )
-    with client(d, timeout_s=20) as kv, grpc.insecure_channel(d.address) as ch:
+    with client(d, timeout_s=20) as kv, kv_channel(kv) as ch:
         stub = pb_grpc.KVStoreStub(ch)
         keys = kv.hash_tokens(tokens(4))
         blocks = random_blocks(SMALL_LAYOUT, 4)
@@ -319,7 +328,7 @@ def test_oversized_and_undecodable_requests_get_invalid_argument(daemon) -> None
     """Bug 10: Reserve with millions of keys blocked the event loop and grew the daemon by GBs.
     Requests past max_keys_per_request (or the message limit) are refused before any work;
     bytes that do not decode are INVALID_ARGUMENT, not INTERNAL."""
-    with client(daemon) as kv, grpc.insecure_channel(daemon.address) as ch:
+    with client(daemon) as kv, kv_channel(kv) as ch:
         stub = pb_grpc.KVStoreStub(ch)
         many = b"".join(os.urandom(32) for _ in range(16385))  # one past the limit
         assert (

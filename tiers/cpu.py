@@ -49,9 +49,10 @@ tier sixteen; from 1 GiB up the 64 MiB default holds.
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import enum
 import errno
+import fcntl
 import heapq
 import mmap
 import os
@@ -62,6 +63,7 @@ from dataclasses import dataclass
 HEADER_BYTES = 4096
 """Offset 0 holds a 16-byte random token that proves a client mapped the right arena."""
 TOKEN_BYTES = 16
+_MAP_NORESERVE = 0x4000
 SLOT_ALIGN = 4096
 """Slots are page aligned: copies run at full speed and O_DIRECT IO can use them as buffers."""
 MIN_SLABS = 16
@@ -74,106 +76,185 @@ def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
-def remove_stale_arenas(directory: str = "/dev/shm") -> int:
-    """Unlink arenas left by daemons of this user that died without cleaning up (kill -9):
-    their name carries the pid, and a pid that no longer runs cannot be using it."""
-    removed = 0
+MEMORY_RESERVE_BYTES = 256 << 20
+"""Backing a slab is refused (a CapacityError, never the kernel's OOM killer) when it would
+leave less memory than this available to the rest of the machine."""
+
+
+def _check_memory(size: int) -> None:
     try:
-        names = os.listdir(directory)
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+            else:
+                return
     except OSError:
-        return 0
-    for name in names:
-        parts = name.split("-")
-        if len(parts) != 3 or parts[0] != "kvstore" or not parts[1].isdigit():
-            continue
-        path = os.path.join(directory, name)
-        try:
-            if os.stat(path).st_uid != os.getuid():
-                continue
-            os.kill(int(parts[1]), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                removed += 1
-        except OSError:
-            continue
-    return removed
+        return
+    if available - size < MEMORY_RESERVE_BYTES:
+        raise OSError(
+            errno.ENOMEM,
+            f"{available} bytes of memory available, a slab needs {size} and "
+            f"{MEMORY_RESERVE_BYTES} stay free",
+        )
 
 
-def free_bytes(directory: str) -> int:
-    """Bytes an unprivileged writer can still allocate in ``directory``'s filesystem."""
-    st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
+class SlabFile:
+    """One slab's memory: an unnamed, sealed shared-memory file (``memfd``).
+
+    ``uid`` is never reused within a daemon's life: a client's mapping of an older file of the
+    same slab can never alias a newer one (see ``SharedMemoryArena.address``)."""
+
+    __slots__ = ("domain", "fd", "size", "uid")
+
+    def __init__(self, fd: int, uid: int, domain: int, size: int) -> None:
+        self.fd, self.uid, self.domain, self.size = fd, uid, domain, size
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+]  # fmt: skip
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_MAP_FIXED = 0x10
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class SharedMemoryArena:
-    """Owns one shared-memory file, its descriptor and its mapping for the daemon's lifetime.
+    """The CPU tier's memory: one contiguous range of the daemon's address space whose slabs
+    are each backed by their own unnamed shared-memory file.
 
-    ``path`` is what clients map; ``token`` (16 random bytes at offset 0) lets a client check that
-    the file it mapped is this arena and not a stale one of the same name.
+    Why per-slab files (and not one file under ``/dev/shm``): a client is handed, as a file
+    descriptor over the unix socket (``kvstore.daemon.session``), exactly the slabs of the
+    memory domains (tenants) it may use, read-only where it may only read. A name under
+    ``/dev/shm`` could be opened by anyone with the permissions; an unnamed file is reachable
+    only through a descriptor. A slab that passes to another domain gets a new file (and a new
+    ``uid``) and its old file's pages are freed (punched), so a client that still maps it sees
+    zeros, never the new domain's blocks. Files are sealed against shrinking and growing: a
+    client holding a writable descriptor cannot truncate a slab under the daemon (which would
+    SIGBUS it).
 
-    Invariant: every page anyone touches is backed by the filesystem, so no touch can SIGBUS.
-    With ``prefault`` every page is allocated up front (first touch of new memory costs 10-50x a
-    copy on virtual machines); construction fails with ``OSError(ENOSPC)`` naming the directory
-    and the sizes when ``directory`` cannot hold the whole arena. Without, only the header page
-    is allocated here, and ``reserve_backing`` must be called for a range before any byte of it
-    is handed out (``SlabAllocator`` does, per slab).
+    The daemon keeps one mapping of the whole range (``view``, ``buffer``): offsets are the
+    same as they were with one file, slab files are mapped over their slab's range
+    (``MAP_FIXED``) as they are made. Never SIGBUS: a slab's pages are allocated
+    (``posix_fallocate``) before any slot in it is handed out, and a failure is an OSError
+    naming the sizes, which the allocator turns into "this slab cannot be used".
+    ``prefault`` backs every slab at start-up (first touch runs 10-50x slower than a copy on
+    virtual machines) in the default domain; without it slabs are backed when first assigned.
     """
 
-    def __init__(self, size_bytes: int, prefault: bool = True, directory: str = "/dev/shm") -> None:
+    def __init__(self, size_bytes: int, prefault: bool = True) -> None:
         if size_bytes <= HEADER_BYTES:
             raise ValueError(f"arena size {size_bytes} too small (header alone is {HEADER_BYTES})")
         self.size_bytes = _round_up(size_bytes, SLOT_ALIGN)
-        self.directory = directory
         self.prefault = prefault
-        remove_stale_arenas(directory)
-        needed = self.size_bytes if prefault else HEADER_BYTES
-        free = free_bytes(directory)
-        if free < needed:
-            raise OSError(errno.ENOSPC, self._no_room(needed, free))
         self.token = secrets.token_bytes(TOKEN_BYTES)
-        self.path = os.path.join(directory, f"kvstore-{os.getpid()}-{secrets.token_hex(6)}")
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(self._fd, self.size_bytes)
-            # Allocates the pages now (tmpfs still zeroes each at its first touch). The daemon's
-            # own mapping is not populated: it touches slot bytes only on the bytes path and
-            # when moving blocks between tiers, and page tables cost 2 KiB per MiB per process.
-            self._fallocate(0, needed)
-            self._mmap = mmap.mmap(self._fd, self.size_bytes, flags=mmap.MAP_SHARED)
-        except BaseException:
-            os.close(self._fd)
-            os.unlink(self.path)
-            raise
-        self._mmap[:TOKEN_BYTES] = self.token  # the header page is backed: no SIGBUS
+        # Private anonymous memory reserves the address range (untouched, it costs nothing);
+        # each slab's file replaces its part of it.
+        self._mmap = mmap.mmap(
+            -1, self.size_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        )
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
+        self._mmap[:TOKEN_BYTES] = self.token
         self.view = memoryview(self._mmap)
+        self._files: dict[int, SlabFile] = {}  # slab base offset -> its file
+        self._by_uid: dict[int, tuple[int, SlabFile]] = {}  # uid -> (base, file)
+        self._next_uid = 1
+        self.slab_bytes = 0  # set by the allocator's owner (``CpuSlots``)
         self._closed = False
 
-    def _no_room(self, needed: int, free: int) -> str:
-        return (
-            f"{self.directory} has {free} bytes free, the cpu arena needs {needed} more "
-            f"(arena of {self.size_bytes} bytes): free space in {self.directory}, enlarge it "
-            "(mount -o remount,size=...) or lower the cpu tier's capacity"
-        )
+    @property
+    def path(self) -> str:
+        """No path: slab files have no name (kept for messages)."""
+        return "memfd"
 
-    def _fallocate(self, offset: int, nbytes: int) -> None:
+    def back(self, base: int, size: int, domain: int) -> None:
+        """Make ``[base, base + size)`` (one slab) hold backed memory of ``domain``: a no-op if
+        its file already is; else a new file (allocated, sealed, mapped over the range), and
+        the old file's pages freed. Raises OSError naming the sizes when memory cannot back it
+        (the old file is then gone too: the slab holds no block)."""
+        if not 0 <= base <= base + size <= self.size_bytes:
+            raise ValueError(f"range [{base}, {base + size}) outside the arena")
+        old = self._files.get(base)
+        if old is not None and old.domain == domain:
+            return
+        if old is not None:
+            self._retire(base, old)
+        fd = os.memfd_create(f"kvstore-slab-{base}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.posix_fallocate(self._fd, offset, nbytes)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-            raise OSError(errno.ENOSPC, self._no_room(nbytes, free_bytes(self.directory))) from e
+            os.ftruncate(fd, size)
+            try:
+                _check_memory(size)
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                code = e.errno or errno.ENOMEM
+                raise OSError(
+                    code,
+                    f"cannot back a {size}-byte slab of the cpu arena ({e.strerror or e}): "
+                    "the machine is out of memory for shared memory; lower the cpu tier's "
+                    "capacity",
+                ) from e
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            addr = _libc.mmap(
+                self._base + base,
+                size,
+                mmap.PROT_READ | mmap.PROT_WRITE,
+                mmap.MAP_SHARED | _MAP_FIXED,
+                fd,
+                0,
+            )
+            if addr in (None, _MAP_FAILED):
+                err = ctypes.get_errno()
+                raise OSError(err, f"mapping a slab of the cpu arena failed: {os.strerror(err)}")
+        except BaseException:
+            os.close(fd)
+            raise
+        f = SlabFile(fd, self._next_uid, domain, size)
+        self._next_uid += 1
+        self._files[base] = f
+        self._by_uid[f.uid] = (base, f)
 
-    def reserve_backing(self, offset: int, nbytes: int) -> None:
-        """Allocate the filesystem pages of ``[offset, offset + nbytes)`` so that touching them
-        can never SIGBUS. Raises ``OSError(ENOSPC)`` naming the directory, the bytes free and
-        needed when the filesystem is full (tmpfs undoes a failed fallocate: nothing leaks).
-        A no-op for a prefaulted arena. Blocks: about 0.5 ms per MiB on the reference VM (8 ms
-        for a 16 MiB slab); owned by the daemon's event loop like the allocator that calls it."""
-        if not 0 <= offset <= offset + nbytes <= self.size_bytes:
-            raise ValueError(f"range [{offset}, {offset + nbytes}) outside the arena")
-        if not self.prefault and nbytes:
-            self._fallocate(offset, nbytes)
+    def _retire(self, base: int, f: SlabFile) -> None:
+        """Free a file's pages (clients still mapping it read zeros, never a SIGBUS: its size
+        is sealed) and forget it. The daemon's range keeps the file mapped until the next one
+        replaces it."""
+        _libc.fallocate(f.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, f.size)
+        os.close(f.fd)
+        del self._files[base]
+        del self._by_uid[f.uid]
+
+    def backs(self, base: int, domain: int) -> bool:
+        """Whether the slab at ``base`` already holds backed memory of ``domain``."""
+        f = self._files.get(base)
+        return f is not None and f.domain == domain
+
+    def address(self, offset: int) -> int:
+        """The address a client is given for arena ``offset``: the slab file's uid in the high
+        32 bits, the offset inside the slab in the low 32. A client maps files by uid, so an
+        address can never reach memory other than the file it names."""
+        base = HEADER_BYTES + (offset - HEADER_BYTES) // self.slab_bytes * self.slab_bytes
+        f = self._files[base]
+        return (f.uid << 32) | (offset - base)
+
+    def file(self, uid: int) -> tuple[int, SlabFile] | None:
+        """(base offset, file) of a live slab file, None if ``uid`` was retired or never was."""
+        return self._by_uid.get(uid)
+
+    def export(self, uid: int, writable: bool) -> int:
+        """A new descriptor of slab file ``uid`` (the caller sends and closes it): read-write,
+        or read-only (reopened through ``/proc/self/fd``, so it cannot be mapped writable)."""
+        found = self._by_uid.get(uid)
+        if found is None:
+            raise KeyError(uid)
+        fd = found[1].fd
+        if writable:
+            return os.dup(fd)
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     @property
     def buffer(self) -> mmap.mmap:
@@ -181,7 +262,8 @@ class SharedMemoryArena:
         return self._mmap
 
     def close(self) -> None:
-        """Unmap and unlink. Clients that still map the file keep their pages until they unmap."""
+        """Unmap and close every slab file. Clients that still map a file keep its pages until
+        they unmap."""
         if self._closed:
             return
         self._closed = True
@@ -191,11 +273,10 @@ class SharedMemoryArena:
         except BufferError:
             # A torch/numpy view still exports the buffer; the mapping goes when it is collected.
             pass
-        os.close(self._fd)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        for f in self._files.values():
+            os.close(f.fd)
+        self._files.clear()
+        self._by_uid.clear()
 
 
 class _State(enum.Enum):
@@ -215,6 +296,8 @@ class SlabInfo:
     size_bytes: int
     slot_bytes: int
     """Its class's slot size; 0 when the slab is unassigned."""
+    domain: int
+    """Its class's memory domain (0 when unassigned or undivided)."""
     slots: int
     """Slots it holds for its class (0 when unassigned); the tail past them is waste."""
     used: int
@@ -232,8 +315,8 @@ class _Slab:
     """
 
     __slots__ = (
-        "base", "draining", "freed", "fresh", "index", "size", "slot_bytes", "slots", "state",
-        "used", "used_map",
+        "base", "domain", "draining", "freed", "fresh", "index", "size", "slot_bytes", "slots",
+        "state", "used", "used_map",
     )  # fmt: skip
 
     def __init__(self, index: int, base: int, size: int, state: _State) -> None:
@@ -242,6 +325,7 @@ class _Slab:
 
     def _reset(self) -> None:
         self.slot_bytes = 0
+        self.domain = 0
         self.slots = 0
         self.fresh = 0
         self.freed: list[int] = []
@@ -256,10 +340,11 @@ class _SizeClass:
     slots; ``used`` counts used slots in all its slabs; ``slabs`` is never empty (a class whose
     last slab goes back to the pool is dropped)."""
 
-    __slots__ = ("free", "partial", "slabs", "slot_bytes", "used")
+    __slots__ = ("domain", "free", "partial", "slabs", "slot_bytes", "used")
 
-    def __init__(self, slot_bytes: int) -> None:
+    def __init__(self, slot_bytes: int, domain: int) -> None:
         self.slot_bytes = slot_bytes
+        self.domain = domain
         self.slabs: set[int] = set()
         self.partial: list[int] = []
         self.free = 0
@@ -303,8 +388,9 @@ class SlabAllocator:
         arena_bytes: int,
         slab_bytes: int,
         *,
-        reserve_backing: Callable[[int, int], None] | None = None,
+        back: Callable[[int, int, int], None] | None = None,
         min_slab_bytes: int = MIN_SLAB_BYTES,
+        prefault: bool = False,
     ) -> None:
         usable = (arena_bytes - HEADER_BYTES) // SLOT_ALIGN * SLOT_ALIGN
         if usable <= 0:
@@ -321,27 +407,29 @@ class SlabAllocator:
             sizes.append(usable % self.slab_bytes)
         self._capacity = usable
         self._tail = len(sizes) - 1 if sizes[-1] < self.slab_bytes else -1
-        self._reserve_backing = reserve_backing
-        state = _State.UNTRIED if reserve_backing is not None else _State.POOL
+        self._back = back
+        state = _State.UNTRIED if back is not None else _State.POOL
         self._slabs = [
             _Slab(i, HEADER_BYTES + i * self.slab_bytes, size, state)
             for i, size in enumerate(sizes)
         ]
-        self._classes: dict[int, _SizeClass] = {}
+        self._classes: dict[tuple[int, int], _SizeClass] = {}  # (slot bytes, domain) -> class
         # Unassigned slabs, lowest index first: backed ones, then ones never backed.
-        self._pool: list[int] = list(range(len(sizes))) if reserve_backing is None else []
-        self._untried: list[int] = list(range(len(sizes))) if reserve_backing is not None else []
+        self._pool: list[int] = list(range(len(sizes))) if back is None else []
+        self._untried: list[int] = list(range(len(sizes))) if back is not None else []
         self._unbackable: list[int] = []
         self._pooled_full = len(sizes) - (self._tail >= 0)  # full-size slabs in both heaps
         self._tail_pooled = self._tail >= 0
         self.backing_error: str | None = None
         """Why the last slab that could not be backed was not (None if none failed)."""
-        if reserve_backing is not None:
-            first = self._slabs[0]
-            reserve_backing(first.base, first.size)  # OSError: the daemon cannot start
-            heapq.heappop(self._untried)
-            first.state = _State.POOL
-            heapq.heappush(self._pool, 0)
+        if back is not None:
+            # Slab 0 (every slab with ``prefault``) is backed now, in domain 0: OSError here
+            # means the daemon cannot start.
+            for s in self._slabs if prefault else self._slabs[:1]:
+                back(s.base, s.size, 0)
+                _heap_remove(self._untried, s.index)
+                s.state = _State.POOL
+                heapq.heappush(self._pool, s.index)
 
     # ----------------------------------------------------------------- sizes
     @property
@@ -379,38 +467,40 @@ class SlabAllocator:
     def slots_per_slab(self, block_bytes: int) -> int:
         return self.slab_bytes // self.slot_bytes_for(block_bytes)
 
-    def free_slots(self, block_bytes: int) -> int:
+    def free_slots(self, block_bytes: int, domain: int = 0) -> int:
         """Slots a class could still hand out without eviction: its own free slots (draining
         slabs' excluded) plus those of every unassigned slab it fits. O(1)."""
         slot = self.slot_bytes_for(block_bytes)
         if slot > self.slab_bytes:
             return 0
-        cls = self._classes.get(slot)
+        cls = self._classes.get((slot, domain))
         n = (cls.free if cls is not None else 0) + self._pooled_full * (self.slab_bytes // slot)
         if self._tail_pooled:
             n += self._slabs[self._tail].size // slot
         return n
 
-    def class_free_slots(self, block_bytes: int) -> int:
+    def class_free_slots(self, block_bytes: int, domain: int = 0) -> int:
         """Free slots in the slabs this class already holds (draining slabs' excluded), not
         counting unassigned slabs: what a block can move into without taking a slab. O(1)."""
-        cls = self._classes.get(self.slot_bytes_for(block_bytes))
+        cls = self._classes.get((self.slot_bytes_for(block_bytes), domain))
         return cls.free if cls is not None else 0
 
     # ----------------------------------------------------------------- slots
-    def allocate(self, block_bytes: int) -> int | None:
-        """A free slot's offset, or None (see the class docstring). ValueError if the block
+    def allocate(self, block_bytes: int, domain: int = 0) -> int | None:
+        """A free slot's offset in a slab of ``domain`` (a tenant's memory: slabs are never
+        shared between domains), or None (see the class docstring). ValueError if the block
         cannot fit a slab at all."""
         self.check_fits(block_bytes)
         slot = self.slot_bytes_for(block_bytes)
-        cls = self._classes.get(slot)
+        cls = self._classes.get((slot, domain))
         if cls is None or not cls.partial:
-            s = self._take_unassigned(slot)
+            s = self._take_unassigned(slot, domain)
             if s is None:
                 return None
             if cls is None:
-                cls = self._classes[slot] = _SizeClass(slot)
+                cls = self._classes[(slot, domain)] = _SizeClass(slot, domain)
             s.state, s.slot_bytes, s.slots = _State.CLASS, slot, s.size // slot
+            s.domain = domain
             s.used_map = bytearray(s.slots)
             cls.slabs.add(s.index)
             cls.free += s.slots
@@ -429,7 +519,7 @@ class SlabAllocator:
             heapq.heappop(cls.partial)
         return s.base + i * slot
 
-    def _take_unassigned(self, slot: int) -> _Slab | None:
+    def _take_unassigned(self, slot: int, domain: int) -> _Slab | None:
         """Take the lowest fitting unassigned slab, backed ones first; back it if it never was.
         (The short tail has the highest index, so it is at a heap's top only when alone.)"""
         for heap in (self._pool, self._untried):
@@ -439,10 +529,11 @@ class SlabAllocator:
                     self._tail_pooled = False
                 else:
                     self._pooled_full -= 1
-                if s.state is _State.UNTRIED:
-                    assert self._reserve_backing is not None
+                if self._back is not None:
+                    # Backs a slab never backed, and gives one that served another domain
+                    # fresh memory (a no-op for a slab already backed in this domain).
                     try:
-                        self._reserve_backing(s.base, s.size)
+                        self._back(s.base, s.size, domain)
                     except OSError as e:
                         self.backing_error = str(e)
                         self._set_aside(s)
@@ -474,7 +565,7 @@ class SlabAllocator:
                 f"free of slot {offset} ({block_bytes}-byte block), which is not in use "
                 f"(its slab holds {s.slot_bytes or 'no'}-byte slots)"
             )
-        cls = self._classes[slot]
+        cls = self._classes[(slot, s.domain)]
         had_free = s.used < s.slots
         s.used_map[i] = 0
         s.freed.append(i)
@@ -497,7 +588,7 @@ class SlabAllocator:
         """An empty slab (already out of ``cls.partial`` and ``cls.free``) goes to the pool."""
         cls.slabs.discard(s.index)
         if not cls.slabs:
-            del self._classes[cls.slot_bytes]
+            del self._classes[(cls.slot_bytes, cls.domain)]
         s._reset()
         s.state = _State.POOL
         heapq.heappush(self._pool, s.index)
@@ -537,6 +628,7 @@ class SlabAllocator:
             base=s.base,
             size_bytes=s.size,
             slot_bytes=s.slot_bytes,
+            domain=s.domain,
             slots=s.slots,
             used=s.used,
             draining=s.draining,
@@ -544,9 +636,9 @@ class SlabAllocator:
             backing_failed=s.state is _State.UNBACKABLE,
         )
 
-    def class_slabs(self, block_bytes: int) -> list[int]:
+    def class_slabs(self, block_bytes: int, domain: int = 0) -> list[int]:
         """The slabs this block size's class holds, lowest index first."""
-        cls = self._classes.get(self.slot_bytes_for(block_bytes))
+        cls = self._classes.get((self.slot_bytes_for(block_bytes), domain))
         return sorted(cls.slabs) if cls is not None else []
 
     def used_offsets(self, slab: int) -> list[int]:
@@ -569,7 +661,7 @@ class SlabAllocator:
             raise ValueError(f"slab {slab} belongs to no class ({s.state.value}): nothing to drain")
         if s.draining:
             return
-        cls = self._classes[s.slot_bytes]
+        cls = self._classes[(s.slot_bytes, s.domain)]
         s.draining = True
         if s.used < s.slots:
             cls.free -= s.slots - s.used
@@ -583,8 +675,9 @@ class SlabAllocator:
             return False
         s.draining = False
         if s.used < s.slots:
-            self._classes[s.slot_bytes].free += s.slots - s.used
-            heapq.heappush(self._classes[s.slot_bytes].partial, s.index)
+            cls = self._classes[(s.slot_bytes, s.domain)]
+            cls.free += s.slots - s.used
+            heapq.heappush(cls.partial, s.index)
         return True
 
     # ----------------------------------------------------------------- invariants
@@ -618,10 +711,11 @@ class SlabAllocator:
         need(full == self._pooled_full, f"{self._pooled_full} full slabs counted pooled, {full}")
         tail = self._tail >= 0 and self._tail in where and where[self._tail] != "unbackable"
         need(tail == self._tail_pooled, "pooled tail flag wrong")
-        if self._reserve_backing is None:
+        if self._back is None:
             need(not self._untried and not self._unbackable, "unbacked slabs without backing")
-        for slot, cls in self._classes.items():
-            need(cls.slot_bytes == slot and bool(cls.slabs), f"class {slot} empty or misfiled")
+        for (slot, domain), cls in self._classes.items():
+            need(cls.slot_bytes == slot and cls.domain == domain, f"class {slot} misfiled")
+            need(bool(cls.slabs), f"class {slot} empty")
             need(_is_heap(cls.partial), f"class {slot}'s partial slabs are not a heap")
             partial, free, used = set(), 0, 0
             for i in cls.slabs:
@@ -629,6 +723,7 @@ class SlabAllocator:
                 where[i] = f"class {slot}"
                 s = self._slabs[i]
                 need(s.state is _State.CLASS and s.slot_bytes == slot, f"slab {i} not of {slot}")
+                need(s.domain == domain, f"slab {i} of domain {s.domain} in class {domain}")
                 self._check_slots(s, need)
                 used += s.used
                 if not s.draining and s.used < s.slots:
@@ -639,9 +734,9 @@ class SlabAllocator:
         for s in self._slabs:
             need(s.index in where, f"slab {s.index} ({s.state.value}) is nowhere")
         pooled = [self._slabs[i].size for i in [*self._pool, *self._untried]]
-        for slot, cls in self._classes.items():
+        for (slot, domain), cls in self._classes.items():
             free = cls.free + sum(size // slot for size in pooled)
-            need(self.free_slots(slot) == free, f"free_slots({slot}) is not {free}")
+            need(self.free_slots(slot, domain) == free, f"free_slots({slot}) is not {free}")
 
     @staticmethod
     def _check_slots(s: _Slab, need: Callable[[bool, str], None]) -> None:

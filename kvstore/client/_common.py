@@ -11,13 +11,16 @@ import os
 import subprocess
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
 import torch
 
 from kvstore.checksum import checksum_seed, seeded_checksum
+from kvstore.client.session import ClientSession, SlabUnavailable
 from kvstore.errors import ERRORS_BY_NAME, KVStoreError, UnavailableError
 from kvstore.keys import Namespace, pack_keys
 from kvstore.layout import KVLayout
@@ -160,44 +163,54 @@ def translate_error(err: grpc.RpcError) -> KVStoreError:
 
 
 class MappedArena:
-    """The daemon's shared-memory arena mapped into this process.
+    """The daemon's CPU-tier memory as this client maps it: slab files, each handed over as a
+    descriptor by the session (``ClientSession.slab``) the first time a reply names it, and
+    mapped then (so opening a client maps nothing, whatever the tier's size).
 
-    Raises OSError when the file cannot be mapped (another host, another user, no /dev/shm) and
-    ValueError when the token at offset 0 is not the daemon's: the caller then uses the bytes path.
+    A slot address is ``(slab uid << 32) | offset in the slab``; uids are never reused, so an
+    address never reaches memory other than the file it names. Slabs of a namespace this
+    client may only read come read-only. ``KVStoreError`` when the daemon hands out an address
+    outside its slab; ``SlabUnavailable`` when it will not hand over the slab.
     """
 
-    def __init__(self, info: pb.ArenaInfo) -> None:
-        if not info.path:
-            raise OSError("the daemon has no shared-memory arena")
-        fd = os.open(info.path, os.O_RDWR)
-        try:
-            size = os.fstat(fd).st_size
-            if size != info.size_bytes:
-                raise ValueError(
-                    f"arena {info.path} is {size} bytes, daemon says {info.size_bytes}"
-                )
-            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        finally:
-            os.close(fd)
-        if self._mmap[: len(info.token)] != info.token:
-            self._mmap.close()
-            raise ValueError(f"arena {info.path} does not carry the daemon's token")
-        self.path = info.path
-        self.size_bytes = size
-        self.pinned = False  # registered with CUDA as pinned memory (see paged_io)
-        # Tensors over the arena come from a numpy view, which holds the mapping's buffer: a
-        # tensor (a lease's view, a traceback's frame) that outlives close() keeps the mapping
-        # alive instead of pointing at unmapped memory (torch.frombuffer does not hold it).
-        self._np = np.frombuffer(self._mmap, dtype=np.uint8)
-        self.bytes = torch.from_numpy(self._np)
+    MAX_MAPPED = 4096  # slab mappings kept; the oldest go first (retired slabs age out)
 
-    def slot(self, offset: int, nbytes: int) -> torch.Tensor:
-        if offset < 0 or offset + nbytes > self.size_bytes:
-            raise KVStoreError(f"daemon handed out slot {offset}+{nbytes} outside the arena")
-        return self.bytes[offset : offset + nbytes]
+    def __init__(self, session: ClientSession) -> None:
+        self._session = session
+        self._slabs: dict[int, _Slab] = {}
+        self.pinned = False  # registered with CUDA as pinned memory (see paged_io.ensure_pinned)
 
-    def checksum(self, offset: int, nbytes: int, seed: int) -> int:
-        return seeded_checksum(self._np[offset : offset + nbytes], seed)
+    def _slab(self, uid: int) -> _Slab:
+        slab = self._slabs.get(uid)
+        if slab is None:
+            fd, size, writable = self._session.slab(uid)
+            try:
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot)
+            finally:
+                os.close(fd)
+            slab = _Slab(mm, writable)
+            if self.pinned:
+                slab.pin()
+            if len(self._slabs) >= self.MAX_MAPPED:
+                self._slabs.pop(next(iter(self._slabs))).close()
+            self._slabs[uid] = slab
+        return slab
+
+    def _where(self, address: int, nbytes: int) -> tuple[_Slab, int]:
+        slab = self._slab(address >> 32)
+        offset = address & 0xFFFFFFFF
+        if address < 0 or offset + nbytes > slab.size:
+            raise KVStoreError(f"daemon handed out slot {address:#x}+{nbytes} outside its slab")
+        return slab, offset
+
+    def slot(self, address: int, nbytes: int) -> torch.Tensor:
+        slab, offset = self._where(address, nbytes)
+        return slab.bytes[offset : offset + nbytes]
+
+    def checksum(self, address: int, nbytes: int, seed: int) -> int:
+        slab, offset = self._where(address, nbytes)
+        return seeded_checksum(slab.np[offset : offset + nbytes], seed)
 
     def copy_in(
         self, rows: torch.Tensor, offsets: Sequence[int], seeds: Sequence[int]
@@ -210,14 +223,16 @@ class MappedArena:
         nbytes = rows.shape[1]
         rows_np = rows.numpy()
         checksums = []
-        for i, offset in enumerate(offsets):
-            if offset < 0:
+        for i, address in enumerate(offsets):
+            if address < 0:
                 continue
-            self.slot(offset, nbytes)  # bounds check
+            slab, offset = self._where(address, nbytes)
+            if not slab.writable:
+                raise KVStoreError("the daemon reserved a slot in memory this client may only read")
             checksums.append(seeded_checksum(rows_np[i], seeds[i]))
             # One thread, through numpy: torch's copy_ splits a block over its thread pool and
             # stalls whenever another process holds a core (measured 20x slower under load).
-            np.copyto(self._np[offset : offset + nbytes], rows_np[i])
+            np.copyto(slab.np[offset : offset + nbytes], rows_np[i])
         return checksums
 
     def copy_out(
@@ -234,9 +249,12 @@ class MappedArena:
         another key's block is a miss, and so is everything after it."""
         nbytes = rows.shape[1]
         rows_np = rows.numpy()
-        for i, offset in enumerate(offsets):
-            self.slot(offset, nbytes)  # bounds check
-            np.copyto(rows_np[i], self._np[offset : offset + nbytes])
+        for i, address in enumerate(offsets):
+            try:
+                slab, offset = self._where(address, nbytes)
+            except SlabUnavailable:  # retired since the lease was granted: a miss
+                return i
+            np.copyto(rows_np[i], slab.np[offset : offset + nbytes])
             if verify and seeded_checksum(rows_np[i], seeds[i]) != checksums[i]:
                 return i
         return len(offsets)
@@ -245,19 +263,63 @@ class MappedArena:
         self, offsets: Sequence[int], checksums: Sequence[int], seeds: Sequence[int], nbytes: int
     ) -> int:
         """How many leading slots still hold the bytes their checksums name."""
-        for i, offset in enumerate(offsets):
-            if self.checksum(offset, nbytes, seeds[i]) != checksums[i]:
+        for i, address in enumerate(offsets):
+            try:
+                ok = self.checksum(address, nbytes, seeds[i]) == checksums[i]
+            except SlabUnavailable:
+                ok = False
+            if not ok:
                 return i
         return len(offsets)
+
+    def pin(self) -> None:
+        """Register every slab, now and as it is mapped, as pinned host memory for CUDA."""
+        if not self.pinned:
+            self.pinned = True
+            for slab in self._slabs.values():
+                slab.pin()
+
+    @property
+    def mapped_slabs(self) -> int:
+        return len(self._slabs)
+
+    def close(self) -> None:
+        slabs, self._slabs = self._slabs, {}
+        for slab in slabs.values():
+            slab.close()
+
+
+class _Slab:
+    """One mapped slab file. Tensors over it come from a numpy view, which holds the mapping's
+    buffer: a tensor (a lease's view, a traceback's frame) that outlives ``close`` keeps the
+    mapping alive instead of pointing at unmapped memory (torch.frombuffer does not hold it)."""
+
+    def __init__(self, mm: mmap.mmap, writable: bool) -> None:
+        self.mm = mm
+        self.size = len(mm)
+        self.writable = writable
+        self.np = np.frombuffer(mm, dtype=np.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only slabs: never written
+            self.bytes = torch.from_numpy(self.np)
+        self.pinned = False
+
+    def pin(self) -> None:
+        if self.pinned:
+            return
+        err = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.size, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of a shared-memory slab failed: {err}")
+        self.pinned = True
 
     def close(self) -> None:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
             self.pinned = False
         del self.bytes
-        del self._np
+        del self.np
         try:
-            self._mmap.close()
+            self.mm.close()
         except BufferError:
             pass  # a tensor view still exists; the mapping goes when it is collected
 
@@ -449,3 +511,145 @@ def wait_for_daemon(
             if time.monotonic() > deadline:
                 raise UnavailableError(f"daemon at {address} not serving after {timeout_s}s")
             time.sleep(0.05)
+
+
+# ----------------------------------------------------------------- credentials and channels
+@dataclass(frozen=True)
+class Credentials:
+    """How a client proves who it is over TCP: a bearer token and/or TLS (a CA to verify the
+    daemon, and a client certificate and key where the daemon asks for one). Unset fields come
+    from ``KVSTORE_TOKEN`` (or the file ``KVSTORE_TOKEN_FILE``), ``KVSTORE_TLS_CA``,
+    ``KVSTORE_TLS_CERT`` and ``KVSTORE_TLS_KEY``. Same-host clients on the unix socket need
+    none of these: the kernel vouches for them (the session socket)."""
+
+    token: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    @classmethod
+    def resolve(
+        cls,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> Credentials:
+        env = os.environ
+        if token is None:
+            token = env.get("KVSTORE_TOKEN", "")
+            if not token and env.get("KVSTORE_TOKEN_FILE"):
+                with open(env["KVSTORE_TOKEN_FILE"], encoding="utf-8") as f:
+                    token = f.read().strip()
+        return cls(
+            token=token,
+            tls_ca=tls_ca if tls_ca is not None else env.get("KVSTORE_TLS_CA", ""),
+            tls_cert=tls_cert if tls_cert is not None else env.get("KVSTORE_TLS_CERT", ""),
+            tls_key=tls_key if tls_key is not None else env.get("KVSTORE_TLS_KEY", ""),
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.tls_ca:
+            return None
+
+        def read(path: str) -> bytes | None:
+            if not path:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+        return grpc.ssl_channel_credentials(
+            read(self.tls_ca), read(self.tls_key), read(self.tls_cert)
+        )
+
+
+def call_metadata(
+    credentials: Credentials, session: ClientSession | None
+) -> tuple[tuple[str, str], ...]:
+    """What every call carries: the session token (unix socket) or the bearer token (TCP)."""
+    if session is not None:
+        return session.metadata()
+    if credentials.token:
+        return (("authorization", f"Bearer {credentials.token}"),)
+    return ()
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, d: Any, metadata: Sequence[tuple[str, str]]) -> None:
+        self.method = d.method
+        self.timeout = d.timeout
+        self.metadata = [*(d.metadata or ()), *metadata]
+        self.credentials = d.credentials
+        self.wait_for_ready = d.wait_for_ready
+        self.compression = getattr(d, "compression", None)
+
+
+class MetadataInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds ``metadata()`` (read at each call: it changes when a session is reopened) to every
+    call of a blocking channel."""
+
+    def __init__(self, metadata: Callable[[], Sequence[tuple[str, str]]]) -> None:
+        self._metadata = metadata
+
+    def _d(self, d: Any) -> _Details:
+        return _Details(d, self._metadata())
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._d(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._d(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return continuation(self._d(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return continuation(self._d(client_call_details), request_iterator)
+
+
+def make_channel(
+    address: str,
+    credentials: Credentials,
+    metadata: Callable[[], Sequence[tuple[str, str]]],
+) -> grpc.Channel:
+    """A blocking channel to ``address`` (TLS when a CA is configured) whose calls carry
+    ``metadata()``."""
+    secure = credentials.channel_credentials()
+    if secure is not None:
+        channel = grpc.secure_channel(address, secure, options=channel_options())
+    else:
+        channel = grpc.insecure_channel(address, options=channel_options())
+    return grpc.intercept_channel(channel, MetadataInterceptor(metadata))
+
+
+def make_aio_channel(
+    address: str,
+    credentials: Credentials,
+    metadata: Callable[[], Sequence[tuple[str, str]]],
+) -> grpc.aio.Channel:
+    """The asyncio twin of ``make_channel``."""
+    from kvstore.client._aio_auth import aio_interceptors
+
+    secure = credentials.channel_credentials()
+    interceptors = aio_interceptors(metadata)
+    if secure is not None:
+        return grpc.aio.secure_channel(
+            address, secure, options=channel_options(), interceptors=interceptors
+        )
+    return grpc.aio.insecure_channel(address, options=channel_options(), interceptors=interceptors)
+
+
+def open_session(address: str, transport: str, timeout_s: float) -> ClientSession | None:
+    """A session with a daemon on a unix socket (None over TCP). A daemon that has no session
+    socket (an older one) gets None unless ``transport`` is ``"shm"``."""
+    from kvstore.address import unix_socket_path
+
+    path = unix_socket_path(address)
+    if path is None:
+        return None
+    return ClientSession(path, timeout_s)

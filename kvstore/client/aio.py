@@ -19,12 +19,13 @@ import torch
 from kvstore.address import default_address
 from kvstore.client import paged_io
 from kvstore.client._common import (
+    Credentials,
     MappedArena,
     PoolLink,
     PutCount,
     StreamAssembler,
     byte_rows,
-    channel_options,
+    call_metadata,
     check_keys,
     check_open_reply,
     check_out,
@@ -33,13 +34,21 @@ from kvstore.client._common import (
     check_transport,
     commit_request,
     empty_blocks,
+    make_aio_channel,
     open_request,
+    open_session,
     put_messages,
     seeds_for,
     translate_error,
 )
 from kvstore.client.leases import AsyncReadLease, AsyncWriteReservation
-from kvstore.errors import KVStoreError, UnavailableError, UnknownNamespaceError
+from kvstore.client.session import ClientSession
+from kvstore.errors import (
+    KVStoreError,
+    UnauthenticatedError,
+    UnavailableError,
+    UnknownNamespaceError,
+)
 from kvstore.keys import BlockKey, Namespace, block_hashes, unpack_keys
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
@@ -69,6 +78,10 @@ class AsyncKVStoreClient:
         transport: str = "auto",
         timeout_s: float = 30.0,
         verify_checksums: bool = True,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ) -> None:
         check_transport(transport)
         self.layout = layout
@@ -85,6 +98,8 @@ class AsyncKVStoreClient:
         self.timeout_s = timeout_s
         self.verify_checksums = verify_checksums
         self._priority = check_priority(priority)
+        self._credentials = Credentials.resolve(token, tls_ca, tls_cert, tls_key)
+        self._session: ClientSession | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._arena: MappedArena | None = None
@@ -102,9 +117,17 @@ class AsyncKVStoreClient:
 
     async def open(self) -> None:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())
+            self._channel = make_aio_channel(
+                self.address,
+                self._credentials,
+                lambda: call_metadata(self._credentials, self._session),
+            )
             self._stub = pb_grpc.KVStoreStub(self._channel)
         self._close_stream()
+        self._close_session()
+        # Blocking, but short: a connect and one datagram on a local socket (or a wait for a
+        # daemon that is starting, bounded by timeout_s).
+        self._session = open_session(self.address, self.transport, self.timeout_s)
         # The handle lives as long as this stream: no deadline on it; ``timeout_s`` bounds only
         # the wait for its first message.
         call = self._stub.OpenNamespace(
@@ -130,11 +153,12 @@ class AsyncKVStoreClient:
             self._arena.close()
             self._arena = None
         if self.transport != "grpc":
-            try:
-                self._arena = MappedArena(reply.arena)
-            except (OSError, ValueError) as exc:
-                if self.transport == "shm":
-                    raise KVStoreError(f"cannot map the daemon's arena: {exc}") from exc
+            if self._session is not None:
+                self._arena = MappedArena(self._session)
+            elif self.transport == "shm":
+                raise KVStoreError(
+                    "cannot map the daemon's arena: shared memory needs the unix socket"
+                )
 
     async def _flush(self) -> None:
         if self._pending:
@@ -150,7 +174,7 @@ class AsyncKVStoreClient:
                 return await method(build(), timeout=self.timeout_s)
             except grpc.RpcError as err:
                 exc = translate_error(err)
-                if isinstance(exc, UnknownNamespaceError) and attempt == 0:
+                if isinstance(exc, UnknownNamespaceError | UnauthenticatedError) and attempt == 0:
                     await self.open()
                     continue
                 raise exc from None
@@ -165,6 +189,11 @@ class AsyncKVStoreClient:
     def uses_shared_memory(self) -> bool:
         return self._arena is not None
 
+    def _close_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
+
     def _close_stream(self) -> None:
         stream, self._stream = self._stream, None
         if stream is not None:
@@ -177,6 +206,7 @@ class AsyncKVStoreClient:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+        self._close_session()
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

@@ -60,15 +60,12 @@ def check_paged(
 
 
 def ensure_pinned(arena: MappedArena, kv_caches: Sequence[torch.Tensor]) -> None:
-    """Register the arena as pinned host memory the first time CUDA caches use it, so the
-    kernels copy across PCIe at full speed and without a staging buffer."""
+    """Register the arena's slabs as pinned host memory the first time CUDA caches use it
+    (slabs mapped later are registered as they are mapped), so the kernels copy across PCIe at
+    full speed and without a staging buffer."""
     if not kv_caches or kv_caches[0].device.type != "cuda" or arena.pinned:
         return
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(arena.bytes.data_ptr(), arena.size_bytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of the shared-memory arena failed: {err}")
-    arena.pinned = True
+    arena.pin()
 
 
 def chunked(

@@ -22,12 +22,13 @@ import torch
 from kvstore.address import default_address
 from kvstore.client import paged_io
 from kvstore.client._common import (
+    Credentials,
     MappedArena,
     PoolLink,
     PutCount,
     StreamAssembler,
     byte_rows,
-    channel_options,
+    call_metadata,
     check_keys,
     check_open_reply,
     check_out,
@@ -36,13 +37,16 @@ from kvstore.client._common import (
     check_transport,
     commit_request,
     empty_blocks,
+    make_channel,
     open_request,
+    open_session,
     put_messages,
     seeds_for,
     translate_error,
 )
 from kvstore.client.leases import ReadLease, WriteReservation
-from kvstore.errors import KVStoreError, UnknownNamespaceError
+from kvstore.client.session import ClientSession
+from kvstore.errors import KVStoreError, UnauthenticatedError, UnknownNamespaceError
 from kvstore.keys import BlockKey, Namespace, block_hashes, unpack_keys
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
@@ -74,6 +78,10 @@ class KVStoreClient:
         transport: str = "auto",
         timeout_s: float = 30.0,
         verify_checksums: bool = True,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ) -> None:
         check_transport(transport)
         self.layout = layout
@@ -90,7 +98,13 @@ class KVStoreClient:
         self.timeout_s = timeout_s
         self.verify_checksums = verify_checksums
         self._priority = check_priority(priority)
-        self._channel = grpc.insecure_channel(self.address, options=channel_options())
+        self._credentials = Credentials.resolve(token, tls_ca, tls_cert, tls_key)
+        self._session: ClientSession | None = None
+        self._channel = make_channel(
+            self.address,
+            self._credentials,
+            lambda: call_metadata(self._credentials, self._session),
+        )
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._arena: MappedArena | None = None
         self._pool_link = PoolLink()
@@ -109,6 +123,8 @@ class KVStoreClient:
         as long as this client uses it (no deadline on the stream; ``timeout_s`` bounds only
         the wait for its first message)."""
         self._close_stream()
+        self._close_session()
+        self._session = open_session(self.address, self.transport, self.timeout_s)
         call = self._stub.OpenNamespace(
             open_request(self.namespace, self._priority), wait_for_ready=True
         )
@@ -135,11 +151,12 @@ class KVStoreClient:
             self._arena.close()
             self._arena = None
         if self.transport != "grpc":
-            try:
-                self._arena = MappedArena(reply.arena)
-            except (OSError, ValueError) as exc:
-                if self.transport == "shm":
-                    raise KVStoreError(f"cannot map the daemon's arena: {exc}") from exc
+            if self._session is not None:
+                self._arena = MappedArena(self._session)
+            elif self.transport == "shm":
+                raise KVStoreError(
+                    "cannot map the daemon's arena: shared memory needs the unix socket"
+                )
 
     def _call(self, method: Callable[..., R], build: Callable[[], Any]) -> R:
         """Call ``method(build())``; if the daemon restarted and forgot our namespace, open it
@@ -149,7 +166,7 @@ class KVStoreClient:
                 return method(build(), timeout=self.timeout_s)
             except grpc.RpcError as err:
                 exc = translate_error(err)
-                if isinstance(exc, UnknownNamespaceError) and attempt == 0:
+                if isinstance(exc, UnknownNamespaceError | UnauthenticatedError) and attempt == 0:
                     self._open()
                     continue
                 raise exc from None
@@ -158,6 +175,11 @@ class KVStoreClient:
     @property
     def uses_shared_memory(self) -> bool:
         return self._arena is not None
+
+    def _close_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
 
     def _close_stream(self) -> None:
         stream, self._stream = self._stream, None
@@ -170,6 +192,7 @@ class KVStoreClient:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+        self._close_session()
         self._channel.close()
 
     def __enter__(self) -> KVStoreClient:

@@ -30,17 +30,18 @@ class CpuSlots:
 
     def __init__(self, config: CpuTierConfig) -> None:
         # The header page comes on top of the capacity, so all of it holds blocks.
-        self.arena = SharedMemoryArena(
-            config.capacity_bytes + HEADER_BYTES, prefault=config.prefault
-        )
+        self.arena = SharedMemoryArena(config.capacity_bytes + HEADER_BYTES)
         try:
-            # Without prefault, each slab is backed (posix_fallocate) when first used, so a
-            # full /dev/shm is a CapacityError naming it, never a SIGBUS in a client.
+            # Each slab is its own backed file, made when a domain first takes it (all of them
+            # at start-up with prefault): memory that cannot be had is a CapacityError naming
+            # it, never a SIGBUS.
             self.allocator = SlabAllocator(
                 self.arena.size_bytes,
                 config.slab_bytes,
-                reserve_backing=self.arena.reserve_backing,
+                back=self.arena.back,
+                prefault=config.prefault,
             )
+            self.arena.slab_bytes = self.allocator.slab_bytes
         except BaseException:
             self.arena.close()
             raise
@@ -54,9 +55,10 @@ class CpuSlots:
         self.arena.close()
 
     # ----------------------------------------------------------------- slots
-    def alloc(self, block_bytes: int) -> int | None:
-        """A slot, counted as used; None when none is free (or its slab could not be backed)."""
-        offset = self.allocator.allocate(block_bytes)
+    def alloc(self, block_bytes: int, domain: int = 0) -> int | None:
+        """A slot in memory ``domain``, counted as used; None when none is free (or its slab
+        could not be backed)."""
+        offset = self.allocator.allocate(block_bytes, domain)
         if offset is not None:
             self.used_bytes += block_bytes
         return offset
@@ -115,9 +117,10 @@ class CpuSlots:
         still holds the damaged block), or None when the class has no such free slot: taking a
         new slab would defeat the drain."""
         allocator = self.allocator
-        if not allocator.class_free_slots(block_bytes):
+        domain = allocator.slab_info(allocator.slab_of(old)).domain
+        if not allocator.class_free_slots(block_bytes, domain):
             return None
-        new = allocator.allocate(block_bytes)
+        new = allocator.allocate(block_bytes, domain)
         if new is None:
             return None
         if allocator.slab_of(new) == avoid_slab:  # cannot happen while it drains; be sure

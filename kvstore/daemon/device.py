@@ -168,8 +168,9 @@ class DeviceTier:
         return await asyncio.shield(task)
 
     # ----------------------------------------------------------------- slots
-    def _alloc_one(self, block_bytes: int) -> int | None:
-        assert self.allocator is not None
+    def _alloc_one(self, block_bytes: int, domain: int = 0) -> int | None:
+        # The GPU pool is one domain: with a tenant policy only all-tenant callers map it.
+        assert self.allocator is not None and domain == 0
         offset = self.allocator.allocate(block_bytes)
         if offset is not None:
             self.used_bytes += block_bytes
@@ -374,13 +375,13 @@ class DeviceTier:
     async def _down_batch(self, eids: list[int], partial: bool, results: dict[int, bool]) -> None:
         store, index = self.store, self.store.index
         try:
-            by_size: dict[int, list[int]] = {}
+            by_class: dict[tuple[int, int], list[int]] = {}
             for e in eids:
-                by_size.setdefault(store.block_bytes_of(e), []).append(e)
-            for bb, group in by_size.items():
+                by_class.setdefault((store.block_bytes_of(e), store.domain_of(e)), []).append(e)
+            for (bb, domain), group in by_class.items():
                 try:
                     slots = await store.mover.alloc_cpu(
-                        bb, len(group), partial=partial, keep_gpu_copies=True
+                        bb, len(group), partial=partial, keep_gpu_copies=True, domain=domain
                     )
                 except CapacityError:
                     slots = []

@@ -57,6 +57,7 @@ class Mover:
             slot_of=lambda eid: store.index.offset[eid],
             owner_of=store.cpu_owner,
             slot_bytes_of=lambda eid: allocator.slot_bytes_for(store.block_bytes_of(eid)),
+            domain_of=store.domain_of,
             relocate=store.relocate_cpu,
         )
 
@@ -144,7 +145,12 @@ class Mover:
 
     # ----------------------------------------------------------------- CPU room
     async def alloc_cpu(
-        self, block_bytes: int, n: int, partial: bool = False, keep_gpu_copies: bool = False
+        self,
+        block_bytes: int,
+        n: int,
+        partial: bool = False,
+        keep_gpu_copies: bool = False,
+        domain: int = 0,
     ) -> list[int]:
         """Allocate ``n`` CPU slots, making room as needed: drop clean victims' CPU copies,
         write dirty ones down first (or drop them when there is no tier below).
@@ -184,6 +190,7 @@ class Mover:
                 protected=spare,
                 evict=self._evict_cpu,
                 busy="leased or being written",
+                domain=domain,
             )
 
         async with self._room:
@@ -441,7 +448,9 @@ class Mover:
             ]
             if todo and tier is not None:
                 block_bytes = store.block_bytes_of(eids[todo[0]])
-                offsets = await self.alloc_cpu(block_bytes, len(todo), partial=True)
+                offsets = await self.alloc_cpu(
+                    block_bytes, len(todo), partial=True, domain=store.domain_of(eids[todo[0]])
+                )
                 # Re-checked after the await: deleted meanwhile (an orphan now), or given a CPU
                 # copy another way, is no longer this promotion's to read.
                 todo = [

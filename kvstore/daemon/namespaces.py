@@ -41,6 +41,7 @@ class NamespaceRecord:
     fingerprint: bytes
     block_bytes: int
     priority: int
+    domain: int = 0  # memory domain of its CPU slabs: its tenant's with a policy, else 0
     blocks: int = 0  # COMMITTED entries
     entries: int = 0  # keyed entries (reserved or committed) and orphans
     handles: int = 0
@@ -82,6 +83,9 @@ class Handle:
     reservations: dict[int, Reservation] = field(default_factory=dict)
     leases: dict[int, Lease] = field(default_factory=dict)
     closed: bool = False
+    # Who opened it (``kvstore.daemon.auth.Principal``): no other caller may present it.
+    principal: object = None
+    writable: bool = True  # False: a reader of a shared namespace
 
     @property
     def ns_id(self) -> int:
@@ -105,8 +109,12 @@ def describe(layout: KVLayout) -> str:
 class NamespaceTable:
     """See the module docstring."""
 
-    def __init__(self, limits: LimitsConfig) -> None:
+    def __init__(self, limits: LimitsConfig, tenant_domains: bool = False) -> None:
         self.limits = limits
+        # With a tenant policy each tenant's blocks live in slabs of their own (its memory
+        # domain, numbered from 1), so a client can be handed exactly its tenants' memory.
+        self._tenant_domains = tenant_domains
+        self._domains: dict[str, int] = {}
         self._records: dict[int, NamespaceRecord] = {}
         self._free_ids: list[int] = []
         self._by_name: dict[str, NamespaceRecord] = {}
@@ -186,11 +194,29 @@ class NamespaceTable:
                 )
             recovered.namespace = namespace
             recovered.priority = priority
+            recovered.domain = self.domain_for(namespace.tenant)
             self._by_name[namespace.name] = recovered
             return recovered
         record = self._new(namespace, fingerprint, block_bytes, priority)
+        record.domain = self.domain_for(namespace.tenant)
         self._by_name[namespace.name] = record
         return record
+
+    def domain_for(self, tenant: str) -> int:
+        """The memory domain of a tenant's namespaces (0 for all without a tenant policy)."""
+        if not self._tenant_domains:
+            return 0
+        domain = self._domains.get(tenant)
+        if domain is None:
+            domain = self._domains[tenant] = len(self._domains) + 1
+        return domain
+
+    def tenant_of_domain(self, domain: int) -> str | None:
+        """The tenant whose memory ``domain`` is (None: domain 0, or unknown)."""
+        for tenant, d in self._domains.items():
+            if d == domain:
+                return tenant
+        return None
 
     def _new(
         self, namespace: Namespace | None, fingerprint: bytes, block_bytes: int, priority: int

@@ -36,11 +36,13 @@ class TierSlots:
 
     name: str
     allocator: SlabAllocator
-    take_slot: Callable[[int], int | None]  # allocate and count one slot (None: none free)
+    take_slot: Callable[[int, int], int | None]  # (block bytes, domain): one slot, or None
     give_back: Callable[[int, int], None]  # (offset, block bytes): undo a take_slot
     slot_of: Callable[[int], int]  # an entry's slot offset in this tier
     owner_of: Callable[[int], int | None]  # the entry in a slot (None: quarantined, unknown)
     slot_bytes_of: Callable[[int], int]  # an entry's slot size in this tier
+    # An entry's memory domain (a tenant's slabs; 0 where the tier is not divided).
+    domain_of: Callable[[int], int] = lambda eid: 0
     # Move an entry to another slot of its class (not in ``avoid_slab``); False if it cannot.
     relocate: Callable[[int, int], bool] | None = None
 
@@ -55,8 +57,10 @@ async def make_room(
     protected: Callable[[int], bool],
     evict: Callable[[list[int]], Awaitable[None]],
     busy: str,
+    domain: int = 0,
 ) -> list[int]:
-    """``n`` slots of ``block_bytes`` (offsets), evicting as needed. All or nothing:
+    """``n`` slots of ``block_bytes`` in memory ``domain`` (offsets), evicting as needed; a
+    block of another domain is like one of another size (its slab is drained). All or nothing:
     CapacityError when not enough blocks can go (``busy`` says why the rest cannot), unless
     ``partial``, which returns as many slots as could be had."""
     allocator = tier.allocator
@@ -65,8 +69,8 @@ async def make_room(
     stuck: set[int] = set()  # slabs that could not be drained this call
     try:
         while True:
-            while len(slots) < n and allocator.free_slots(block_bytes):
-                offset = tier.take_slot(block_bytes)
+            while len(slots) < n and allocator.free_slots(block_bytes, domain):
+                offset = tier.take_slot(block_bytes, domain)
                 if offset is None:  # a slab could not be backed: fewer free slots now
                     break
                 slots.append(offset)
@@ -78,7 +82,7 @@ async def make_room(
             for eid in policy.order():  # coldest first
                 if protected(eid):
                     continue
-                if tier.slot_bytes_of(eid) == slot_size:
+                if tier.slot_bytes_of(eid) == slot_size and tier.domain_of(eid) == domain:
                     victims.append(eid)
                     if len(victims) == short:
                         break

@@ -25,9 +25,11 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore import __version__
 from kvstore.address import default_address, unix_socket_path
-from kvstore.config import DaemonConfig
+from kvstore.config import AuthConfig, DaemonConfig
+from kvstore.daemon.auth import Authenticator, Policy
 from kvstore.daemon.metrics import MetricsServer, RpcMetrics, RpcMetricsInterceptor, render_metrics
 from kvstore.daemon.service import KVStoreServicer, add_to_server
+from kvstore.daemon.session import SessionServer, session_socket_path
 from kvstore.daemon.store import BlockStore
 from kvstore.units import format_size
 from kvstore.v1 import kvstore_pb2 as pb
@@ -38,10 +40,59 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 METHOD_NAMES = [m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods]
 
 
-def _prepare_unix_socket(path: str) -> None:
-    """Create the socket's directory owner-only; refuse to start over a live daemon's socket."""
+def _check_tcp_bind(address: str, auth: AuthConfig) -> None:
+    """A TCP address other than loopback needs TLS and a credential (tokens or client
+    certificates), unless the operator says ``insecure`` (then a warning at every start)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    loopback = host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.")
+    secured = auth.tls and (bool(auth.tokens) or bool(auth.tls_client_ca))
+    if loopback or secured:
+        return
+    if not auth.insecure:
+        raise RuntimeError(
+            f"refusing to serve {address} without TLS and credentials: anyone who reaches it "
+            "could read and write every tenant's cache. Set auth.tls_cert/tls_key and "
+            "auth.tokens or auth.tls_client_ca, bind to loopback, or pass --insecure"
+        )
+    log.warning(
+        "serving %s WITHOUT TLS or credentials (--insecure): every peer that reaches it can "
+        "read and write every tenant's cache",
+        address,
+    )
+
+
+def _server_credentials(auth: AuthConfig) -> grpc.ServerCredentials:
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_server_credentials(
+        [(read(auth.tls_key), read(auth.tls_cert))],
+        root_certificates=read(auth.tls_client_ca) if auth.tls_client_ca else None,
+        require_client_auth=bool(auth.tls_client_ca),
+    )
+
+
+def _prepare_unix_socket(path: str, shared: bool) -> None:
+    """Create the socket's directory (owner-only; searchable by others when a tenant policy
+    lets other users in) and refuse one this user does not own or others can write: whoever
+    controls the directory can put their own socket where clients connect. Refuse to start
+    over a live daemon's socket."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, mode=0o700, exist_ok=True)
+    st = os.stat(directory)
+    if st.st_uid != os.geteuid():
+        raise RuntimeError(
+            f"socket directory {directory} belongs to uid {st.st_uid}, not to this user "
+            f"({os.geteuid()}): another user may have created it to receive this daemon's "
+            "clients; remove it or choose another address"
+        )
+    if st.st_mode & 0o022:
+        raise RuntimeError(
+            f"socket directory {directory} is writable by others (mode {st.st_mode & 0o777:o}): "
+            "anyone could replace the socket; chmod go-w it or choose another address"
+        )
+    os.chmod(directory, 0o711 if shared else 0o700)
     if os.path.exists(path):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -65,14 +116,20 @@ class Daemon:
         self.servicer: KVStoreServicer | None = None
         self.rpc_metrics: RpcMetrics | None = None
         self.metrics_server: MetricsServer | None = None
+        self.sessions: SessionServer | None = None
+        self.policy: Policy | None = None
         self._serving = False
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         socket_path = unix_socket_path(self.address)
+        # Tokens are read (and a bind without protection refused) before anything is made.
+        self.policy = Policy.from_config(self.config.auth)
         if socket_path is not None:
-            _prepare_unix_socket(socket_path)
+            _prepare_unix_socket(socket_path, shared=self.policy.enabled)
+        else:
+            _check_tcp_bind(self.address, self.config.auth)
         if self.config.metrics_address:
             # Bound first: a taken port fails the start before the arena and the socket exist.
             self.rpc_metrics = RpcMetrics(METHOD_NAMES)
@@ -102,12 +159,20 @@ class Daemon:
             # its GPU pool and its NVMe file are released before the error reaches the caller.
             if self.server is not None:
                 await self.server.stop(0)
+            if self.sessions is not None:
+                await self.sessions.stop()
             await self.store.stop()
             raise
 
     async def _start_grpc(self, socket_path: str | None) -> None:
-        assert self.store is not None
+        assert self.store is not None and self.policy is not None
+        conns = self.config.connections
         options = [
+            # Bounds on what peers can hold: idle connections are closed (their memory comes
+            # back), connections past the cap are refused at accept.
+            ("grpc.max_allowed_incoming_connections", conns.max_connections),
+            ("grpc.max_concurrent_streams", conns.max_streams_per_connection),
+            ("grpc.max_connection_idle_ms", int(conns.idle_timeout_s * 1000)),
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.max_send_message_length", self.config.max_message_bytes),
             ("grpc.so_reuseport", 0),
@@ -121,20 +186,45 @@ class Daemon:
         interceptors = []
         if self.rpc_metrics is not None:
             interceptors.append(RpcMetricsInterceptor(self.rpc_metrics, SERVICE_NAME))
-        self.server = grpc.aio.server(options=options, interceptors=interceptors)
-        self.servicer = KVStoreServicer(self.store)
+        self.server = grpc.aio.server(
+            options=options,
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=conns.max_concurrent_rpcs,
+        )
+        mode = 0o666 if self.policy.enabled else 0o600  # the policy decides who, not the mode
+        if socket_path is not None:
+            self.sessions = SessionServer(
+                session_socket_path(socket_path),
+                self.policy,
+                self.store.arena,
+                self.store.names.tenant_of_domain,
+                conns.max_sessions,
+                mode,
+            )
+            await self.sessions.start()
+        sessions = self.sessions
+        auth = Authenticator(
+            self.policy,
+            unix=socket_path is not None,
+            session_principal=sessions.principal if sessions is not None else lambda t: None,
+        )
+        self.servicer = KVStoreServicer(self.store, auth)
         add_to_server(self.servicer, self.server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
-        )
-        port = self.server.add_insecure_port(self.address)
+        if self.config.auth.reflection:
+            reflection.enable_server_reflection(
+                [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+            )
+        if socket_path is None and self.config.auth.tls:
+            port = self.server.add_secure_port(self.address, _server_credentials(self.config.auth))
+        else:
+            port = self.server.add_insecure_port(self.address)
         if socket_path is None and port == 0:
             raise RuntimeError(f"could not bind {self.address}")
         await self.server.start()
         if socket_path is not None:
-            os.chmod(socket_path, 0o600)
+            os.chmod(socket_path, mode)
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(self._reaper()))
@@ -177,6 +267,8 @@ class Daemon:
             self.servicer.close_streams()
         if self.server is not None:
             await self.server.stop(grace_s)
+        if self.sessions is not None:
+            await self.sessions.stop()
         if self.store is not None:
             await self.store.stop()
         if self.metrics_server is not None:
@@ -211,8 +303,8 @@ def print_ready(daemon: Daemon) -> None:
         metrics = f", metrics on http://{daemon.metrics_server.bound_address}/metrics"
     print(
         f"kvstore serving on {daemon.address} "
-        f"(cpu tier {format_size(daemon.store.allocator.capacity_bytes)} at "
-        f"{daemon.store.arena.path}, policy {cpu.policy}, pid {os.getpid()}{metrics})",
+        f"(cpu tier {format_size(daemon.store.allocator.capacity_bytes)}, "
+        f"policy {cpu.policy}, pid {os.getpid()}{metrics})",
         file=sys.stderr,
         flush=True,
     )

@@ -14,6 +14,7 @@ handle, and the store checks it.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import time
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvstore import __version__
+from kvstore.daemon.auth import OWNER, Authenticator, AuthError, Principal
 from kvstore.daemon.store import BlockStore, Handle
 from kvstore.errors import (
     CapacityError,
@@ -30,6 +32,8 @@ from kvstore.errors import (
     KVStoreError,
     LeaseExpiredError,
     NamespaceMismatchError,
+    PermissionDeniedError,
+    UnauthenticatedError,
     UnavailableError,
     UnknownNamespaceError,
 )
@@ -41,6 +45,9 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (AuthError, grpc.StatusCode.UNAUTHENTICATED),
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (NamespaceMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (LeaseExpiredError, grpc.StatusCode.FAILED_PRECONDITION),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -51,6 +58,9 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+# The authenticated caller of the RPC running in this task (each RPC runs in its own task).
+_caller: contextvars.ContextVar[Principal] = contextvars.ContextVar("kvstore_caller")
 
 
 class _RateLimitedLog:
@@ -101,6 +111,8 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 def _error_name(exc: BaseException) -> str:
+    if isinstance(exc, AuthError):
+        return UnauthenticatedError.__name__
     if isinstance(exc, KVStoreError):
         return type(exc).__name__
     if isinstance(exc, ValueError):
@@ -132,6 +144,8 @@ def _rpc(method: F) -> F:
         self: KVStoreServicer, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
         try:
+            # Who calls, before anything else: an unauthenticated call touches nothing.
+            _caller.set(self.auth.principal(context))
             _check_decoded(request, method.__name__)
             return await method(self, request, context)
         except grpc.aio.AbortError:
@@ -191,8 +205,9 @@ def remaining_s(context: grpc.aio.ServicerContext) -> float:
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     """Implements ``kvstore.v1.KVStore`` over one ``BlockStore``."""
 
-    def __init__(self, store: BlockStore) -> None:
+    def __init__(self, store: BlockStore, auth: Authenticator | None = None) -> None:
         self.store = store
+        self.auth: Any = auth if auth is not None else _Everyone()
         self.limits = store.config.limits
         self.started_at = time.monotonic()
         self._closing = asyncio.Event()
@@ -202,8 +217,25 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         end now rather than after the stop's grace period."""
         self._closing.set()
 
-    def _handle(self, token: bytes) -> Handle:
-        return self.store.handle(token)
+    def _handle(self, token: bytes, write: bool = False) -> Handle:
+        """The handle ``token`` names, if the caller is the one that opened it (anything else
+        is NOT_FOUND, like a handle that never existed); ``write``: the call stores or deletes,
+        which a reader of a shared namespace may not."""
+        handle = self.store.handle(token)
+        if handle.principal is not None and handle.principal != _caller.get(OWNER):
+            raise UnknownNamespaceError(
+                "unknown namespace handle (closed, or the daemon restarted): open the namespace "
+                "again"
+            )
+        if write and not handle.writable:
+            raise PermissionDeniedError(
+                f"namespace {handle.record.name!r} is shared with this caller read-only"
+            )
+        return handle
+
+    def _address(self, offset: int) -> int:
+        """What a client is told for a CPU slot (the slab file's uid and the offset in it)."""
+        return self.store.arena.address(offset) if offset >= 0 else offset
 
     def _keys(self, packed: bytes) -> list[bytes]:
         return _keys(packed, self.limits.max_keys_per_request)
@@ -212,21 +244,29 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self, request: pb.OpenNamespaceRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.OpenNamespaceResponse]:
         try:
+            principal = self.auth.principal(context)
             _check_decoded(request, "OpenNamespace")
             namespace = namespace_from_request(request, self.limits.max_name_bytes)
+            if not principal.may_read(namespace.tenant):
+                # The same answer whether or not the tenant or namespace exists.
+                raise PermissionDeniedError(
+                    f"{principal.name} may not use tenant {namespace.tenant!r}"
+                )
             handle = self.store.open_namespace(namespace, request.priority)
+            handle.principal = principal
+            handle.writable = principal.may_write(namespace.tenant)
         except Exception as exc:
             await abort_with(context, "OpenNamespace", exc)
             return
         try:
-            yield self._open_reply(handle)
+            yield self._open_reply(handle, principal)
             # The handle lives as long as this stream: wait for the client to close it (or
             # its connection to drop), then reclaim what it still holds.
             await self._closing.wait()
         finally:
             self.store.close_handle(handle)
 
-    def _open_reply(self, handle: Handle) -> pb.OpenNamespaceResponse:
+    def _open_reply(self, handle: Handle, principal: Principal) -> pb.OpenNamespaceResponse:
         record = handle.record
         arena = self.store.arena
         reply = pb.OpenNamespaceResponse(
@@ -239,7 +279,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             max_chunk_bytes=self.limits.chunk_bytes,
         )
         pool = self.store.device.pool
-        if pool is not None and pool.ipc_handle:
+        # The GPU pool is one undivided allocation: only a caller of every tenant may map it.
+        if pool is not None and pool.ipc_handle and principal.all_tenants:
             reply.gpu.CopyFrom(
                 pb.DevicePoolInfo(
                     device_uuid=pool.uuid,
@@ -258,15 +299,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     async def Reserve(self, request, context):
         result = await self.store.reserve(
-            self._handle(request.handle),
+            self._handle(request.handle, write=True),
             self._keys(request.keys),
             request.priority,
             gpu=request.gpu,
             wait_s=remaining_s(context),
         )
+        offsets = result.offsets if result.gpu else [self._address(o) for o in result.offsets]
         return pb.ReserveResponse(
             reservation_id=result.reservation_id,
-            offsets=result.offsets,
+            offsets=offsets,
             expires_in_s=self.store.config.reservation_ttl_s,
             gpu=result.gpu,
             pending=result.pending,
@@ -295,9 +337,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             gpu=request.gpu,
             wait_s=remaining_s(context),
         )
+        offsets = [
+            o if gpu else self._address(o)
+            for o, gpu in zip(result.offsets, result.on_gpu, strict=True)
+        ]
         return pb.AcquireResponse(
             lease_id=result.lease_id,
-            offsets=result.offsets,
+            offsets=offsets,
             checksums=result.checksums,
             expires_in_s=self.store.config.lease_ttl_s,
             on_gpu=result.on_gpu if any(result.on_gpu) else [],
@@ -322,7 +368,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         async for message in request_iterator:
             _check_decoded(message, "PutBlocks")
             if handle is None:
-                handle = self._handle(message.handle)
+                handle = self._handle(message.handle, write=True)
                 block_bytes = handle.record.block_bytes
             if len(message.data) > chunk_limit:
                 raise ValueError(
@@ -359,6 +405,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     ) -> AsyncIterator[pb.BlockData]:
         # A streaming handler cannot use the unary wrapper: it aborts on the first error.
         try:
+            _caller.set(self.auth.principal(context))
             _check_decoded(request, "GetBlocks")
             handle = self._handle(request.handle)
             keys = self._keys(request.keys)
@@ -400,7 +447,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Delete(self, request, context):
-        deleted = self.store.delete(self._handle(request.handle), self._keys(request.keys))
+        deleted = self.store.delete(
+            self._handle(request.handle, write=True), self._keys(request.keys)
+        )
         return pb.DeleteResponse(deleted=deleted)
 
     @_rpc
@@ -430,7 +479,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             )
         # The most used namespaces first, at most max_stats_namespaces of them (names are
         # bounded too), so the reply stays small whatever clients open.
-        records = sorted(self.store.namespaces(), key=lambda r: -r.blocks * r.block_bytes)
+        # A caller sees only the namespaces of tenants it may read, unless it is an operator.
+        caller = _caller.get(OWNER)
+        records = sorted(
+            (
+                r
+                for r in self.store.namespaces()
+                if caller.operator
+                or (r.namespace is not None and caller.may_read(r.namespace.tenant))
+            ),
+            key=lambda r: -r.blocks * r.block_bytes,
+        )
         limit = self.limits.max_stats_namespaces
         for ns in records[:limit]:
             reply.namespaces.add(
@@ -443,6 +502,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             )
         reply.namespaces_omitted = max(0, len(records) - limit)
         return reply
+
+
+class _Everyone:
+    """The authenticator of a servicer built without one (tests of the service alone)."""
+
+    def principal(self, context: Any) -> Principal:
+        return OWNER
 
 
 def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:

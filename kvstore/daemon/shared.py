@@ -130,7 +130,7 @@ class SharedTier:
         if not claim:
             return []
         bb = record.block_bytes
-        slots = await store.mover.alloc_cpu(bb, len(claim), partial=True)
+        slots = await store.mover.alloc_cpu(bb, len(claim), partial=True, domain=record.domain)
         # Claim entries (RESERVED: invisible, and a concurrent fetch of a key skips it) before
         # the next await; stop at a key someone indexed while room was being made.
         eids: list[int] = []

@@ -144,7 +144,7 @@ class BlockStore:
         self.nvme_policy: EvictionPolicy = make_policy(config.nvme.policy)
         self.redis_counters = TierCounters()
         self.disk = DiskSlots()  # its NvmeTier is opened by the Mover's start()
-        self.names = NamespaceTable(config.limits)
+        self.names = NamespaceTable(config.limits, tenant_domains=config.auth.has_policy)
         # (until, in the GPU pool, offset, block bytes) of slots of expired reservations.
         self._quarantine: deque[tuple[float, bool, int, int]] = deque()
         # Waiters for the commit (or the end) of RESERVED entries, by entry id.
@@ -238,6 +238,10 @@ class BlockStore:
 
     def block_bytes_of(self, eid: int) -> int:
         return self.names[self.index.ns[eid]].block_bytes
+
+    def domain_of(self, eid: int) -> int:
+        """The memory domain (tenant) whose slabs hold this entry's CPU copy."""
+        return self.names[self.index.ns[eid]].domain
 
     def fingerprint_of(self, eid: int) -> bytes:
         return self.names[self.index.ns[eid]].fingerprint
@@ -511,7 +515,9 @@ class BlockStore:
                     break
                 # Making room may wait for dirty victims to reach the disk; other calls run
                 # meanwhile and may reserve some of these keys, hence the loop.
-                slots += await self.mover.alloc_cpu(bb, len(todo) - len(slots))
+                slots += await self.mover.alloc_cpu(
+                    bb, len(todo) - len(slots), domain=record.domain
+                )
             else:
                 raise CapacityError("cpu tier full: the keys to reserve kept changing")
             if handle.closed:
@@ -745,10 +751,10 @@ class BlockStore:
         return True
 
     # ----------------------------------------------------------------- slots and removal
-    def cpu_alloc(self, block_bytes: int) -> int | None:
-        """A CPU slot, counted as used; None when none is free (or its slab could not be
-        backed)."""
-        return self.cpu_slots.alloc(block_bytes)
+    def cpu_alloc(self, block_bytes: int, domain: int = 0) -> int | None:
+        """A CPU slot in memory ``domain``, counted as used; None when none is free (or its
+        slab could not be backed)."""
+        return self.cpu_slots.alloc(block_bytes, domain)
 
     def cpu_unalloc(self, offset: int, block_bytes: int) -> None:
         """Give back a slot from ``cpu_alloc`` that no entry took."""

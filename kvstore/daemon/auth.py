@@ -1,0 +1,224 @@
+"""Who is calling, and which tenants they may use.
+
+Identity comes from what the transport proves, never from what a request claims:
+- on the unix socket, the kernel's peer credentials (``SO_PEERCRED``: uid, gid, pid), read by
+  the session socket (``kvstore.daemon.session``) when a client connects; the session's random
+  token then travels as ``kvstore-session`` metadata on the client's gRPC calls, which the
+  kernel cannot attribute (gRPC does not expose the peer's socket);
+- on TCP, a TLS client certificate's names (from the handshake) or a bearer token
+  (``authorization: Bearer <token>``) compared in constant time with the configured ones.
+
+The tenant policy (``[[access]]`` in the config) maps those credentials to tenants and a role.
+Without a policy the daemon is single-user: its socket and directory are owner-only, so whoever
+reaches the unix socket is its owner (or root) and may use every tenant.
+
+Shared tenants (``[shared.NAME]``) are the one way a namespace crosses tenants: their readers
+may read, their writers may write, both declared by the operator.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.config import AuthConfig
+
+SESSION_METADATA = "kvstore-session"
+SESSION_TOKEN_BYTES = 32
+
+
+@dataclass(frozen=True)
+class Principal:
+    """An authenticated caller. ``tenants`` None: every tenant (a single-user daemon's owner)."""
+
+    name: str
+    readable: frozenset[str] | None = None
+    writable: frozenset[str] | None = None
+    operator: bool = False
+    uid: int = -1
+    pid: int = -1
+    # The session that authenticated it (unix socket): handles it opens are that session's
+    # alone, even against another session of the same process.
+    session: str = ""
+
+    def may_read(self, tenant: str) -> bool:
+        return self.readable is None or tenant in self.readable
+
+    def may_write(self, tenant: str) -> bool:
+        return self.writable is None or tenant in self.writable
+
+    @property
+    def all_tenants(self) -> bool:
+        return self.readable is None
+
+
+OWNER = Principal("owner", operator=True)
+
+
+class AuthError(Exception):
+    """No credential, or a wrong one: the call is refused with UNAUTHENTICATED."""
+
+
+def load_tokens(sources: Sequence[tuple[str, str]]) -> dict[str, bytes]:
+    """Token name -> secret, read from ``env:VAR`` or ``file:/path`` (stripped). A missing or
+    empty secret refuses the start: a token that silently matches nothing locks users out, one
+    that is empty would let anybody in."""
+    tokens: dict[str, bytes] = {}
+    for name, source in sources:
+        kind, _, where = source.partition(":")
+        if kind == "env":
+            secret = os.environ.get(where, "")
+        else:
+            try:
+                with open(where, encoding="utf-8") as f:
+                    secret = f.read()
+            except OSError as exc:
+                raise ValueError(f"auth.tokens.{name}: cannot read {where}: {exc}") from None
+        secret = secret.strip()
+        if len(secret) < 16:
+            raise ValueError(
+                f"auth.tokens.{name}: the secret from {source} is missing or shorter than 16 "
+                "characters"
+            )
+        tokens[name] = secret.encode("utf-8")
+    return tokens
+
+
+@dataclass
+class Policy:
+    """The config's tenant policy, resolved for lookups by credential."""
+
+    config: AuthConfig
+    tokens: dict[str, bytes] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: AuthConfig) -> Policy:
+        return cls(config, load_tokens(config.tokens))
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.has_policy
+
+    def _principal(self, name: str, matches: list[int]) -> Principal:
+        """The union of the rules that matched (a caller may be in several)."""
+        rules = [self.config.access[i] for i in matches]
+        own = {t for r in rules for t in r.tenants}
+        readable, writable = set(own), set(own)
+        for tenant, shared in self.config.shared:
+            if own & set(shared.writers):
+                readable.add(tenant)
+                writable.add(tenant)
+            elif own & set(shared.readers):
+                readable.add(tenant)
+        return Principal(
+            name,
+            frozenset(readable),
+            frozenset(writable),
+            operator=any(r.role == "operator" for r in rules),
+        )
+
+    def for_unix_peer(self, uid: int, gid: int, pid: int) -> Principal | None:
+        """The principal of a unix-socket peer, None if the policy does not know it."""
+        if not self.enabled:
+            # Single-user: only the owner (or root) can reach the owner-only socket.
+            return Principal("owner", operator=True, uid=uid, pid=pid)
+        matches = [i for i, r in enumerate(self.config.access) if uid in r.uids or gid in r.gids]
+        if not matches:
+            return None
+        p = self._principal(f"uid {uid}", matches)
+        return Principal(p.name, p.readable, p.writable, p.operator, uid=uid, pid=pid)
+
+    def token_name(self, presented: bytes) -> str | None:
+        """The name of the configured token equal to ``presented``: every token is compared,
+        in constant time, so the time taken says nothing about which one (or how much) matched."""
+        found = None
+        for name, secret in self.tokens.items():
+            if hmac.compare_digest(secret, presented):
+                found = name
+        return found
+
+    def for_token(self, name: str) -> Principal | None:
+        if not self.enabled:
+            return Principal(f"token {name}", operator=True)
+        matches = [i for i, r in enumerate(self.config.access) if name in r.tokens]
+        return self._principal(f"token {name}", matches) if matches else None
+
+    def for_cert(self, names: Sequence[str]) -> Principal | None:
+        if not self.enabled:
+            return Principal(f"certificate {names[0]}", operator=True) if names else None
+        matches = [
+            i for i, r in enumerate(self.config.access) if any(n in r.cert_names for n in names)
+        ]
+        return self._principal(f"certificate {names[0]}", matches) if matches else None
+
+
+class Authenticator:
+    """Turns a gRPC call's context into its ``Principal`` (``AuthError`` when it has none).
+
+    ``sessions`` maps a session token (hex, from the ``kvstore-session`` metadata) to the
+    principal of the unix peer that opened it, while its session socket stays connected."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        unix: bool,
+        session_principal: Callable[[str], Principal | None],
+    ) -> None:
+        self.policy = policy
+        self.unix = unix
+        self._session_principal = session_principal
+        config = policy.config
+        # TCP with neither tokens nor client certificates: only a loopback bind (or an
+        # operator's --insecure) gets here; every caller is the anonymous owner.
+        self._open_tcp = not policy.tokens and not config.tls_client_ca
+
+    def principal(self, context: Any) -> Principal:
+        metadata = {k: v for k, v in (context.invocation_metadata() or ())}
+        session = metadata.get(SESSION_METADATA)
+        if self.unix:
+            if isinstance(session, str) and session:
+                principal = self._session_principal(session)
+                if principal is None:
+                    raise AuthError("unknown or closed session: connect the session socket again")
+                return principal
+            if not self.policy.enabled:
+                return OWNER  # the owner-only socket is the proof
+            raise AuthError(
+                "no session: same-host callers authenticate through the session socket "
+                "(kvstore-session metadata), which the kvstore client opens"
+            )
+        if self.policy.config.tls_client_ca:
+            names = _cert_names(context)
+            if names:
+                principal = self.policy.for_cert(names)
+                if principal is None:
+                    raise AuthError(f"client certificate {names[0]!r} is not in the policy")
+                return principal
+        header = metadata.get("authorization")
+        if isinstance(header, str) and header:
+            scheme, _, value = header.partition(" ")
+            name = self.policy.token_name(value.strip().encode("utf-8"))
+            if scheme.lower() != "bearer" or name is None:
+                raise AuthError("invalid bearer token")
+            principal = self.policy.for_token(name)
+            if principal is None:
+                raise AuthError(f"token {name!r} grants no tenant")
+            return principal
+        if self._open_tcp:
+            return Principal("anonymous", operator=True)
+        raise AuthError("no credential: send a bearer token or a client certificate")
+
+
+def _cert_names(context: Any) -> list[str]:
+    """The verified client certificate's subject alternative names and common name."""
+    auth = context.auth_context() or {}
+    names: list[str] = []
+    for key in ("x509_subject_alternative_name", "x509_common_name"):
+        for value in auth.get(key, ()):
+            name = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+            if name not in names:
+                names.append(name)
+    return names

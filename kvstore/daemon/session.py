@@ -1,0 +1,213 @@
+"""The session socket: how a same-host client proves who it is and gets its memory.
+
+gRPC does not tell a server which process is at the other end of a unix socket, so beside the
+gRPC socket the daemon listens on a second one (``<socket>.session``, ``SOCK_SEQPACKET``). When
+a client connects, the kernel tells the daemon its uid, gid and pid (``SO_PEERCRED``); the
+tenant policy turns them into a principal (``kvstore.daemon.auth``), and the daemon answers
+with a random session token that the client sends as ``kvstore-session`` metadata on its gRPC
+calls. The session, and the token with it, lives exactly as long as that connection: a client
+that exits or dies is forgotten when the kernel closes its socket.
+
+Over the same connection the client asks for the CPU tier's memory, one slab file at a time,
+when a reply first names a slab (``SharedMemoryArena.address``); each comes as a file
+descriptor (``SCM_RIGHTS``), never a name: only slabs of the tenants the principal may use,
+read-only where it may only read. Opening a client therefore maps nothing up front, whatever
+the tier's size.
+
+Messages are one JSON object each (a datagram of the seqpacket socket):
+``{"op": "map", "slab": UID}`` -> ``{"ok": true, "size": N, "writable": B}`` plus the
+descriptor, or ``{"ok": false, "error": "..."}``. The first message from the daemon is
+``{"ok": true, "session": TOKEN, "principal": NAME}`` or an error (then it closes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstore.daemon.auth import SESSION_TOKEN_BYTES, Policy, Principal
+from kvstore.tiers.cpu import SharedMemoryArena
+
+log = logging.getLogger(__name__)
+
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+MAX_MESSAGE = 4096
+
+
+def session_socket_path(grpc_socket_path: str) -> str:
+    return grpc_socket_path + ".session"
+
+
+@dataclass
+class Session:
+    token: str
+    principal: Principal
+    pid: int
+    uid: int
+    slabs_sent: int = 0
+
+
+class SessionServer:
+    """Accepts session connections on the daemon's event loop. ``tenant_of_domain`` names the
+    tenant whose memory a slab's domain is (None: domain 0, every tenant's when there is no
+    policy)."""
+
+    def __init__(
+        self,
+        path: str,
+        policy: Policy,
+        arena: SharedMemoryArena,
+        tenant_of_domain: Callable[[int], str | None],
+        max_sessions: int,
+        socket_mode: int,
+    ) -> None:
+        self.path = path
+        self.policy = policy
+        self.arena = arena
+        self._tenant_of_domain = tenant_of_domain
+        self.max_sessions = max_sessions
+        self.socket_mode = socket_mode
+        self._sessions: dict[str, Session] = {}
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._serving: set[asyncio.Task[None]] = set()
+        self.refused = 0
+
+    def principal(self, token: str) -> Principal | None:
+        """The principal of the live session ``token`` names (None: unknown or closed)."""
+        session = self._sessions.get(token)
+        return session.principal if session is not None else None
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # the caller checked that no live daemon owns the directory
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.bind(self.path)
+            os.chmod(self.path, self.socket_mode)
+            sock.listen(128)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._accepting = asyncio.create_task(self._accept_loop())
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._accepting, *self._serving) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    async def _accept_loop(self) -> None:
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:  # EMFILE and the like: wait rather than spin
+                log.warning("session socket accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._serve(conn))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        token = ""
+        try:
+            conn.setblocking(False)
+            pid, uid, gid = _UCRED.unpack(
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            )
+            principal = self.policy.for_unix_peer(uid, gid, pid)
+            if principal is None:
+                self.refused += 1
+                self._send(conn, {"ok": False, "code": "permission", "error": (
+                    f"uid {uid} (gid {gid}) is not in the daemon's tenant policy"
+                )})  # fmt: skip
+                return
+            if len(self._sessions) >= self.max_sessions:
+                self.refused += 1
+                self._send(conn, {"ok": False, "code": "exhausted", "error": (
+                    f"too many sessions ({self.max_sessions}, connections.max_sessions)"
+                )})  # fmt: skip
+                return
+            token = secrets.token_hex(SESSION_TOKEN_BYTES)
+            principal = dataclasses.replace(principal, session=token)
+            self._sessions[token] = Session(token, principal, pid, uid)
+            self._send(conn, {"ok": True, "session": token, "principal": principal.name})
+            while True:
+                data = await loop.sock_recv(conn, MAX_MESSAGE)
+                if not data:
+                    return
+                self._answer(conn, self._sessions[token], data)
+        except (OSError, ValueError) as exc:
+            log.debug("session ended: %s", exc)
+        finally:
+            self._sessions.pop(token, None)
+            conn.close()
+
+    def _answer(self, conn: socket.socket, session: Session, data: bytes) -> None:
+        try:
+            request = json.loads(data)
+            if request.get("op") != "map":
+                raise ValueError(f"unknown op {request.get('op')!r}")
+            uid = int(request["slab"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            self._send(conn, {"ok": False, "code": "invalid", "error": f"bad request: {exc}"})
+            return
+        access = self._access(session.principal, uid)
+        if access is None:
+            # The same answer for a retired slab and another tenant's: nothing says which.
+            self._send(conn, {"ok": False, "code": "unavailable", "error": (
+                f"slab {uid} is not available to this session"
+            )})  # fmt: skip
+            return
+        fd = self.arena.export(uid, writable=access)
+        try:
+            size = os.fstat(fd).st_size
+            socket.send_fds(
+                conn, [json.dumps({"ok": True, "size": size, "writable": access}).encode()], [fd]
+            )
+            session.slabs_sent += 1
+        finally:
+            os.close(fd)
+
+    def _access(self, principal: Principal, uid: int) -> bool | None:
+        """None: may not map slab ``uid`` (or it is gone); else whether it may write it."""
+        found = self.arena.file(uid)
+        if found is None:
+            return None
+        domain = found[1].domain
+        if principal.all_tenants:
+            return True
+        tenant = self._tenant_of_domain(domain)
+        if tenant is None or not principal.may_read(tenant):
+            return None
+        return principal.may_write(tenant)
+
+    @staticmethod
+    def _send(conn: socket.socket, message: dict[str, object]) -> None:
+        # Non-blocking: a client that does not read its replies fills its queue and is dropped.
+        conn.send(json.dumps(message).encode())
