@@ -57,3 +57,67 @@ def test_a_bad_config_names_the_problem(tmp_path: Path, text: str, message: str)
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         load_config(path, env={})
+
+
+def test_the_tenant_policy_parses_and_rejects_secrets_in_the_file(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        """
+[auth]
+tokens = { web = "env:KVS_WEB" }
+
+[[access]]
+name = "chat"
+uids = [1001]
+tokens = ["web"]
+tenants = ["chat"]
+
+[[access]]
+gids = [50]
+tenants = ["ops"]
+role = "operator"
+
+[shared.prompts]
+readers = ["chat"]
+writers = ["ops"]
+"""
+    )
+    cfg = load_config(policy, env={})
+    assert cfg.auth.has_policy and len(cfg.auth.access) == 2
+    assert cfg.auth.access[0].uids == (1001,) and cfg.auth.access[1].role == "operator"
+    assert dict(cfg.auth.shared)["prompts"].writers == ("ops",)
+    for text, message in (
+        ('[auth]\ntokens = { web = "hunter2hunter2hunter2" }', "not the secret"),
+        ('[[access]]\ntokens = ["nope"]\ntenants = ["a"]', "not in auth.tokens"),
+        ('[[access]]\ntenants = ["a"]', "names no credential"),
+        ('[[access]]\nuids = [1]\nrole = "root"', "role 'root' unknown"),
+        ('[shared.p]\nreaders = ["a"]', "needs a tenant policy"),
+        ('[auth]\ntls_client_ca = "/ca.pem"', "needs auth.tls_cert"),
+    ):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_config(bad, env={})
+
+
+def test_the_policy_maps_credentials_to_tenants() -> None:
+    from kvstore.config import AccessRule, AuthConfig, SharedTenant
+    from kvstore.daemon.auth import Policy
+
+    policy = Policy(
+        AuthConfig(
+            access=(
+                AccessRule(name="a", uids=(10,), tenants=("alice",)),
+                AccessRule(name="b", gids=(20,), tenants=("bob",), role="operator"),
+            ),
+            shared=(("prompts", SharedTenant(readers=("alice",), writers=("bob",))),),
+        )
+    )
+    alice = policy.for_unix_peer(10, 99, 1)
+    assert alice is not None and alice.may_read("alice") and alice.may_write("alice")
+    assert alice.may_read("prompts") and not alice.may_write("prompts")
+    assert not alice.may_read("bob") and not alice.operator
+    bob = policy.for_unix_peer(7, 20, 2)  # by primary gid
+    assert bob is not None and bob.may_write("prompts") and bob.operator
+    assert policy.for_unix_peer(11, 21, 3) is None
+    assert policy.token_name(b"anything") is None  # no tokens configured

@@ -563,10 +563,12 @@ def test_connections_are_capped_and_idle_ones_closed(daemon_factory) -> None:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    idle = [grpc.insecure_channel(d.address) for _ in range(4)]
+    # Each channel its own connection (channels in one process share them by default).
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    idle = [grpc.insecure_channel(d.address, options=own) for _ in range(4)]
     try:
         assert all(check(ch) for ch in idle)  # four connections, the cap: then they sit idle
-        extra = grpc.insecure_channel(d.address)
+        extra = grpc.insecure_channel(d.address, options=own)
         assert not check(extra)  # a fifth peer is refused
         extra.close()
         # Idle past the timeout, the four are closed by the daemon (they never closed
@@ -574,7 +576,7 @@ def test_connections_are_capped_and_idle_ones_closed(daemon_factory) -> None:
         deadline = time.monotonic() + 30
         ok = False
         while not ok and time.monotonic() < deadline:
-            fresh = grpc.insecure_channel(d.address)
+            fresh = grpc.insecure_channel(d.address, options=own)
             ok = check(fresh)
             fresh.close()
             if not ok:

@@ -274,7 +274,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             seed=record.namespace.seed if record.namespace else b"",
             block_bytes=record.block_bytes,
             fingerprint=record.fingerprint,
-            arena=pb.ArenaInfo(path=arena.path, size_bytes=arena.size_bytes, token=arena.token),
+            arena=pb.ArenaInfo(size_bytes=arena.size_bytes, token=arena.token),
             max_keys_per_request=self.limits.max_keys_per_request,
             max_chunk_bytes=self.limits.chunk_bytes,
         )
