@@ -588,3 +588,43 @@ def test_connections_are_capped_and_idle_ones_closed(daemon_factory) -> None:
     finally:
         for ch in idle:
             ch.close()
+
+
+def test_sessions_are_capped_per_user(daemon_factory) -> None:
+    """A user may hold at most half of ``connections.max_sessions``: past that its next session
+    is refused with a message (RESOURCE_EXHAUSTED's CapacityError), and closing one lets the
+    next in; the daemon keeps serving."""
+    from kvstore.errors import CapacityError
+
+    d = daemon_factory(extra="\n[connections]\nmax_sessions = 4\n")
+    held = [ClientSession(str(d.socket_path), 5.0) for _ in range(2)]
+    try:
+        with pytest.raises(CapacityError, match="too many sessions"):
+            ClientSession(str(d.socket_path), 5.0)
+        held.pop().close()
+        # The daemon notices the closed connection on its own loop: the next session gets in
+        # once it has (a bounded wait, never a sleep that could be too short).
+        import time
+
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                held.append(ClientSession(str(d.socket_path), 5.0))
+                break
+            except CapacityError:
+                assert time.monotonic() < deadline, "the closed session was never freed"
+                time.sleep(0.05)
+        held.pop().close()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                kv = KVStoreClient(d.address, layout=LAYOUT, model="m", timeout_s=10)
+                break
+            except CapacityError:
+                assert time.monotonic() < deadline, "the closed session was never freed"
+                time.sleep(0.05)
+        with kv:
+            assert kv.put(kv.hash_tokens(tokens(1)), random_blocks(LAYOUT, 1)) == 1
+    finally:
+        for s in held:
+            s.close()

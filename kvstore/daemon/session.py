@@ -147,10 +147,13 @@ class SessionServer:
                     f"uid {uid} (gid {gid}) is not in the daemon's tenant policy"
                 )})  # fmt: skip
                 return
-            if len(self._sessions) >= self.max_sessions:
+            # One user may hold at most half the sessions, so it cannot lock the others out.
+            mine = sum(1 for s in self._sessions.values() if s.uid == uid)
+            if len(self._sessions) >= self.max_sessions or mine >= max(1, self.max_sessions // 2):
                 self.refused += 1
                 self._send(conn, {"ok": False, "code": "exhausted", "error": (
-                    f"too many sessions ({self.max_sessions}, connections.max_sessions)"
+                    f"too many sessions ({len(self._sessions)} open, {mine} of uid {uid}; "
+                    f"connections.max_sessions is {self.max_sessions}, half of it per user)"
                 )})  # fmt: skip
                 return
             token = secrets.token_hex(SESSION_TOKEN_BYTES)
