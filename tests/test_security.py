@@ -628,3 +628,37 @@ def test_sessions_are_capped_per_user(daemon_factory) -> None:
     finally:
         for s in held:
             s.close()
+
+
+@needs_root
+def test_one_caller_cannot_take_every_handle(open_dir: Path) -> None:
+    """With a policy, one caller (here uid 0) may hold at most a quarter of
+    ``limits.max_handles``: past that OpenNamespace is RESOURCE_EXHAUSTED with a message, and a
+    handle closed makes room again."""
+    from kvstore.errors import CapacityError
+
+    d = DaemonProcess(open_dir / "h", config_toml(extra=POLICY + "\n[limits]\nmax_handles = 8\n"))
+    d.directory.mkdir()
+    d.start()
+    clients = []
+    try:
+        clients = [
+            KVStoreClient(d.address, layout=LAYOUT, model=f"m{i}", tenant="root") for i in range(2)
+        ]
+        with pytest.raises(CapacityError, match=r"a quarter of limits\.max_handles"):
+            KVStoreClient(d.address, layout=LAYOUT, model="m2", tenant="root")
+        clients.pop().close()
+        import time
+
+        deadline = time.monotonic() + 20
+        while True:  # the daemon reclaims the closed handle when it sees its stream end
+            try:
+                clients.append(KVStoreClient(d.address, layout=LAYOUT, model="m3", tenant="root"))
+                break
+            except CapacityError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        for kv in clients:
+            kv.close()
+        d.stop()

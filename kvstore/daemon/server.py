@@ -92,7 +92,12 @@ def _prepare_unix_socket(path: str, shared: bool) -> None:
             f"socket directory {directory} is writable by others (mode {st.st_mode & 0o777:o}): "
             "anyone could replace the socket; chmod go-w it or choose another address"
         )
-    os.chmod(directory, 0o711 if shared else 0o700)
+    if not shared:
+        os.chmod(directory, 0o700)
+    elif st.st_mode & 0o001 == 0 and st.st_mode & 0o010:
+        pass  # the operator let a group in (say 0710, group kvstore-users): keep it so
+    else:
+        os.chmod(directory, 0o711)
     if os.path.exists(path):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

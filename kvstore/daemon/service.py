@@ -211,6 +211,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.limits = store.config.limits
         self.started_at = time.monotonic()
         self._closing = asyncio.Event()
+        self._handles_of: dict[str, int] = {}  # open handles per caller (principal name)
 
     def close_streams(self) -> None:
         """End every OpenNamespace stream (the daemon is stopping): clients see their handle
@@ -252,7 +253,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 raise PermissionDeniedError(
                     f"{principal.name} may not use tenant {namespace.tenant!r}"
                 )
+            # One caller (a uid, a token, a certificate) may hold at most a quarter of all
+            # handles, so it cannot lock the others out of opening namespaces.
+            held = self._handles_of.get(principal.name, 0)
+            if not principal.all_tenants and held >= max(1, self.limits.max_handles // 4):
+                raise CapacityError(
+                    f"{principal.name} holds {held} open namespace handles, a quarter of "
+                    f"limits.max_handles ({self.limits.max_handles}): close some first"
+                )
             handle = self.store.open_namespace(namespace, request.priority)
+            self._handles_of[principal.name] = held + 1
             handle.principal = principal
             handle.writable = principal.may_write(namespace.tenant)
         except Exception as exc:
@@ -265,6 +275,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             await self._closing.wait()
         finally:
             self.store.close_handle(handle)
+            left = self._handles_of.pop(principal.name, 1) - 1
+            if left:
+                self._handles_of[principal.name] = left
 
     def _open_reply(self, handle: Handle, principal: Principal) -> pb.OpenNamespaceResponse:
         record = handle.record
