@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -127,7 +128,27 @@ class Daemon:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
+    def _raise_fd_limit(self) -> None:
+        """Descriptors for every connection the caps allow (and the slab files), so that
+        reaching a cap refuses the next peer instead of starving the daemon of descriptors."""
+        conns = self.config.connections
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = conns.max_connections + conns.max_sessions + 1024
+        if soft != resource.RLIM_INFINITY and soft < want:
+            new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            if soft < want:
+                log.warning(
+                    "descriptor limit %d is below what connections.max_connections + "
+                    "max_sessions need (%d): lower them or raise the limit",
+                    soft,
+                    want,
+                )
+
     async def start(self) -> None:
+        self._raise_fd_limit()
         socket_path = unix_socket_path(self.address)
         # Tokens are read (and a bind without protection refused) before anything is made.
         self.policy = Policy.from_config(self.config.auth)
