@@ -20,6 +20,11 @@ def default_address() -> str:
     return os.environ.get("KVSTORE_ADDRESS") or f"unix:{default_socket_path()}"
 
 
+def session_socket_path(grpc_socket_path: str) -> str:
+    """The daemon's session socket, beside its gRPC socket (``kvstore.daemon.session``)."""
+    return grpc_socket_path + ".session"
+
+
 def unix_socket_path(address: str) -> str | None:
     """The filesystem path of a ``unix:`` address, or None for TCP."""
     if address.startswith("unix://"):

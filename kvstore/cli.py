@@ -311,7 +311,7 @@ def cmd_stat(args: argparse.Namespace) -> int:
     try:
         # On the unix socket the kernel vouches for this process (a session); over TCP the
         # token or certificate in KVSTORE_TOKEN / KVSTORE_TLS_* does.
-        session = open_session(address, "grpc", args.timeout)
+        session = open_session(address, args.timeout)
     except KVStoreError as exc:
         print(f"kvstore stat: {address}: {exc}", file=sys.stderr)
         return 1

@@ -113,11 +113,11 @@ def test_the_policy_maps_credentials_to_tenants() -> None:
             shared=(("prompts", SharedTenant(readers=("alice",), writers=("bob",))),),
         )
     )
-    alice = policy.for_unix_peer(10, 99, 1)
+    alice = policy.for_unix_peer(10, 99)
     assert alice is not None and alice.may_read("alice") and alice.may_write("alice")
     assert alice.may_read("prompts") and not alice.may_write("prompts")
     assert not alice.may_read("bob") and not alice.operator
-    bob = policy.for_unix_peer(7, 20, 2)  # by primary gid
+    bob = policy.for_unix_peer(7, 20)  # by primary gid
     assert bob is not None and bob.may_write("prompts") and bob.operator
-    assert policy.for_unix_peer(11, 21, 3) is None
+    assert policy.for_unix_peer(11, 21) is None
     assert policy.token_name(b"anything") is None  # no tokens configured

@@ -43,7 +43,7 @@ def test_a_slab_that_cannot_be_backed_is_set_aside_never_touched() -> None:
     the allocator says why, stops counting the slabs that were never backed (the daemon then
     evicts instead of failing again) and takes them once memory comes back. Every slot handed
     out is real memory, written end to end."""
-    arena = SharedMemoryArena(HEADER_BYTES + 32 * MiB, prefault=False)
+    arena = SharedMemoryArena(HEADER_BYTES + 32 * MiB)
     try:
         backing = FailingBacking(arena, budget=4)
         alloc = SlabAllocator(arena.size_bytes, 1 * MiB, back=backing)
@@ -79,7 +79,7 @@ def test_a_slab_passing_to_another_domain_gets_fresh_sealed_memory() -> None:
     SIGBUS the daemon) and read-only ones cannot be mapped writable."""
     import mmap
 
-    arena = SharedMemoryArena(HEADER_BYTES + 4 * MiB, prefault=False)
+    arena = SharedMemoryArena(HEADER_BYTES + 4 * MiB)
     try:
         alloc = SlabAllocator(arena.size_bytes, 1 * MiB, back=arena.back)
         arena.slab_bytes = alloc.slab_bytes
@@ -125,7 +125,7 @@ def test_a_slab_passing_to_another_domain_gets_fresh_sealed_memory() -> None:
 
 @pytest.fixture
 def arena() -> Iterator[SharedMemoryArena]:
-    a = SharedMemoryArena(HEADER_BYTES + 4 * MiB + 20 * KiB, prefault=False)
+    a = SharedMemoryArena(HEADER_BYTES + 4 * MiB + 20 * KiB)
     yield a
     a.close()
 
@@ -252,7 +252,7 @@ OPS = st.lists(
 @given(OPS)
 @settings(max_examples=200, deadline=None)
 def test_random_allocations_keep_every_invariant(ops: list[tuple[str, int]]) -> None:
-    arena = SharedMemoryArena(HEADER_BYTES + 8 * 64 * KiB + 20 * KiB, prefault=False)
+    arena = SharedMemoryArena(HEADER_BYTES + 8 * 64 * KiB + 20 * KiB)
     try:
         alloc = SlabAllocator(arena.size_bytes, 64 * KiB, back=arena.back)
         end = HEADER_BYTES + alloc.capacity_bytes

@@ -508,7 +508,7 @@ def test_a_lease_mixing_pool_and_arena_slots_verifies_each_kind() -> None:
     from kvstore.client.leases import ReadLease, WriteReservation
     from kvstore.tiers.cpu import SharedMemoryArena, SlabAllocator
 
-    arena = SharedMemoryArena(HEADER_BYTES + 4 * BB, prefault=False)
+    arena = SharedMemoryArena(HEADER_BYTES + 4 * BB)
     alloc = SlabAllocator(arena.size_bytes, 4 * BB, back=arena.back)
     arena.slab_bytes = alloc.slab_bytes
     pool = DevicePool(HEADER_BYTES + 4 * BB, "cpu")  # stands in for the mapped pool

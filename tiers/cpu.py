@@ -1,20 +1,20 @@
 """The CPU tier's mechanism: a shared-memory arena of fixed-size slots.
 
-The daemon creates one file under ``/dev/shm`` (tmpfs), maps it shared and hands its path to
-same-host clients, which map it too and copy blocks straight into and out of slots: a block
-crosses memory once. The arena is carved into equal slabs (the last may be shorter); each slab
-holds slots of one size, so layouts of different block sizes share one arena.
+The arena is one range of the daemon's address space carved into equal slabs (the last may be
+shorter); each slab is its own unnamed shared-memory file, handed to same-host clients of its
+tenant as a descriptor, and holds slots of one size, so layouts of different block sizes share
+one arena. Clients copy blocks straight into and out of slots: a block crosses memory once.
 
 This module knows nothing of keys, leases or eviction policy: it hands out and takes back slot
 offsets, and says which slots of a slab are in use. The daemon's store decides which block lives
 in which slot and which one goes.
 
-Backing (never SIGBUS). A page of a tmpfs file that tmpfs cannot back kills whoever touches it
-first with SIGBUS: a client, then the daemon. So no slot is handed out in memory that is not
-backed: with ``prefault`` the arena allocates every page at start-up (and refuses to start,
-naming the directory and the sizes, when the directory cannot hold it); without, the allocator
-backs a slab (``posix_fallocate`` of its range) the first time a class takes it, and a slab that
-cannot be backed is set aside and never used until ``retry_backing``.
+Backing (never SIGBUS). A page of a shared-memory file that cannot be backed kills whoever
+touches it first with SIGBUS: a client, then the daemon. So no slot is handed out in memory
+that is not backed: the allocator has each slab backed (``SharedMemoryArena.back``: a file
+allocated with ``posix_fallocate``) before a class takes it, all of them at start-up with
+``prefault``, and a slab that cannot be backed is set aside and never used until
+``retry_backing``.
 
 Mixed block sizes (what was chosen, and why). A slab whose last used slot is freed goes back to
 a pool of unassigned slabs that any size class can take, as jemalloc and the kernel's SLUB
@@ -144,15 +144,14 @@ class SharedMemoryArena:
     (``MAP_FIXED``) as they are made. Never SIGBUS: a slab's pages are allocated
     (``posix_fallocate``) before any slot in it is handed out, and a failure is an OSError
     naming the sizes, which the allocator turns into "this slab cannot be used".
-    ``prefault`` backs every slab at start-up (first touch runs 10-50x slower than a copy on
-    virtual machines) in the default domain; without it slabs are backed when first assigned.
+    When slabs are backed (all at start-up, or as first assigned) is the allocator's
+    ``prefault``.
     """
 
-    def __init__(self, size_bytes: int, prefault: bool = True) -> None:
+    def __init__(self, size_bytes: int) -> None:
         if size_bytes <= HEADER_BYTES:
             raise ValueError(f"arena size {size_bytes} too small (header alone is {HEADER_BYTES})")
         self.size_bytes = _round_up(size_bytes, SLOT_ALIGN)
-        self.prefault = prefault
         self.token = secrets.token_bytes(TOKEN_BYTES)
         # Private anonymous memory reserves the address range (untouched, it costs nothing);
         # each slab's file replaces its part of it.
@@ -167,11 +166,6 @@ class SharedMemoryArena:
         self._next_uid = 1
         self.slab_bytes = 0  # set by the allocator's owner (``CpuSlots``)
         self._closed = False
-
-    @property
-    def path(self) -> str:
-        """No path: slab files have no name (kept for messages)."""
-        return "memfd"
 
     def back(self, base: int, size: int, domain: int) -> None:
         """Make ``[base, base + size)`` (one slab) hold backed memory of ``domain``: a no-op if

@@ -1,4 +1,7 @@
-"""Metadata on every call of an asyncio channel (``_common.make_aio_channel``)."""
+"""Metadata on every call of an asyncio channel (``_common.make_aio_channel``).
+
+grpc.aio files an interceptor under the first call kind it implements, so each kind needs its
+own class; they share everything but the one method."""
 
 from __future__ import annotations
 
@@ -7,51 +10,40 @@ from typing import Any
 
 import grpc
 
-
-def _details(d: Any, metadata: Sequence[tuple[str, str]]) -> grpc.aio.ClientCallDetails:
-    return grpc.aio.ClientCallDetails(
-        d.method, d.timeout, [*(d.metadata or ()), *metadata], d.credentials, d.wait_for_ready
-    )
+Metadata = Callable[[], Sequence[tuple[str, str]]]
 
 
-class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    def __init__(self, metadata: Callable[[], Sequence[tuple[str, str]]]) -> None:
+class _AddsMetadata:
+    def __init__(self, metadata: Metadata) -> None:
         self.metadata = metadata
 
+    def details(self, d: Any) -> grpc.aio.ClientCallDetails:
+        return grpc.aio.ClientCallDetails(
+            d.method, d.timeout, [*(d.metadata or ()), *self.metadata()], d.credentials,
+            d.wait_for_ready,
+        )  # fmt: skip
+
+
+class _UnaryUnary(_AddsMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
-        return await continuation(_details(client_call_details, self.metadata()), request)
+        return await continuation(self.details(client_call_details), request)
 
 
-class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, metadata: Callable[[], Sequence[tuple[str, str]]]) -> None:
-        self.metadata = metadata
-
+class _UnaryStream(_AddsMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
-        return await continuation(_details(client_call_details, self.metadata()), request)
+        return await continuation(self.details(client_call_details), request)
 
 
-class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-    def __init__(self, metadata: Callable[[], Sequence[tuple[str, str]]]) -> None:
-        self.metadata = metadata
-
+class _StreamUnary(_AddsMetadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
-        return await continuation(_details(client_call_details, self.metadata()), request_iterator)
+        return await continuation(self.details(client_call_details), request_iterator)
 
 
-class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, metadata: Callable[[], Sequence[tuple[str, str]]]) -> None:
-        self.metadata = metadata
-
+class _StreamStream(_AddsMetadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
-        return await continuation(_details(client_call_details, self.metadata()), request_iterator)
+        return await continuation(self.details(client_call_details), request_iterator)
 
 
-def aio_interceptors(
-    metadata: Callable[[], Sequence[tuple[str, str]]],
-) -> list[grpc.aio.ClientInterceptor]:
-    return [
-        _UnaryUnary(metadata),
-        _UnaryStream(metadata),
-        _StreamUnary(metadata),
-        _StreamStream(metadata),
-    ]
+def aio_interceptors(metadata: Metadata) -> list[grpc.aio.ClientInterceptor]:
+    return [_UnaryUnary(metadata), _UnaryStream(metadata), _StreamUnary(metadata),
+            _StreamStream(metadata)]  # fmt: skip

@@ -644,9 +644,9 @@ def make_aio_channel(
     return grpc.aio.insecure_channel(address, options=channel_options(), interceptors=interceptors)
 
 
-def open_session(address: str, transport: str, timeout_s: float) -> ClientSession | None:
-    """A session with a daemon on a unix socket (None over TCP). A daemon that has no session
-    socket (an older one) gets None unless ``transport`` is ``"shm"``."""
+def open_session(address: str, timeout_s: float) -> ClientSession | None:
+    """A session with a daemon on a unix socket (None over TCP: TCP callers prove themselves
+    with TLS and tokens). UnavailableError when no daemon answers within ``timeout_s``."""
     from kvstore.address import unix_socket_path
 
     path = unix_socket_path(address)

@@ -127,7 +127,7 @@ class AsyncKVStoreClient:
         self._close_session()
         # Blocking, but short: a connect and one datagram on a local socket (or a wait for a
         # daemon that is starting, bounded by timeout_s).
-        self._session = open_session(self.address, self.transport, self.timeout_s)
+        self._session = open_session(self.address, self.timeout_s)
         # The handle lives as long as this stream: no deadline on it; ``timeout_s`` bounds only
         # the wait for its first message.
         call = self._stub.OpenNamespace(

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 
+from kvstore.address import session_socket_path
 from kvstore.errors import (
     CapacityError,
     KVStoreError,
@@ -22,10 +23,6 @@ from kvstore.errors import (
 )
 
 MAX_MESSAGE = 4096
-
-
-def session_socket_path(grpc_socket_path: str) -> str:
-    return grpc_socket_path + ".session"
 
 
 class SlabUnavailable(KVStoreError):

@@ -124,7 +124,7 @@ class KVStoreClient:
         the wait for its first message)."""
         self._close_stream()
         self._close_session()
-        self._session = open_session(self.address, self.transport, self.timeout_s)
+        self._session = open_session(self.address, self.timeout_s)
         call = self._stub.OpenNamespace(
             open_request(self.namespace, self._priority), wait_for_ready=True
         )

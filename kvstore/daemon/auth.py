@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.config import AuthConfig
+from kvstore.errors import UnauthenticatedError
 
 SESSION_METADATA = "kvstore-session"
 SESSION_TOKEN_BYTES = 32
@@ -38,8 +39,6 @@ class Principal:
     readable: frozenset[str] | None = None
     writable: frozenset[str] | None = None
     operator: bool = False
-    uid: int = -1
-    pid: int = -1
     # The session that authenticated it (unix socket): handles it opens are that session's
     # alone, even against another session of the same process.
     session: str = ""
@@ -56,10 +55,6 @@ class Principal:
 
 
 OWNER = Principal("owner", operator=True)
-
-
-class AuthError(Exception):
-    """No credential, or a wrong one: the call is refused with UNAUTHENTICATED."""
 
 
 def load_tokens(sources: Sequence[tuple[str, str]]) -> dict[str, bytes]:
@@ -120,16 +115,15 @@ class Policy:
             operator=any(r.role == "operator" for r in rules),
         )
 
-    def for_unix_peer(self, uid: int, gid: int, pid: int) -> Principal | None:
+    def for_unix_peer(self, uid: int, gid: int) -> Principal | None:
         """The principal of a unix-socket peer, None if the policy does not know it."""
         if not self.enabled:
             # Single-user: only the owner (or root) can reach the owner-only socket.
-            return Principal("owner", operator=True, uid=uid, pid=pid)
+            return Principal("owner", operator=True)
         matches = [i for i, r in enumerate(self.config.access) if uid in r.uids or gid in r.gids]
         if not matches:
             return None
-        p = self._principal(f"uid {uid}", matches)
-        return Principal(p.name, p.readable, p.writable, p.operator, uid=uid, pid=pid)
+        return self._principal(f"uid {uid}", matches)
 
     def token_name(self, presented: bytes) -> str | None:
         """The name of the configured token equal to ``presented``: every token is compared,
@@ -156,7 +150,8 @@ class Policy:
 
 
 class Authenticator:
-    """Turns a gRPC call's context into its ``Principal`` (``AuthError`` when it has none).
+    """Turns a gRPC call's context into its ``Principal`` (``UnauthenticatedError`` when it
+    has none).
 
     ``sessions`` maps a session token (hex, from the ``kvstore-session`` metadata) to the
     principal of the unix peer that opened it, while its session socket stays connected."""
@@ -182,11 +177,13 @@ class Authenticator:
             if isinstance(session, str) and session:
                 principal = self._session_principal(session)
                 if principal is None:
-                    raise AuthError("unknown or closed session: connect the session socket again")
+                    raise UnauthenticatedError(
+                        "unknown or closed session: connect the session socket again"
+                    )
                 return principal
             if not self.policy.enabled:
                 return OWNER  # the owner-only socket is the proof
-            raise AuthError(
+            raise UnauthenticatedError(
                 "no session: same-host callers authenticate through the session socket "
                 "(kvstore-session metadata), which the kvstore client opens"
             )
@@ -195,21 +192,23 @@ class Authenticator:
             if names:
                 principal = self.policy.for_cert(names)
                 if principal is None:
-                    raise AuthError(f"client certificate {names[0]!r} is not in the policy")
+                    raise UnauthenticatedError(
+                        f"client certificate {names[0]!r} is not in the policy"
+                    )
                 return principal
         header = metadata.get("authorization")
         if isinstance(header, str) and header:
             scheme, _, value = header.partition(" ")
             name = self.policy.token_name(value.strip().encode("utf-8"))
             if scheme.lower() != "bearer" or name is None:
-                raise AuthError("invalid bearer token")
+                raise UnauthenticatedError("invalid bearer token")
             principal = self.policy.for_token(name)
             if principal is None:
-                raise AuthError(f"token {name!r} grants no tenant")
+                raise UnauthenticatedError(f"token {name!r} grants no tenant")
             return principal
         if self._open_tcp:
             return Principal("anonymous", operator=True)
-        raise AuthError("no credential: send a bearer token or a client certificate")
+        raise UnauthenticatedError("no credential: send a bearer token or a client certificate")
 
 
 def _cert_names(context: Any) -> list[str]:

@@ -115,6 +115,7 @@ class NamespaceTable:
         # domain, numbered from 1), so a client can be handed exactly its tenants' memory.
         self._tenant_domains = tenant_domains
         self._domains: dict[str, int] = {}
+        self._tenants: dict[int, str] = {}  # the reverse of _domains
         self._records: dict[int, NamespaceRecord] = {}
         self._free_ids: list[int] = []
         self._by_name: dict[str, NamespaceRecord] = {}
@@ -209,14 +210,12 @@ class NamespaceTable:
         domain = self._domains.get(tenant)
         if domain is None:
             domain = self._domains[tenant] = len(self._domains) + 1
+            self._tenants[domain] = tenant
         return domain
 
     def tenant_of_domain(self, domain: int) -> str | None:
         """The tenant whose memory ``domain`` is (None: domain 0, or unknown)."""
-        for tenant, d in self._domains.items():
-            if d == domain:
-                return tenant
-        return None
+        return self._tenants.get(domain)
 
     def _new(
         self, namespace: Namespace | None, fingerprint: bytes, block_bytes: int, priority: int

@@ -25,12 +25,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore import __version__
-from kvstore.address import default_address, unix_socket_path
+from kvstore.address import default_address, session_socket_path, unix_socket_path
 from kvstore.config import AuthConfig, DaemonConfig
 from kvstore.daemon.auth import Authenticator, Policy
 from kvstore.daemon.metrics import MetricsServer, RpcMetrics, RpcMetricsInterceptor, render_metrics
 from kvstore.daemon.service import KVStoreServicer, add_to_server
-from kvstore.daemon.session import SessionServer, session_socket_path
+from kvstore.daemon.session import SessionServer
 from kvstore.daemon.store import BlockStore
 from kvstore.units import format_size
 from kvstore.v1 import kvstore_pb2 as pb

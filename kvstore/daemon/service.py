@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvstore import __version__
-from kvstore.daemon.auth import OWNER, Authenticator, AuthError, Principal
+from kvstore.daemon.auth import OWNER, Authenticator, Principal
 from kvstore.daemon.store import BlockStore, Handle
 from kvstore.errors import (
     CapacityError,
@@ -45,7 +45,6 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (AuthError, grpc.StatusCode.UNAUTHENTICATED),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (NamespaceMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -111,8 +110,6 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 def _error_name(exc: BaseException) -> str:
-    if isinstance(exc, AuthError):
-        return UnauthenticatedError.__name__
     if isinstance(exc, KVStoreError):
         return type(exc).__name__
     if isinstance(exc, ValueError):

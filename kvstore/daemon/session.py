@@ -43,17 +43,12 @@ _UCRED = struct.Struct("3i")  # pid, uid, gid
 MAX_MESSAGE = 4096
 
 
-def session_socket_path(grpc_socket_path: str) -> str:
-    return grpc_socket_path + ".session"
-
-
 @dataclass
 class Session:
     token: str
     principal: Principal
     pid: int
     uid: int
-    slabs_sent: int = 0
 
 
 class SessionServer:
@@ -80,7 +75,6 @@ class SessionServer:
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
-        self.refused = 0
 
     def principal(self, token: str) -> Principal | None:
         """The principal of the live session ``token`` names (None: unknown or closed)."""
@@ -140,9 +134,8 @@ class SessionServer:
             pid, uid, gid = _UCRED.unpack(
                 conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
             )
-            principal = self.policy.for_unix_peer(uid, gid, pid)
+            principal = self.policy.for_unix_peer(uid, gid)
             if principal is None:
-                self.refused += 1
                 self._send(conn, {"ok": False, "code": "permission", "error": (
                     f"uid {uid} (gid {gid}) is not in the daemon's tenant policy"
                 )})  # fmt: skip
@@ -150,7 +143,6 @@ class SessionServer:
             # One user may hold at most half the sessions, so it cannot lock the others out.
             mine = sum(1 for s in self._sessions.values() if s.uid == uid)
             if len(self._sessions) >= self.max_sessions or mine >= max(1, self.max_sessions // 2):
-                self.refused += 1
                 self._send(conn, {"ok": False, "code": "exhausted", "error": (
                     f"too many sessions ({len(self._sessions)} open, {mine} of uid {uid}; "
                     f"connections.max_sessions is {self.max_sessions}, half of it per user)"
@@ -193,7 +185,6 @@ class SessionServer:
             socket.send_fds(
                 conn, [json.dumps({"ok": True, "size": size, "writable": access}).encode()], [fd]
             )
-            session.slabs_sent += 1
         finally:
             os.close(fd)
 
