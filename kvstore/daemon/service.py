@@ -511,6 +511,25 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 block_bytes=ns.block_bytes,
             )
         reply.namespaces_omitted = max(0, len(records) - limit)
+        quotas = self.store.quotas
+        for books in quotas.tenants():
+            if caller.operator or caller.may_read(books.name):
+                q = books.quota
+                reply.tenants.add(
+                    name=books.name,
+                    cpu_bytes=books.cpu_bytes,
+                    nvme_bytes=books.nvme_bytes,
+                    pinned_bytes=books.pinned_bytes,
+                    leases=books.leases,
+                    reservations=books.reservations,
+                    quota_cpu_bytes=q.cpu_bytes,
+                    quota_nvme_bytes=q.nvme_bytes,
+                    guaranteed_cpu_bytes=books.guaranteed_cpu_bytes,
+                    guaranteed_nvme_bytes=books.guaranteed_nvme_bytes,
+                    max_pinned_bytes=quotas.pinned_cap(books),
+                    keys_per_s=q.keys_per_s,
+                    refused_keys=books.refused_keys,
+                )
         return reply
 
 

@@ -130,7 +130,9 @@ class SharedTier:
         if not claim:
             return []
         bb = record.block_bytes
-        slots = await store.mover.alloc_cpu(bb, len(claim), partial=True, domain=record.domain)
+        slots = await store.mover.alloc_cpu(
+            bb, len(claim), partial=True, domain=record.domain, record=record
+        )
         # Claim entries (RESERVED: invisible, and a concurrent fetch of a key skips it) before
         # the next await; stop at a key someone indexed while room was being made.
         eids: list[int] = []
