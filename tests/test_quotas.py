@@ -396,3 +396,63 @@ def test_stat_cli_shows_tenants_against_their_quotas(daemon_factory) -> None:
             capture_output=True, text=True, timeout=60, check=True,
         ).stdout  # fmt: skip
         assert "TENANT" in table and "16.0KiB / 4.0MiB" in table, table
+
+
+# ----------------------------------------------------------------- the tiers below
+
+
+def test_a_tenant_at_its_nvme_quota_drops_its_own_disk_blocks(daemon_factory, tmp_path) -> None:
+    """Write-back of a tenant at its quota_nvme makes room from that tenant's own coldest disk
+    blocks: its NVMe bytes never pass the quota, its oldest blocks are gone, and the victim's
+    blocks (written down first) stay readable."""
+    quota = 48 * BB
+    d = daemon_factory(
+        cpu_capacity="256KiB",
+        slab="64KiB",
+        nvme_path=tmp_path / "nvme",
+        nvme_capacity="4MiB",
+        extra=policy(f'[tenants.hostile]\nquota_nvme = "{quota}"\n'),
+    )
+    hostile, victim = client(d, "hostile"), client(d, "victim")
+    with hostile, victim:
+        mine = victim.hash_tokens(tokens(16, offset=50_000))
+        blocks = random_blocks(SMALL_LAYOUT, 16, seed=6)
+        assert victim.put(mine, blocks) == 16
+        flood = hostile.hash_tokens(tokens(256))
+        for i in range(0, 256, 16):
+            assert hostile.put(flood[i : i + 16], random_blocks(SMALL_LAYOUT, 16, seed=i)) == 16
+            assert tenant_stats(hostile)["hostile"].nvme_bytes <= quota
+        assert hostile.lookup(flood[:32]) == 0  # 256 blocks, at most 32 + 48 kept
+        assert same_bytes(victim.get(mine), blocks)
+        assert (
+            tenant_stats(victim)["victim"].nvme_bytes + tenant_stats(victim)["victim"].cpu_bytes
+            >= 16 * BB
+        )
+    assert d.alive()
+
+
+def test_a_namespace_quota_bounds_what_it_keeps_in_redis(daemon_factory, redis_server) -> None:
+    """[tenants.NAME.namespace] quota_redis bounds the bytes each of the tenant's namespaces
+    keeps in Redis (the oldest go first); another tenant's blocks there are untouched."""
+    from conftest import tiers, wait_for
+
+    from kvstore.tiers.redis import HEADER_BYTES
+
+    per = HEADER_BYTES + BB
+    d = daemon_factory(
+        cpu_capacity="1MiB",
+        slab="64KiB",
+        redis_url=redis_server.url,
+        extra=policy(f"[tenants.hostile.namespace]\nquota_redis = {16 * per}\n"),
+    )
+    hostile, victim = client(d, "hostile"), client(d, "victim")
+    with hostile, victim:
+        mine = victim.hash_tokens(tokens(8, offset=50_000))
+        assert victim.put(mine, random_blocks(SMALL_LAYOUT, 8, seed=2)) == 8
+        flood = hostile.hash_tokens(tokens(64))
+        for i in range(0, 64, 16):
+            hostile.put(flood[i : i + 16], random_blocks(SMALL_LAYOUT, 16, seed=i))
+        wait_for(lambda: tiers(victim)["redis"].demotions >= 72, what="write-through")
+        # 16 of the hostile namespace's blocks, the victim's 8, the bounded namespace's index.
+        assert int(redis_server.cli("DBSIZE").strip()) == 16 + 8 + 1
+    assert d.alive()

@@ -327,7 +327,10 @@ class Mover:
         if not index.tier[eid] & IN_CPU:
             return False
         block_bytes = store.block_bytes_of(eid)
-        slot = self._disk_slot(block_bytes)
+        record = store.namespace_record(index.ns[eid])
+        if not self._nvme_quota_room(record, block_bytes):
+            return False  # at its quota_nvme, its own disk blocks all busy: stays in memory
+        slot = self._disk_slot(block_bytes, record.owner)
         if slot is None:
             return False
         key, fingerprint = index.key(eid), store.fingerprint_of(eid)
@@ -367,13 +370,40 @@ class Mover:
         finally:
             store.unpin(eid)
 
-    def _disk_slot(self, block_bytes: int) -> int | None:
+    def _nvme_quota_room(self, record: NamespaceRecord, block_bytes: int) -> bool:
+        """Bring ``record``'s namespace and tenant within their ``quota_nvme`` for one more
+        block by evicting their own coldest disk blocks; False when they cannot."""
+        store, index, quotas = self.store, self.store.index, self.store.quotas
+        for books, where in ((record.usage, "namespace"), (record.owner, "tenant")):
+            excess = quotas.over(books, "nvme", block_bytes)
+            if not excess:
+                continue
+            victims, freed = [], 0
+            for eid in store.nvme_policy.order():  # coldest first
+                if freed >= excess:
+                    break
+                if where == "namespace":
+                    mine = index.ns[eid] == record.ns_id
+                else:
+                    mine = store.names[index.ns[eid]].owner is books
+                if mine and not index.leases[eid] and eid not in self._promoting:
+                    victims.append(eid)
+                    freed += store.block_bytes_of(eid)
+            if freed < excess:
+                return False
+            self._evict_disk(victims)
+        return True
+
+    def _disk_slot(self, block_bytes: int, requester: Usage | None = None) -> int | None:
         """A free disk slot, making room when the tier is full: the coldest unprotected disk
         block goes, and when it is of another size, its whole slab goes (the slab then returns
         to the pool, where this size takes it), as in the CPU tier. A disk-only victim is gone;
-        a victim with a copy above just loses its disk copy (it becomes dirty again)."""
+        a victim with a copy above just loses its disk copy (it becomes dirty again). A block of
+        another tenant than ``requester`` goes only while that tenant keeps its
+        ``guaranteed_nvme``."""
         store, index, tier = self.store, self.store.index, self.store.nvme
         assert tier is not None
+        quotas = store.quotas
         slot_size = tier.slot_bytes_for(block_bytes)
         stuck: set[int] = set()
         for _ in range(4):  # a few slabs at most per call: the caller may try again later
@@ -382,7 +412,16 @@ class Mover:
                 return slot
 
             def protected(eid: int) -> bool:
-                return bool(index.leases[eid]) or eid in self._promoting
+                return (
+                    bool(index.leases[eid])
+                    or eid in self._promoting
+                    or (
+                        bool(quotas.guaranteed_nvme)
+                        and quotas.spared(
+                            requester, "nvme", self._owner_books(eid), store.block_bytes_of(eid)
+                        )
+                    )
+                )
 
             victim = None
             for eid in store.nvme_policy.order():  # coldest first
@@ -405,6 +444,12 @@ class Mover:
                 # slab from each other on every write-back would churn without end.
                 stuck.add(slab)
                 continue
+            guard = quotas.guard(requester, "nvme", self._owner_books, store.block_bytes_of)
+            if guard is not None:
+                take = guard()  # the whole slab goes: its tenants' guarantees, together
+                if not all(take(e) for e in owners if e is not None):
+                    stuck.add(slab)
+                    continue
             self._evict_disk([e for e in owners if e is not None])
         return tier.allocate(block_bytes)
 

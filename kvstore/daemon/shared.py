@@ -254,10 +254,12 @@ class SharedTier:
                     )
                     for e, key in group
                 ]
-                calls.append((record.fingerprint, ns_id, group, blocks))
-            for fingerprint, ns_id, group, blocks in calls:
+                # A tenant's per-namespace quota_redis, else the tier's own bound.
+                bound = record.usage.quota.redis_bytes if record.usage is not None else 0
+                calls.append((record.fingerprint, ns_id, group, blocks, bound or None))
+            for fingerprint, ns_id, group, blocks, bound in calls:
                 try:
-                    await self.tier.put(fingerprint, blocks)
+                    await self.tier.put(fingerprint, blocks, max_bytes=bound)
                 except RedisTierUnavailable:
                     self.skipped += 1
                     return False

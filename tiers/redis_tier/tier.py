@@ -261,11 +261,18 @@ class RedisTier:
             found += 1
         return found
 
-    async def put(self, namespace: bytes, blocks: Sequence[tuple[bytes, Any, int]]) -> int:
+    async def put(
+        self,
+        namespace: bytes,
+        blocks: Sequence[tuple[bytes, Any, int]],
+        max_bytes: int | None = None,
+    ) -> int:
         """Store ``(key, block bytes, bound checksum)`` blocks; returns how many were newly
         stored (a present key is left as it is; a batch larger than the namespace's bound counts
         the tail blocks it stored and at once evicted). Raises ValueError, before sending
-        anything, if a block does not match its checksum."""
+        anything, if a block does not match its checksum. ``max_bytes``: this namespace's
+        bound instead of ``max_bytes_per_namespace`` (a tenant's per-namespace quota)."""
+        bound = self.max_bytes_per_namespace if max_bytes is None else max_bytes
         prefix = fmt.namespace_prefix(self.key_prefix, fmt.check_namespace(namespace))
         cmds: list[Command] = []
         keys: list[bytes] = []
@@ -285,7 +292,7 @@ class RedisTier:
             return 0
         n_sets = len(cmds)
         index = fmt.index_name(prefix)
-        if self.max_bytes_per_namespace is not None:
+        if bound is not None:
             now_us = time.time_ns() // 1000
             if self._ttl_ms is not None:
                 # Entries older than the TTL name expired blocks: drop them so they are not
@@ -302,9 +309,9 @@ class RedisTier:
 
         async def run() -> list[Any]:
             replies = await self._run(cmds)
-            if self.max_bytes_per_namespace is not None:
+            if bound is not None:
                 count_at = n_sets + (2 if self._ttl_ms is not None else 1)
-                await self._enforce_bound(prefix, index, replies[count_at], max(sizes))
+                await self._enforce_bound(prefix, index, replies[count_at], max(sizes), bound)
             return replies
 
         replies = await self._call(run)
@@ -319,13 +326,14 @@ class RedisTier:
         self._counters["bytes_written"] += written
         return stored
 
-    async def _enforce_bound(self, prefix: bytes, index: bytes, count: Any, block: int) -> None:
-        assert self.max_bytes_per_namespace is not None
+    async def _enforce_bound(
+        self, prefix: bytes, index: bytes, count: Any, block: int, bound: int
+    ) -> None:
         if not isinstance(count, int):
             if isinstance(count, Exception):
                 self._counters["errors"] += 1
             return
-        excess = count - self.max_bytes_per_namespace // (fmt.HEADER_BYTES + block)
+        excess = count - bound // (fmt.HEADER_BYTES + block)
         if excess <= 0:
             return
         (popped,) = await self._run([("ZPOPMIN", index, excess)])
