@@ -456,3 +456,53 @@ def test_a_namespace_quota_bounds_what_it_keeps_in_redis(daemon_factory, redis_s
         # 16 of the hostile namespace's blocks, the victim's 8, the bounded namespace's index.
         assert int(redis_server.cli("DBSIZE").strip()) == 16 + 8 + 1
     assert d.alive()
+
+
+# ----------------------------------------------------------------- the books, in the store
+
+
+async def test_expired_reservations_stay_charged_until_their_quarantine_ends() -> None:
+    """Reserving, letting the reservation expire and reserving again used to be the second
+    wedge's loop: the expired slots sit in quarantine for another reservation_ttl_s. They stay
+    charged to their tenant (cpu bytes and pins) until they are reusable, so the loop gains
+    nothing; the books match the index at every step (``check``)."""
+    from test_store import LAYOUT, Clock, keys
+
+    from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig, TenantQuota
+    from kvstore.daemon.store import BlockStore
+    from kvstore.keys import Namespace
+
+    clock = Clock()
+    cfg = DaemonConfig(
+        gpu=GpuTierConfig(enabled="off"),
+        reservation_ttl_s=10,
+        cpu=CpuTierConfig(
+            capacity_bytes=16 * LAYOUT.block_bytes,
+            slab_bytes=2 * LAYOUT.block_bytes,
+            prefault=False,
+        ),
+        tenants=(TenantQuota("hostile"),),  # tenants configured: the default share is half
+    )
+    s = BlockStore(cfg, clock=clock)
+    try:
+        hostile = s.open_namespace(Namespace(model="m", layout=LAYOUT, tenant="hostile"))
+        victim = s.open_namespace(Namespace(model="m", layout=LAYOUT, tenant="victim"))
+        assert (await s.reserve(hostile, keys(8))).reservation_id  # half the tier
+        with pytest.raises(CapacityError, match="max_pinned"):
+            await s.reserve(hostile, keys(1, start=100))
+        s.check()
+        clock.now = 11.0
+        assert s.reap() == (1, 0)
+        books = s.quotas.tenant("hostile")
+        assert books.reservations == 0 and books.pinned_bytes == 8 * LAYOUT.block_bytes
+        assert books.cpu_bytes == 8 * LAYOUT.block_bytes
+        with pytest.raises(CapacityError, match="max_pinned"):
+            await s.reserve(hostile, keys(1, start=100))  # the quarantine is still its pin
+        assert (await s.reserve(victim, keys(8, start=200))).reservation_id  # the other half
+        s.check()
+        clock.now = 22.0
+        s.reap()
+        assert books.pinned_bytes == 0 and books.cpu_bytes == 0
+        s.check()
+    finally:
+        s.close()

@@ -168,12 +168,13 @@ class Quotas:
     def take_keys(self, record: NamespaceRecord, n: int) -> None:
         """Spend ``n`` keys from the namespace's and the tenant's buckets, or refuse the call
         (nothing is spent then)."""
-        now = self._clock()
         buckets = []
+        now = 0.0
         for books, where in ((record.usage, "namespace"), (record.owner, "tenant")):
             rate = books.quota.keys_per_s
             if not rate:
                 continue
+            now = now or self._clock()
             if books.bucket is None:
                 books.bucket = TokenBucket(rate, books.quota.burst, now)
             bucket = books.bucket
@@ -285,8 +286,11 @@ class Quotas:
         pin.nbytes -= nbytes
         self.total_pinned -= nbytes
 
-    def slab_of(self, offset: int) -> int:
-        return self._slab_of(offset)
+    def slabs_of(self, offsets: list[int]) -> list[int]:
+        """The CPU slabs of ``offsets`` where pins count slabs (memory domains), else none."""
+        if not self.domains:
+            return []
+        return [self._slab_of(o) for o in offsets]
 
     # ----------------------------------------------------------------- byte quotas
     @staticmethod

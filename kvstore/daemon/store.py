@@ -432,7 +432,7 @@ class BlockStore:
             return AcquireResult(0, [], [], [], pending)
         on_gpu = [bool(gpu and tiers[e] & IN_GPU) for e in eids]
         in_arena = [self.index.offset[e] for e, g in zip(eids, on_gpu, strict=True) if not g]
-        slabs = [self.quotas.slab_of(o) for o in in_arena]
+        slabs = self.quotas.slabs_of(in_arena)
         try:
             # One tenant may pin only its share: the rest of the tier stays evictable.
             self.quotas.check_pin(record, "leases", len(in_arena) * record.block_bytes, slabs)
@@ -579,9 +579,8 @@ class BlockStore:
             return ReserveResult(0, offsets, False, pending)
         try:
             # Now the slabs are known: with memory domains a pin counts whole slabs.
-            self.quotas.check_pin(
-                record, "reservations", len(todo) * bb, [self.quotas.slab_of(o) for o in slots]
-            )
+            slabs = self.quotas.slabs_of(slots)
+            self.quotas.check_pin(record, "reservations", len(todo) * bb, slabs)
         except CapacityError:
             for offset in slots:
                 self.cpu_unalloc(offset, bb)
@@ -617,7 +616,7 @@ class BlockStore:
             handle.record,
             "reservations",
             len(arena_slots) * handle.record.block_bytes,
-            [self.quotas.slab_of(o) for o in arena_slots],
+            self.quotas.slabs_of(arena_slots),
         )
         handle.reservations[reservation_id] = Reservation(
             eids, self._clock() + self.config.reservation_ttl_s, gpu=gpu, pin=pin
@@ -998,7 +997,7 @@ class BlockStore:
             else:
                 self.cpu_slots.release_quarantined(offset, block_bytes)
                 if pin is not None:
-                    self.quotas.unpin(pin, block_bytes, [self.quotas.slab_of(offset)])
+                    self.quotas.unpin(pin, block_bytes, self.quotas.slabs_of([offset]))
                     for books in pin.books:
                         books.cpu_bytes -= block_bytes
         until = now + self.config.reservation_ttl_s
