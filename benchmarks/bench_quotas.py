@@ -12,12 +12,13 @@
    the hostile tenant's refused calls.
 2. **Hot path.** Lookup of 128 present keys, acquire+release of 32 blocks and a put of 32
    blocks (p50, us) on a daemon with quotas configured for the tenant (CPU quota, pinned
-   bound, leases, reservations and a keys/s bucket large enough never to refuse), against the
-   same daemon without ``[tenants]``, alternately in one run. The books are kept either way;
-   to price them, run ``--part hot`` once with ``PYTHONPATH=<tree before quotas>`` (only the
-   ``off`` row then applies) and compare its ``off`` row with this tree's.
+   bound, leases, reservations and a keys/s bucket large enough never to refuse: every check
+   runs), one without ``[tenants]`` (the books are kept, nothing is bounded), and with
+   ``--before TREE`` a daemon of a tree without quotas: the three run side by side and each
+   iteration times each in turn.
 
-Usage: ``python benchmarks/bench_quotas.py [--quick] [--json] [--part fair|hot]``.
+Usage: ``python benchmarks/bench_quotas.py [--quick] [--json] [--part fair|hot]
+[--before /path/to/tree]``.
 """
 
 from __future__ import annotations
@@ -123,38 +124,76 @@ def _p50_us(xs: list[float]) -> float:
     return statistics.median(xs) * 1e6
 
 
-def hot_path(runs: int) -> list[dict[str, Any]]:
-    modes = {
-        "off": "",
-        "on": (
-            '[tenants.bench]\nquota_cpu = "48MiB"\nmax_pinned = "32MiB"\nmax_leases = 100000\n'
-            "max_reservations = 100000\nkeys_per_s = 1e9\nkeys_burst = 1000000000\n\n"
-            '[tenants.bench.namespace]\nquota_cpu = "48MiB"\nkeys_per_s = 1e9\n'
-        ),
-    }
-    samples: dict[str, dict[str, list[float]]] = {
-        m: {"lookup": [], "acquire": [], "put": []} for m in modes
-    }
-    for _ in range(runs):
-        for mode, text in modes.items():  # alternately, so drift hits both alike
-            with KVStoreDaemon(TIER, extra_args=["--config", _config(text)]) as d:
-                kv = KVStoreClient(d.address, layout=LAYOUT, model="hot", tenant="bench")
-                keys = kv.hash_tokens(list(range(128 * 16)))
-                kv.put(keys, blocks(128, 0))
-                data = blocks(32, 1)
-                s = samples[mode]
-                for i in range(60):
-                    t0 = time.perf_counter()
-                    kv.lookup(keys)
-                    s["lookup"].append(time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    kv.acquire(keys[:32]).release()
-                    s["acquire"].append(time.perf_counter() - t0)
-                    fresh = kv.hash_tokens(list(range((1000 + 32 * i) * 16, (1032 + 32 * i) * 16)))
-                    t0 = time.perf_counter()
-                    kv.put(fresh, data)
-                    s["put"].append(time.perf_counter() - t0)
-                kv.close()
+def _start(text: str, tree: str | None) -> KVStoreDaemon:
+    """A daemon with config ``text``, running this tree's kvstore or ``tree``'s."""
+    import _harness
+
+    d = KVStoreDaemon(TIER, extra_args=["--config", _config(text)])
+    if tree is None:
+        d.start()
+        return d
+    ours = _harness._env_with_our_kvstore
+    _harness._env_with_our_kvstore = lambda: {**os.environ, "PYTHONPATH": tree}
+    try:
+        d.start()
+    except BaseException:
+        d.stop()
+        raise
+    finally:
+        _harness._env_with_our_kvstore = ours
+    return d
+
+
+HOT = {
+    "off": "",
+    "on": (
+        '[tenants.bench]\nquota_cpu = "48MiB"\nmax_pinned = "32MiB"\nmax_leases = 100000\n'
+        "max_reservations = 100000\nkeys_per_s = 1e9\nkeys_burst = 1000000000\n\n"
+        '[tenants.bench.namespace]\nquota_cpu = "48MiB"\nkeys_per_s = 1e9\n'
+    ),
+}
+
+
+def hot_path(iterations: int, before: str | None) -> list[dict[str, Any]]:
+    """The daemons run side by side and every iteration times each of them in turn (the
+    order rotating), so the load of a shared machine falls on all alike."""
+    modes: list[tuple[str, str, str | None]] = [(m, t, None) for m, t in HOT.items()]
+    if before:
+        modes.insert(0, ("before (tree at --before)", "", before))
+    daemons, clients = [], []
+    try:
+        for _, text, tree in modes:
+            daemons.append(_start(text, tree))
+            kv = KVStoreClient(daemons[-1].address, layout=LAYOUT, model="hot", tenant="bench")
+            clients.append(kv)
+        keys = clients[0].hash_tokens(list(range(128 * 16)))
+        for kv in clients:
+            kv.put(keys, blocks(128, 0))
+        data = blocks(32, 1)
+        samples: list[dict[str, list[float]]] = [
+            {"lookup": [], "acquire": [], "put": []} for _ in modes
+        ]
+        for i in range(iterations):
+            fresh = clients[0].hash_tokens(list(range((1000 + 32 * i) * 16, (1032 + 32 * i) * 16)))
+            order = list(range(len(modes)))
+            order = order[i % len(order) :] + order[: i % len(order)]
+            for j in order:
+                kv, s = clients[j], samples[j]
+                t0 = time.perf_counter()
+                kv.lookup(keys)
+                s["lookup"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                kv.acquire(keys[:32]).release()
+                s["acquire"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                kv.put(fresh, data)
+                s["put"].append(time.perf_counter() - t0)
+                kv.delete(fresh)
+    finally:
+        for kv in clients:
+            kv.close()
+        for d in daemons:
+            d.stop()
     return [
         {
             "quotas": mode,
@@ -162,14 +201,17 @@ def hot_path(runs: int) -> list[dict[str, Any]]:
             "acquire_release_32_p50_us": _p50_us(s["acquire"]),
             "put_32_p50_us": _p50_us(s["put"]),
         }
-        for mode, s in samples.items()
+        for (mode, _, _), s in zip(modes, samples, strict=True)
     ]
 
 
 def main() -> int:
     args = parse_args(
         __doc__.split("\n\n")[0],
-        lambda p: p.add_argument("--part", choices=("all", "fair", "hot"), default="all"),
+        lambda p: (
+            p.add_argument("--part", choices=("all", "fair", "hot"), default="all"),
+            p.add_argument("--before", help="a kvstore tree without quotas, timed alongside"),
+        ),
     )
     print_header("bench_quotas", args)
     result: dict[str, Any] = {}
@@ -184,10 +226,10 @@ def main() -> int:
               r["victim_puts"], r["hostile_refused_calls"]] for r in rows],
         )  # fmt: skip
     if args.part in ("all", "hot"):
-        rows = hot_path(2 if args.quick else 5)
+        rows = hot_path(100 if args.quick else 400, args.before)
         result["hot"] = rows
         print_table(
-            "hot path with and without quotas configured (p50 us, alternate daemons, one run)",
+            "hot path with and without quotas (p50 us; daemons side by side, timed in turn)",
             ["quotas", "lookup 128 keys", "acquire+release 32", "put 32"],
             [[r["quotas"], r["lookup_128_p50_us"], r["acquire_release_32_p50_us"],
               r["put_32_p50_us"]] for r in rows],
