@@ -506,3 +506,19 @@ async def test_expired_reservations_stay_charged_until_their_quarantine_ends() -
         s.check()
     finally:
         s.close()
+
+
+def test_a_tenant_whose_quota_equals_its_guarantee_still_evicts_its_own(daemon_factory) -> None:
+    """A guarantee protects a tenant from others, never from its own quota: at
+    quota_cpu == guaranteed_cpu its puts still make room from its own coldest blocks."""
+    d = daemon_factory(
+        cpu_capacity="1MiB",
+        slab="64KiB",
+        extra=policy(f'[tenants.victim]\nquota_cpu = "{16 * BB}"\nguaranteed_cpu = "{16 * BB}"\n'),
+    )
+    with client(d, "victim") as kv:
+        keys = kv.hash_tokens(tokens(48))
+        for i in range(0, 48, 8):
+            assert kv.put(keys[i : i + 8], random_blocks(SMALL_LAYOUT, 8, seed=i)) == 8
+        assert kv.lookup(keys[:8]) == 0 and kv.lookup(keys[-16:]) == 16
+        assert tenant_stats(kv)["victim"].cpu_bytes == 16 * BB

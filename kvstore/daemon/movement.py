@@ -261,7 +261,7 @@ class Mover:
                         freed += store.block_bytes_of(eid)
                 if not victims:
                     break
-                await self._evict_cpu(victims, None)
+                await self._evict_cpu(victims, record.owner)  # its own: no guarantee spares them
             excess = quotas.over(books, "cpu", block_bytes * n + held_bytes)
             if excess:
                 if not partial:
