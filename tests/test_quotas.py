@@ -522,3 +522,63 @@ def test_a_tenant_whose_quota_equals_its_guarantee_still_evicts_its_own(daemon_f
             assert kv.put(keys[i : i + 8], random_blocks(SMALL_LAYOUT, 8, seed=i)) == 8
         assert kv.lookup(keys[:8]) == 0 and kv.lookup(keys[-16:]) == 16
         assert tenant_stats(kv)["victim"].cpu_bytes == 16 * BB
+
+
+# ----------------------------------------------------------------- under random use
+
+
+def _quota_machine():  # type: ignore[no-untyped-def]
+    """The store's random-use machine (``test_store_properties``) with tenant t1 under a CPU
+    quota and t2 holding a guarantee: after every step the books match the index, t1 is within
+    its quota and its pinned share, pins leave room for t2's guarantee, and no step of t1's
+    took t2 below its guarantee."""
+    import dataclasses
+
+    from hypothesis import settings
+    from hypothesis.stateful import invariant
+    from test_store_properties import NAMESPACES, SMALL, StoreMachine
+
+    from kvstore.config import Quota, TenantQuota
+
+    quota, guaranteed = 10 * SMALL.block_bytes, 6 * SMALL.block_bytes
+
+    class QuotaMachine(StoreMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.run(self.store.stop())
+            self.config = dataclasses.replace(
+                self.config,
+                tenants=(
+                    TenantQuota("t1", tenant=Quota(cpu_bytes=quota)),
+                    TenantQuota("t2", guaranteed_cpu_bytes=guaranteed),
+                ),
+            )
+            self.store = self._start()
+            self.last_tenant: str | None = None
+            self.t2_before = 0
+
+        def handle(self, ns: int):  # type: ignore[no-untyped-def]
+            self.last_tenant = NAMESPACES[ns].tenant
+            return super().handle(ns)
+
+        @invariant()
+        def quotas_hold(self) -> None:
+            self.settle()
+            quotas = self.store.quotas
+            t1, t2 = quotas.tenant("t1"), quotas.tenant("t2")
+            assert t1.cpu_bytes <= quota, f"t1 holds {t1.cpu_bytes} over its quota {quota}"
+            assert t1.pinned_bytes <= quotas.pinned_cap(t1)
+            assert quotas.total_pinned + max(0, guaranteed - t2.pinned_bytes) <= quotas.capacity
+            if self.last_tenant == "t1":
+                floor = min(self.t2_before, guaranteed)
+                assert t2.cpu_bytes >= floor, f"t1 took t2 to {t2.cpu_bytes}, under {floor}"
+            self.last_tenant = None
+            self.t2_before = t2.cpu_bytes
+
+    QuotaMachine.TestCase.settings = settings(
+        max_examples=60, stateful_step_count=40, deadline=None, derandomize=True
+    )
+    return QuotaMachine.TestCase
+
+
+TestQuotasUnderRandomUse = _quota_machine()
