@@ -582,3 +582,38 @@ def _quota_machine():  # type: ignore[no-untyped-def]
 
 
 TestQuotasUnderRandomUse = _quota_machine()
+
+
+async def test_books_of_tenants_nobody_configured_go_with_their_last_namespace() -> None:
+    """Without a policy a client names any tenant: the books of one the config does not name
+    are forgotten with its last namespace, so ever new names fill nothing; a configured
+    tenant's books (its rate bucket) stay."""
+    from test_store import LAYOUT, keys
+
+    from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig, Quota, TenantQuota
+    from kvstore.daemon.store import BlockStore
+    from kvstore.keys import Namespace
+
+    cfg = DaemonConfig(
+        gpu=GpuTierConfig(enabled="off"),
+        cpu=CpuTierConfig(capacity_bytes=16 * LAYOUT.block_bytes, prefault=False),
+        tenants=(TenantQuota("kept", tenant=Quota(keys_per_s=1.0, keys_burst=4)),),
+    )
+    s = BlockStore(cfg)
+    try:
+        for i in range(50):
+            h = s.open_namespace(Namespace(model="m", layout=LAYOUT, tenant=f"t{i}"))
+            await s.lookup(h, keys(1))
+            s.close_handle(h)
+        assert [b.name for b in s.quotas.tenants()] == []
+        h = s.open_namespace(Namespace(model="m", layout=LAYOUT, tenant="kept"))
+        await s.lookup(h, keys(4))
+        s.close_handle(h)
+        h = s.open_namespace(Namespace(model="m", layout=LAYOUT, tenant="kept"))
+        with pytest.raises(CapacityError, match="keys_per_s"):  # closing did not refill it
+            await s.lookup(h, keys(4))
+        s.close_handle(h)
+        assert [b.name for b in s.quotas.tenants()] == ["kept"]
+        s.check()
+    finally:
+        s.close()

@@ -141,6 +141,12 @@ def _check_quotas(store: BlockStore) -> None:
         if q[4] is not None:
             for books in q[4].books:
                 cpu[id(books)] = cpu.get(id(books), 0) + q[3]
+    owners: dict[int, int] = {}
+    for record in store.names.records():
+        assert record.owner is not None, f"namespace {record.name} has no tenant books"
+        owners[id(record.owner)] = owners.get(id(record.owner), 0) + 1
+    for books in [*quotas.tenants(), quotas.unowned]:
+        assert books.records == owners.get(id(books), 0), f"tenant {books.name}: record count"
     books_all = [r.usage for r in store.names.records()] + quotas.tenants() + [quotas.unowned]
     for books in books_all:
         assert books.cpu_bytes == cpu.get(id(books), 0), (

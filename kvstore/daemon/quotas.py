@@ -74,6 +74,7 @@ class Usage:
     slabs: dict[int, int] = field(default_factory=dict)
     bucket: TokenBucket | None = None
     refused_keys: int = 0  # keys refused by the rate limit (Stats)
+    records: int = 0  # namespace records whose tenant books these are
 
 
 @dataclass(eq=False)
@@ -139,6 +140,25 @@ class Quotas:
         spec = self._policy.get(ns.tenant) if ns is not None else None
         record.usage = Usage(record.name, spec.namespace if spec else Quota())
         record.owner = self.tenant(ns.tenant) if ns is not None else self.unowned
+        record.owner.records += 1
+
+    def forget(self, record: NamespaceRecord) -> None:
+        """A record is gone. The books of a tenant the config does not name go with its last
+        record once they hold nothing, so clients naming ever new tenants (no policy) fill
+        nothing; a configured tenant's books (its rate bucket) stay."""
+        if record.owner is None or record.usage is None:
+            return
+        owner: Usage = record.owner
+        record.owner = None
+        owner.records -= 1
+        if (
+            owner.records == 0
+            and owner is not self.unowned
+            and owner.name not in self._policy
+            and not (owner.cpu_bytes or owner.nvme_bytes or owner.pinned_bytes)
+            and self._tenants.get(owner.name) is owner
+        ):
+            del self._tenants[owner.name]
 
     def bind(self, record: NamespaceRecord) -> None:
         """A recovered namespace was opened: its blocks move to its tenant's books."""
@@ -146,6 +166,8 @@ class Quotas:
         if ns is None or record.owner is not self.unowned:
             return
         old, new, mine = self.unowned, self.tenant(ns.tenant), record.usage
+        old.records -= 1
+        new.records += 1
         old.cpu_bytes -= mine.cpu_bytes
         old.nvme_bytes -= mine.nvme_bytes
         new.cpu_bytes += mine.cpu_bytes

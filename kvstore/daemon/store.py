@@ -253,6 +253,7 @@ class BlockStore:
                 self._drop_one_lease(eid)
             self._unpin(lease.pin)
         self.names.release(handle)
+        self._maybe_forget_books(handle.record)
         return len(reservations), len(leases)
 
     def block_bytes_of(self, eid: int) -> int:
@@ -468,6 +469,10 @@ class BlockStore:
         for eid in lease.eids:
             self._drop_one_lease(eid)
         self._unpin(lease.pin)
+
+    def _maybe_forget_books(self, record: NamespaceRecord) -> None:
+        if not record.handles and not record.entries:  # the table forgot the record
+            self.quotas.forget(record)
 
     def _unpin(self, pin: Pin | None) -> None:
         if pin is not None:
@@ -980,6 +985,7 @@ class BlockStore:
             self._note_written(eid)  # waiters see the key free and may write it themselves
         record.entries -= 1
         self.names.maybe_free(record)
+        self._maybe_forget_books(record)
 
     def reap(self) -> tuple[int, int]:
         """Reclaim expired reservations and leases: (reservations, leases) reclaimed.
