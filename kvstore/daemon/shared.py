@@ -252,10 +252,12 @@ class SharedTier:
                     )
                     for e, key in group
                 ]
-                calls.append((record.fingerprint, ns_id, group, blocks))
-            for fingerprint, ns_id, group, blocks in calls:
+                calls.append(
+                    (record.fingerprint, ns_id, group, blocks, store.codec_of(record, "redis"))
+                )
+            for fingerprint, ns_id, group, blocks, (codec, block_format) in calls:
                 try:
-                    await self.tier.put(fingerprint, blocks)
+                    await self.tier.put(fingerprint, blocks, codec=codec, block_format=block_format)
                 except RedisTierUnavailable:
                     self.skipped += 1
                     return False
