@@ -86,7 +86,9 @@ def main() -> None:
             rows.append(
                 {
                     "tokens": list(c.token_ids),
-                    "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)],
+                    "logprobs": [
+                        lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)
+                    ],
                     "num_cached_tokens": out.num_cached_tokens,
                     "seconds": seconds,
                 }
