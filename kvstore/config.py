@@ -41,7 +41,9 @@ class CpuTierConfig:
             raise ValueError(f"cpu high_watermark must be in (0, 1], got {self.high_watermark}")
 
 
-CODECS = ("none", "lz4")
+CODECS = ("none", "lz4", "fp8", "fp8+lz4")
+"""Codecs of the tiers below the CPU tier (``kvstore.tiers.codecs``); the fp8 ones are lossy."""
+LOSSY_CODECS = ("fp8", "fp8+lz4")
 
 
 @dataclass(frozen=True)
@@ -86,12 +88,40 @@ class RedisTierConfig:
     ttl_s: float = 0.0  # 0: no expiry
     max_bytes_per_namespace: int = 0  # 0: no per-namespace bound (use Redis's maxmemory)
     key_prefix: str = "kvs"
+    codec: str = "none"  # of the values this host writes; [[codecs]] overrides per namespace
 
     def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ValueError(f"redis codec {self.codec!r} unknown; choose one of {CODECS}")
         if self.timeout_s <= 0:
             raise ValueError(f"redis timeout_s must be positive, got {self.timeout_s}")
         if self.ttl_s < 0 or self.max_bytes_per_namespace < 0:
             raise ValueError("redis ttl_s and max_bytes_per_namespace must be >= 0")
+
+
+@dataclass(frozen=True)
+class CodecRule:
+    """``[[codecs]]``: the codecs of the namespaces whose model and tenant match (an empty
+    ``model`` or ``tenant`` matches any) in the NVMe and Redis tiers; an empty codec keeps that
+    tier's default (``nvme.codec``, ``redis.codec``). The first matching rule applies. A lossy
+    codec (fp8) applies only where an operator names it here or as a tier's default."""
+
+    model: str = ""
+    tenant: str = ""
+    nvme: str = ""
+    redis: str = ""
+
+    def __post_init__(self) -> None:
+        for tier in ("nvme", "redis"):
+            codec = getattr(self, tier)
+            if codec and codec not in CODECS:
+                raise ValueError(
+                    f"codecs rule (model {self.model!r}, tenant {self.tenant!r}): {tier} codec "
+                    f"{codec!r} unknown; choose one of {CODECS}"
+                )
+
+    def matches(self, model: str, tenant: str) -> bool:
+        return self.model in ("", model) and self.tenant in ("", tenant)
 
 
 GPU_MODES = ("auto", "on", "off")
@@ -360,6 +390,7 @@ class DaemonConfig:
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     nvme: NvmeTierConfig = field(default_factory=NvmeTierConfig)
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
+    codecs: tuple[CodecRule, ...] = ()  # per-namespace codecs of the tiers below the CPU tier
     # Seconds a graceful stop may spend writing dirty CPU blocks down so a restart finds them.
     drain_timeout_s: float = 30.0
     # host:port of the Prometheus endpoint (GET /metrics, /healthz). Empty: no HTTP listener,
@@ -499,6 +530,7 @@ _KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "ttl_s": ("ttl_s", float),
         "max_bytes_per_namespace": ("max_bytes_per_namespace", parse_size),
         "key_prefix": ("key_prefix", str),
+        "codec": ("codec", str),
     },
 }
 
@@ -529,6 +561,23 @@ def _access(value: Any, source: str) -> tuple[AccessRule, ...]:
             kwargs[key] = tuple(str(x) for x in entry.get(key, ()))
         kwargs["role"] = str(entry.get("role", "user"))
         rules.append(AccessRule(**kwargs))
+    return tuple(rules)
+
+
+_CODEC_RULE_KEYS = {f.name for f in dataclasses.fields(CodecRule)}
+
+
+def _codec_rules(value: Any, source: str) -> tuple[CodecRule, ...]:
+    """``[[codecs]]``: a list of tables (see ``CodecRule``)."""
+    if not isinstance(value, list):
+        raise ValueError(f"{source}: [[codecs]] must be an array of tables")
+    rules = []
+    for i, entry in enumerate(value):
+        entry = _table(entry, f"{source}: codecs[{i}]")
+        unknown = set(entry) - _CODEC_RULE_KEYS
+        if unknown:
+            raise ValueError(f"{source}: unknown keys in codecs[{i}]: {sorted(unknown)}")
+        rules.append(CodecRule(**{k: str(v) for k, v in entry.items()}))
     return tuple(rules)
 
 
@@ -633,7 +682,7 @@ def _fields(data: dict[str, Any], section: str, source: str) -> dict[str, Any]:
 
 
 def _apply(base: DaemonConfig, data: dict[str, Any], source: str) -> DaemonConfig:
-    unknown = set(data) - set(_KEYS) - {"access", "shared", "tenants"}
+    unknown = set(data) - set(_KEYS) - {"access", "shared", "codecs", "tenants"}
     if unknown:
         raise ValueError(f"{source}: unknown config sections {sorted(unknown)}")
     auth = dataclasses.replace(base.auth, **_fields(data, "auth", source))
@@ -641,6 +690,8 @@ def _apply(base: DaemonConfig, data: dict[str, Any], source: str) -> DaemonConfi
         auth = dataclasses.replace(auth, access=_access(data["access"], source))
     if "shared" in data:
         auth = dataclasses.replace(auth, shared=_shared(data["shared"], source))
+    if "codecs" in data:
+        base = dataclasses.replace(base, codecs=_codec_rules(data["codecs"], source))
     tenants = _tenants(data["tenants"], source) if "tenants" in data else base.tenants
     return dataclasses.replace(
         base,

@@ -330,7 +330,10 @@ class Mover:
         record = store.namespace_record(index.ns[eid])
         if not self._nvme_quota_room(record, block_bytes):
             return False  # at its quota_nvme, its own disk blocks all busy: stays in memory
-        slot = self._disk_slot(block_bytes, record.owner)
+        codec, block_format = store.codec_of(record, "nvme")
+        slot = self._disk_slot(
+            tier.payload_bytes_for(block_bytes, codec, block_format), record.owner
+        )
         if slot is None:
             return False
         key, fingerprint = index.key(eid), store.fingerprint_of(eid)
@@ -348,7 +351,9 @@ class Mover:
             from kvstore.tiers.nvme import NvmeIOError
 
             try:
-                await tier.write(slot, key, fingerprint, data, checksum)
+                await tier.write(
+                    slot, key, fingerprint, data, checksum, codec=codec, block_format=block_format
+                )
             except NvmeIOError as exc:
                 store.nvme_counters.io_errors += 1
                 log.warning("nvme write failed: %s", exc)
@@ -394,17 +399,18 @@ class Mover:
             self._evict_disk(victims)
         return True
 
-    def _disk_slot(self, block_bytes: int, requester: Usage | None = None) -> int | None:
-        """A free disk slot, making room when the tier is full: the coldest unprotected disk
-        block goes, and when it is of another size, its whole slab goes (the slab then returns
-        to the pool, where this size takes it), as in the CPU tier. A disk-only victim is gone;
-        a victim with a copy above just loses its disk copy (it becomes dirty again). A block of
-        another tenant than ``requester`` goes only while that tenant keeps its
-        ``guaranteed_nvme``."""
+    def _disk_slot(self, payload_bytes: int, requester: Usage | None = None) -> int | None:
+        """A free disk slot for a payload of ``payload_bytes`` (its codec's bound), making room
+        when the tier is full: the coldest unprotected disk block goes, and when its slot is of
+        another size, its whole slab goes (the slab then returns to the pool, where this size
+        takes it), as in the CPU tier. A disk-only victim is gone; a victim with a copy above
+        just loses its disk copy (it becomes dirty again). A block of another tenant than
+        ``requester`` goes only while that tenant keeps its ``guaranteed_nvme``."""
         store, index, tier = self.store, self.store.index, self.store.nvme
         assert tier is not None
         quotas = store.quotas
-        slot_size = tier.slot_bytes_for(block_bytes)
+        slot_size = tier.slot_bytes_for(payload_bytes)
+        block_bytes = payload_bytes
         stuck: set[int] = set()
         for _ in range(4):  # a few slabs at most per call: the caller may try again later
             slot: int | None = tier.allocate(block_bytes)
@@ -427,13 +433,13 @@ class Mover:
             for eid in store.nvme_policy.order():  # coldest first
                 if protected(eid):
                     continue
-                same = tier.slot_bytes_for(store.block_bytes_of(eid)) == slot_size
+                same = tier.slot_size(index.disk[eid]) == slot_size
                 if same or tier.slab_of(index.disk[eid]) not in stuck:
                     victim = eid
                     break
             if victim is None:
                 return None
-            if tier.slot_bytes_for(store.block_bytes_of(victim)) == slot_size:
+            if tier.slot_size(index.disk[victim]) == slot_size:
                 self._evict_disk([victim])
                 continue
             slab = tier.slab_of(index.disk[victim])
@@ -589,7 +595,9 @@ class Mover:
                 reads = []
                 for (disk, key, fp), offset, i in zip(idents, offsets, todo, strict=False):
                     view = store.arena.view[offset : offset + block_bytes]
-                    reads.append(tier.read_into(disk, key, fp, index.checksum[eids[i]], view))
+                    reads.append(
+                        tier.read_into_checked(disk, key, fp, index.checksum[eids[i]], view)
+                    )
                 oks = await asyncio.gather(*reads, return_exceptions=True)
                 for j, (i, (_, key, _), ok) in enumerate(zip(todo, idents, oks, strict=True)):
                     e = eids[i]
@@ -597,11 +605,15 @@ class Mover:
                         continue  # deleted while reading: the slot goes back below
                     if index.tier[e] & IN_CPU:
                         continue
-                    if ok is not True:
+                    if ok is None or isinstance(ok, BaseException):
                         # Corrupt, torn or unreadable on disk: a miss, counted.
                         store.nvme_counters.checksum_failures += 1
                         store.forget(e)
                         continue
+                    if ok != index.checksum[e]:
+                        # A lossy record: the CPU copy is its decoded form, verified against the
+                        # checksum taken of that form when it was encoded.
+                        store.set_host_checksum(e, ok)
                     store.mark_in_cpu(e, offsets[j])
                     offsets[j] = -1  # taken by the entry
                     store.nvme_counters.promotions += 1

@@ -256,10 +256,17 @@ class SharedTier:
                 ]
                 # A tenant's per-namespace quota_redis, else the tier's own bound.
                 bound = record.usage.quota.redis_bytes if record.usage is not None else 0
-                calls.append((record.fingerprint, ns_id, group, blocks, bound or None))
-            for fingerprint, ns_id, group, blocks, bound in calls:
+                how = store.codec_of(record, "redis")
+                calls.append((record.fingerprint, ns_id, group, blocks, how, bound or None))
+            for fingerprint, ns_id, group, blocks, (codec, block_format), bound in calls:
                 try:
-                    await self.tier.put(fingerprint, blocks, max_bytes=bound)
+                    await self.tier.put(
+                        fingerprint,
+                        blocks,
+                        codec=codec,
+                        block_format=block_format,
+                        max_bytes=bound,
+                    )
                 except RedisTierUnavailable:
                     self.skipped += 1
                     return False

@@ -79,6 +79,7 @@ from kvstore.errors import (
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, IN_REDIS, BlockIndex, State
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.policy import EvictionPolicy, make_policy
+from kvstore.tiers.codecs import BlockFormat, block_format_of, codec_id
 from kvstore.tiers.cpu import SharedMemoryArena, SlabAllocator
 
 if TYPE_CHECKING:
@@ -265,6 +266,21 @@ class BlockStore:
 
     def fingerprint_of(self, eid: int) -> bytes:
         return self.names[self.index.ns[eid]].fingerprint
+
+    def codec_of(self, record: NamespaceRecord, tier: str) -> tuple[int, BlockFormat | None]:
+        """The codec a block of ``record`` is written with in ``tier`` ("nvme" or "redis"), as
+        the configuration chooses it (``[[codecs]]``, then the tier's default), and the block
+        format a lossy codec needs (None: unknown, so only the codec's lossless part applies;
+        e.g. a namespace recovered from disk that no client has opened since)."""
+        default = self.config.nvme.codec if tier == "nvme" else self.config.redis.codec
+        ns = record.namespace
+        name = default
+        if ns is not None:
+            for rule in self.config.codecs:
+                if rule.matches(ns.model, ns.tenant):
+                    name = getattr(rule, tier) or default
+                    break
+        return codec_id(name), None if ns is None else block_format_of(ns.layout)
 
     def check_keys(self, keys: Sequence[bytes], what: str) -> None:
         """The per-request bounds every call with keys obeys (ValueError names the bound)."""

@@ -94,9 +94,11 @@ class Worker:
     """A serving engine for one Llama-architecture model. See the package docstring.
 
     Owns: the model's weights (``LlamaWeights``, read-only views of the transformers model), one
-    ``PagedKVCache`` of ``num_blocks`` blocks (``self.cache``), the request queues, and, with a
-    ``client``, a background offload thread with its own client (``offload_client_factory``,
-    default: a client of the same address and namespace as ``client``). ``client`` stays the
+    ``PagedKVCache`` of ``num_blocks`` blocks (``self.cache``; FP8 with
+    ``kv_cache_dtype=torch.float8_e4m3fn``, whose layout a ``client`` must then share), the
+    request queues, and, with a ``client``, a background offload thread with its own client
+    (``offload_client_factory``, default: a client of the same address and namespace as
+    ``client``). ``client`` stays the
     caller's: the worker uses it from the scheduler thread and never closes it.
 
     Threading contract: ``submit`` may be called from any thread. Everything else (``step``,
@@ -120,6 +122,7 @@ class Worker:
         model_id: str | None = None,
         store_retry_s: float = 5.0,
         offload_client_factory: Callable[[], KVStoreClient] | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         if max_batch < 1 or max_prefill_tokens < 1:
             raise ValueError("max_batch and max_prefill_tokens must be positive")
@@ -127,6 +130,14 @@ class Worker:
         w = self.weights
         self.tokenizer = tokenizer
         self.layout: KVLayout = layout_for(w.config, w.dtype, block_size)
+        if kv_cache_dtype == torch.float8_e4m3fn:
+            # FP8 KV: e4m3 blocks with per-(block, layer, K|V, head) scales (kvstore.paged).
+            self.layout = KVLayout.fp8(self.layout)
+        elif kv_cache_dtype not in (None, w.dtype):
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype}: the cache holds the model's dtype "
+                f"({w.dtype}) or float8_e4m3fn"
+            )
         if client is not None:
             if client.layout != self.layout:
                 raise ValueError(f"client layout {client.layout} != model layout {self.layout}")
