@@ -59,6 +59,7 @@ class WorkerStats:
     store_errors: int = 0
     offloaded_blocks: int = 0
     offload_errors: int = 0
+    peak_running: int = 0  # most sequences decoding at once (what the cache admitted)
 
     @property
     def cached_tokens(self) -> int:
@@ -220,6 +221,7 @@ class Worker:
         if not admitted and not self._running:
             return []
         decoding = self._running
+        self.stats.peak_running = max(self.stats.peak_running, len(admitted) + len(decoding))
         prefills = [(r.rid, r.resident_tokens + r.store_tokens, r.prompt) for r in admitted]
         decodes = [(r.rid, r.generated[-1]) for r in decoding]
         with torch.no_grad():
