@@ -105,11 +105,10 @@ def beam_search(
             worker._offload(r)  # the shared prompt goes to the store once, not once per beam
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         for g, r, lp in zip(groups, roots, logprobs, strict=True):
-            root = [_Live(r.rid, [], 0.0)]
-            _select(worker, g, root, lp[None], beam_width, ids, share, root=True)
+            # The prompt's sequence is the parent of the first beams (the first carries on in
+            # its table, the others fork from it).
+            _select(worker, g, [_Live(r.rid, [], 0.0)], lp[None], beam_width, ids, share)
         peak = max(peak, cache.stats().num_in_use)
-        for r in roots:
-            cache.free(r.rid)  # the beams hold the prompt's blocks now (or copies of them)
         for _ in range(max_new_tokens - 1):
             live = [b for g in groups for b in g.live]
             if not live:
@@ -162,12 +161,10 @@ def _select(
     beam_width: int,
     ids: itertools.count[int],
     share: bool,
-    root: bool = False,
 ) -> None:
     """Keep the group's ``beam_width`` best continuations of ``parents`` (``logprobs`` ``[len
     (parents), vocab]``): EOS ones end as hypotheses, the others become the live beams, forked
-    from their parents; parents no continuation chose are freed. A ``root`` parent (the
-    prompt) is only forked from: the caller frees it."""
+    from their parents; parents no continuation chose are freed."""
     vocab = logprobs.shape[1]
     scores = torch.tensor([p.score for p in parents], dtype=torch.float32)[:, None] + logprobs
     # 2 * beam_width candidates: enough live ones even if up to beam_width end at EOS.
@@ -186,14 +183,14 @@ def _select(
     cache = worker.cache
     used = {p for p, _, _ in chosen}
     for i, p in enumerate(parents):
-        if i not in used and not root:
+        if i not in used:
             cache.free(p.seq)  # a loser: its private blocks go back, shared ones lose a ref
     live: list[_Live] = []
     taken: set[int] = set()
     for parent, token, score in chosen:
         src = parents[parent]
         seq: SeqId
-        if parent in taken or root:
+        if parent in taken:
             seq = ("beam", next(ids))
             cache.fork(src.seq, seq, share=share)
         else:
