@@ -193,6 +193,13 @@ def store_identity(
             f"model has {kinds}"
         )
     spec = groups[0].kv_cache_spec
+    hash_block = getattr(kv_cache_config, "hash_block_size", None)
+    if hash_block not in (None, spec.block_size):
+        # Keys are vLLM's block hashes, one per block: they must cover exactly one block.
+        raise ValueError(
+            f"KVStoreConnector needs hash_block_size == block_size, got {hash_block} and "
+            f"{spec.block_size}"
+        )
     if getattr(spec, "sliding_window", None):
         raise ValueError("KVStoreConnector does not support sliding-window attention")
     if spec.head_size_v not in (None, spec.head_size):
@@ -251,8 +258,13 @@ class _Store:
         self._client: KVStoreClient | None = None
         self._down_until = 0.0
         self._warned = False
+        self.reused = False
 
     def client(self) -> KVStoreClient | None:
+        """The client, or None while the store is left alone after a failure. ``reused`` says
+        whether it was opened before this call: a failure on a reused client earns one retry on
+        a new one (a restarted daemon leaves the old channel in reconnect backoff)."""
+        self.reused = self._client is not None
         if self._client is not None:
             return self._client
         if time.monotonic() < self._down_until:
@@ -412,16 +424,23 @@ class _Scheduler:
         stop = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
         if stop <= start:
             return 0, False
-        client = self.store.client()
-        if client is None:
-            return 0, False
-        self.stats.add("lookups")
-        try:
-            found = client.lookup(self.keys_of(request, start, stop))
-        except KVStoreError as exc:
-            self.stats.add("lookup_failures")
-            self.store.failed("lookup", exc)
-            return 0, False
+        keys = self.keys_of(request, start, stop)
+        found = 0
+        for attempt in range(2):
+            client = self.store.client()
+            if client is None:
+                return 0, False
+            self.stats.add("lookups")
+            try:
+                found = client.lookup(keys)
+                break
+            except KVStoreError as exc:
+                if self.store.reused and attempt == 0:
+                    self.store.close()
+                    continue
+                self.stats.add("lookup_failures")
+                self.store.failed("lookup", exc)
+                return 0, False
         if found == 0:
             return 0, False
         tokens = found * bs
@@ -765,24 +784,32 @@ class _Worker:
         t0 = time.perf_counter()
         copier = self.copier
         loaded = 0
-        client = self.store.client() if copier is not None else None
-        if client is not None and copier is not None:
+        answered = False  # the store answered (a miss it reports means the block is gone)
+        for attempt in range(2):
+            client = self.store.client() if copier is not None else None
+            if client is None or copier is None:
+                break
             try:
-                for start in range(0, len(job.keys), CHUNK_BLOCKS):
+                for start in range(loaded, len(job.keys), CHUNK_BLOCKS):
                     keys = job.keys[start : start + CHUNK_BLOCKS]
                     ids = job.block_ids[start : start + CHUNK_BLOCKS]
                     n = self._load_chunk(client, copier, keys, ids)
                     loaded += n
                     if n < len(keys):
                         break
+                answered = True
+                break
             except KVStoreError as exc:
+                if self.store.reused and attempt == 0:
+                    self.store.close()
+                    continue
                 self.store.failed("load", exc)
         failed = job.block_ids[loaded:]
         with self._cv:
             self.stats.add("blocks_loaded", loaded)
             self.stats.add("load_errors", len(failed))
             self.stats.add("load_seconds", time.perf_counter() - t0)
-            if client is not None and failed:
+            if answered and failed:
                 self.meta.missing.extend(job.keys[loaded:])
         return failed
 
@@ -805,24 +832,29 @@ class _Worker:
     def _save(self, job: SaveJob) -> None:
         t0 = time.perf_counter()
         copier = self.copier
-        client = self.store.client() if copier is not None else None
-        stored = 0
-        if client is None or copier is None:
-            with self._cv:
-                self.stats.add("saves_dropped", len(job.keys))
-            return
-        try:
-            for start in range(0, len(job.keys), CHUNK_BLOCKS):
-                keys = job.keys[start : start + CHUNK_BLOCKS]
-                ids = job.block_ids[start : start + CHUNK_BLOCKS]
-                new = self._save_chunk(client, copier, keys, ids)
-                stored += len(new)
-                with self._cv:
-                    self.meta.stored.extend(new)
-        except KVStoreError as exc:
-            self.store.failed("save", exc)
-            with self._cv:
-                self.stats.add("saves_dropped", len(job.keys) - stored)
+        stored = done = 0
+        for attempt in range(2):
+            client = self.store.client() if copier is not None else None
+            if client is None or copier is None:
+                break
+            try:
+                for start in range(done, len(job.keys), CHUNK_BLOCKS):
+                    keys = job.keys[start : start + CHUNK_BLOCKS]
+                    ids = job.block_ids[start : start + CHUNK_BLOCKS]
+                    new = self._save_chunk(client, copier, keys, ids)
+                    stored += len(new)
+                    done = start + len(keys)
+                    with self._cv:
+                        self.meta.stored.extend(new)
+                break
+            except KVStoreError as exc:
+                if self.store.reused and attempt == 0:
+                    self.store.close()
+                    continue
+                self.store.failed("save", exc)
+                break
+        with self._cv:
+            self.stats.add("saves_dropped", len(job.keys) - done)
         with self._cv:
             self.stats.add("blocks_saved", stored)
             self.stats.add("save_seconds", time.perf_counter() - t0)

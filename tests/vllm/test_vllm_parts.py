@@ -1,0 +1,169 @@
+"""The connector's parts without an engine: options, keys, statistics, the layout copies
+between vLLM's per-layer caches and store slots, and the transfer thread against a real
+daemon (and against none)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (make test-vllm builds .venv-vllm)", allow_module_level=True)
+
+from conftest import DaemonProcess, config_toml
+
+from kvstore.integrations.vllm import (
+    ConnectorConfig,
+    KVStoreConnectorStats,
+    LoadJob,
+    SaveJob,
+    StoreIdentity,
+    _LayerCopier,
+    _Worker,
+    store_key,
+)
+from kvstore.layout import KVLayout
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=32, block_size=32, dtype=torch.float32)
+NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(3))
+
+
+def ident(kv_format: str = "vllm-cpu[nb,H,bs,2D]:vec") -> StoreIdentity:
+    return StoreIdentity(LAYOUT, "m", f"|kv={kv_format}", "", 0, 1, kv_format, NAMES)
+
+
+def test_unknown_or_bad_options_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="adress"):
+        ConnectorConfig.parse({"adress": "unix:/x"})
+    with pytest.raises(ValueError, match="store must be"):
+        ConnectorConfig.parse({"store": "everything"})
+    with pytest.raises(ValueError, match="timeout_s"):
+        ConnectorConfig.parse({"timeout_s": -1})
+    cfg = ConnectorConfig.parse({"address": "unix:/x", "timeout_s": 3})
+    assert (cfg.address, cfg.timeout_s, cfg.load, cfg.store) == ("unix:/x", 3.0, "async", "all")
+
+
+def test_keys_are_32_bytes_deterministic_and_distinct() -> None:
+    a, b = store_key(b"\x01" * 32), store_key(b"\x02" * 32)
+    assert len(a) == 32 and a == store_key(b"\x01" * 32) and a != b
+    assert len(store_key(12345)) == 32  # integer hashes (older vLLM, xxhash) too
+
+
+def test_stats_aggregate_and_reduce() -> None:
+    s = KVStoreConnectorStats()
+    assert s.is_empty()
+    s.add("blocks_loaded", 3)
+    t = KVStoreConnectorStats(data={"blocks_loaded": 2, "load_seconds": 0.5})
+    s.aggregate(t)
+    assert s.reduce()["blocks_loaded"] == 5 and s.reduce()["load_seconds"] == 0.5
+    s.reset()
+    assert s.is_empty()
+
+
+def _caches(kind: str, nb: int = 5) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    h, d, bs = LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.block_size
+    shape = {"cpu": (nb, h, bs, 2 * d), "2nb": (2, nb, bs, h, d), "nb2": (nb, 2, bs, h, d)}[kind]
+    return {n: torch.randn(shape, generator=g) for n in NAMES}
+
+
+@pytest.mark.parametrize("kind", ["cpu", "2nb", "nb2"])
+def test_copier_round_trips_every_layout_exactly(kind: str) -> None:
+    src = _caches(kind)
+    fmt = "vllm-cpu[nb,H,bs,2D]:vec" if kind == "cpu" else "canonical"
+    copier = _LayerCopier(ident(fmt), src)
+    slot = torch.empty(LAYOUT.block_shape, dtype=LAYOUT.dtype)
+    copier.gather(3, slot)
+    if kind == "2nb":  # canonical: K then V of every layer
+        want = torch.stack([torch.stack([c[0, 3], c[1, 3]]) for c in src.values()])
+        assert torch.equal(slot, want)
+    else:  # one contiguous run per layer, as the block lies in the cache
+        for i, c in enumerate(src.values()):
+            assert torch.equal(slot[i].reshape(-1), c[3].reshape(-1))
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    _LayerCopier(ident(fmt), dst).scatter(slot, 1)
+    for n in NAMES:
+        got = dst[n][:, 1] if kind == "2nb" else dst[n][1]
+        want = src[n][:, 3] if kind == "2nb" else src[n][3]
+        assert torch.equal(got, want)
+
+
+def test_copier_refuses_a_layout_it_does_not_know() -> None:
+    caches = {n: torch.zeros(5, 32, 2, 32) for n in NAMES}  # [nb, bs, H, D]: HND-less, no K/V axis
+    with pytest.raises(ValueError, match="unsupported KV cache layout"):
+        _LayerCopier(ident("canonical"), caches)
+    with pytest.raises(ValueError, match="no KV cache for layers"):
+        _LayerCopier(ident(), {NAMES[0]: torch.zeros(5, 2, 32, 64)})
+
+
+def _worker(address: str) -> _Worker:
+    cfg = ConnectorConfig.parse({"address": address, "timeout_s": 2, "retry_after_s": 60})
+    return _Worker(ident(), cfg)
+
+
+def test_worker_saves_then_loads_blocks_through_a_real_daemon(daemon_factory) -> None:
+    d = daemon_factory(cpu_capacity="16MiB", slab="1MiB")
+    keys = [store_key(bytes([i]) * 32) for i in range(4)]
+    src = _caches("cpu", nb=6)
+    w = _worker(d.address)
+    try:
+        w.register(src)
+        w.submit("save", SaveJob("r1", keys, [5, 4, 3, 2]))
+        w.drain()
+        assert w.take_meta().stored == keys
+        dst = {n: torch.zeros_like(t) for n, t in src.items()}
+        w.register(dst)
+        w.submit("load", LoadJob("r2", keys[:3], [0, 1, 2]))
+        w.drain()
+        assert w.results() == (set(), {"r2"})
+        assert w.take_errors() == set()
+        for n in NAMES:
+            assert torch.equal(dst[n][:3], src[n][[5, 4, 3]])
+        # A key the store never had: its block and every later one are load errors.
+        missing = store_key(b"\xff" * 32)
+        w.submit("load", LoadJob("r3", [keys[0], missing, keys[2]], [0, 1, 2]))
+        w.drain()
+        assert w.results() == (set(), {"r3"})
+        assert w.take_errors() == {1, 2}
+        assert w.take_meta().missing == [missing, keys[2]]
+    finally:
+        w.shutdown()
+
+
+def test_worker_without_a_daemon_reports_every_block_and_never_hangs(tmp_path: Path) -> None:
+    w = _worker(f"unix:{tmp_path / 'nobody.sock'}")
+    try:
+        w.register(_caches("cpu"))
+        w.submit("save", SaveJob("r1", [store_key(b"a")], [0]))
+        w.submit("load", LoadJob("r2", [store_key(b"a"), store_key(b"b")], [3, 4]))
+        w.drain()
+        _, recving = w.results()
+        assert recving == {"r2"} and w.take_errors() == {3, 4}
+        w.hold(["r1"])  # a held request is reported once its (dropped) save is done
+        assert w.results() == ({"r1"}, set())
+        stats = w.take_stats()
+        assert stats is not None and stats.data["load_errors"] == 2
+        assert stats.data["saves_dropped"] == 1
+    finally:
+        w.shutdown()
+
+
+def test_a_daemon_killed_between_calls_is_rejoined_once_restarted(tmp_path_factory) -> None:
+    d = DaemonProcess(Path(tmp_path_factory.mktemp("kvd")), config_toml()).start()
+    keys = [store_key(bytes([i]) * 32) for i in range(2)]
+    w = _worker(d.address)
+    try:
+        w.register(_caches("cpu"))
+        w.submit("save", SaveJob("r1", keys, [0, 1]))
+        w.drain()
+        d.stop()
+        d.start()  # empty again; the worker's client still holds the old channel
+        w.submit("save", SaveJob("r2", keys, [0, 1]))
+        w.drain()
+        assert w.take_meta().stored == keys + keys  # stored before, and again after
+    finally:
+        w.shutdown()
+        d.stop()
