@@ -72,7 +72,10 @@ try:
         KVConnectorRole,
         KVConnectorWorkerMetadata,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "kvstore.integrations.vllm needs vLLM (scripts/vllm_env.sh builds an environment "
@@ -382,6 +385,45 @@ class KVStoreConnectorStats(KVConnectorStats):
 
     def add(self, name: str, value: Any = 1) -> None:
         self.data[name] = self.data.get(name, 0) + value
+
+
+_HELP = {
+    "lookups": "Lookups the scheduler made in the kvstore daemon",
+    "lookup_failures": "Lookups that failed or timed out (answered as a miss)",
+    "hit_tokens": "Prompt tokens found in kvstore (to be loaded instead of computed)",
+    "blocks_loaded": "Blocks loaded from kvstore into the KV cache",
+    "load_errors": "Blocks that failed to load (missing, corrupt, store down): recomputed",
+    "blocks_saved": "Blocks newly stored in kvstore",
+    "saves_dropped": "Blocks whose save was dropped because the store failed",
+    "load_seconds": "Seconds spent loading blocks from kvstore",
+    "save_seconds": "Seconds spent saving blocks to kvstore",
+}
+
+
+class KVStorePromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per statistic, ``vllm:kvstore_<name>_total``, per engine."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            name: self._counter_cls(
+                name=f"vllm:kvstore_{name}", documentation=_HELP[name], labelnames=labelnames
+            )
+            for name in _COUNTERS
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in transfer_stats_data.items():
+            counter = self.counters.get(name)
+            if counter is not None and value:
+                counter.labels(*labels).inc(value)
 
 
 # ---------------------------------------------------------------------------- scheduler side
@@ -997,6 +1039,16 @@ class KVStoreConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return KVStoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -167,3 +167,24 @@ def test_a_daemon_killed_between_calls_is_rejoined_once_restarted(tmp_path_facto
     finally:
         w.shutdown()
         d.stop()
+
+
+def test_statistics_reach_prometheus_counters() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+    from kvstore.integrations.vllm import KVStoreConnector
+
+    metrics = KVStoreConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),
+        {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+        ["model_name", "engine"],
+        {0: ["m", "0"]},
+    )
+    metrics.observe({"blocks_loaded": 7, "hit_tokens": 224, "load_seconds": 0.25})
+    metrics.observe({"blocks_loaded": 1})
+    labels = {"model_name": "m", "engine": "0"}
+    assert REGISTRY.get_sample_value("vllm:kvstore_blocks_loaded_total", labels) == 8
+    assert REGISTRY.get_sample_value("vllm:kvstore_hit_tokens_total", labels) == 224
+    assert REGISTRY.get_sample_value("vllm:kvstore_load_seconds_total", labels) == 0.25
