@@ -47,11 +47,23 @@ def smollm2_dir(cache: Path) -> Path:
     target = cache / "smollm2-135m-instruct"
     if (target / "config.json").exists() and (target / "tokenizer.json").exists():
         return target
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
     from kvstore.models import load_smollm2
 
     model, tokenizer = load_smollm2()
+    # The GGUF loader marks the model quantized (not serializable) although its weights are
+    # dequantised: copy them into a plain model of the same config and save that.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    plain.load_state_dict(model.state_dict())
     tmp = target.with_suffix(".partial")
-    model.save_pretrained(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(target)
     return target

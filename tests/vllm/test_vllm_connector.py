@@ -64,11 +64,13 @@ def engine_spec(model: Path, connector: dict | None, phases: list[dict], **kw: o
     }
 
 
-def connector_config(daemon: DaemonProcess) -> dict:
+def connector_config(daemon: DaemonProcess, stall_s: float = 20.0) -> dict:
+    # Deadlines long enough that a loaded 2-core machine never turns a hit into a miss; the
+    # failure test shortens them, since a stopped daemon costs each call its deadline.
     return {
         "address": daemon.address,
-        "timeout_s": 2.0,
-        "lookup_timeout_s": 0.5,
+        "timeout_s": stall_s,
+        "lookup_timeout_s": stall_s,
         "retry_after_s": 1.0,
     }
 
@@ -236,7 +238,9 @@ def test_corrupt_stalled_killed_restarted_daemon_never_changes_an_answer(
         {"prompts": [{"ids": P_FULL}], "wait_for": str(g4)},
     ]
     engine = Engine(
-        engine_spec(model, connector_config(d), phases, prefix_caching=False), work, "D"
+        engine_spec(model, connector_config(d, stall_s=5.0), phases, prefix_caching=False),
+        work,
+        "D",
     )
     try:
         engine.wait_file(s0)

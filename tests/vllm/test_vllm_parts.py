@@ -100,7 +100,7 @@ def test_copier_refuses_a_layout_it_does_not_know() -> None:
 
 
 def _worker(address: str) -> _Worker:
-    cfg = ConnectorConfig.parse({"address": address, "timeout_s": 2, "retry_after_s": 60})
+    cfg = ConnectorConfig.parse({"address": address, "timeout_s": 20, "retry_after_s": 60})
     return _Worker(ident(), cfg)
 
 
@@ -188,3 +188,70 @@ def test_statistics_reach_prometheus_counters() -> None:
     assert REGISTRY.get_sample_value("vllm:kvstore_blocks_loaded_total", labels) == 8
     assert REGISTRY.get_sample_value("vllm:kvstore_hit_tokens_total", labels) == 224
     assert REGISTRY.get_sample_value("vllm:kvstore_load_seconds_total", labels) == 0.25
+
+
+def _request(req_id: str, ids: list[int], salt: str | None = None):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(
+        req_id,
+        ids,
+        SamplingParams(max_tokens=1),
+        None,
+        cache_salt=salt,
+        block_hasher=get_request_block_hasher(32, sha256),
+    )
+
+
+def test_scheduler_side_lookups_loads_salts_and_events(daemon_factory) -> None:
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvstore.integrations.vllm import _Scheduler
+
+    d = daemon_factory(cpu_capacity="16MiB", slab="1MiB")
+    # Generous deadlines: a loaded 2-core machine must not turn a lookup into a miss here.
+    cfg = ConnectorConfig.parse({"address": d.address, "lookup_timeout_s": 20})
+    sched = _Scheduler(ident(), cfg, SimpleNamespace(cache_config=SimpleNamespace(block_size=32)))
+    ids = list(range(1, 101))  # 3 full blocks and 4 tokens
+    r1 = _request("r1", ids)
+    assert len(r1.block_hashes) == 3
+    assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)  # nothing stored yet
+
+    # A worker stores the request's blocks under the keys the scheduler names.
+    w = _worker(d.address)
+    try:
+        w.register(_caches("cpu", nb=8))
+        w.submit("save", SaveJob("r1", sched.keys_of(r1, 0, 3), [5, 6, 7]))
+        w.drain()
+        meta = w.take_meta()
+    finally:
+        w.shutdown()
+
+    assert sched.get_num_new_matched_tokens(r1, 0) == (96, True)
+    assert sched.get_num_new_matched_tokens(r1, 32) == (64, True)  # one block was a local hit
+    # The same tokens under another cache_salt: other keys from the first block on.
+    assert sched.get_num_new_matched_tokens(_request("r2", ids, salt="x"), 0) == (0, False)
+    # 96 tokens: the last block holds the last token, which is always computed.
+    assert sched.get_num_new_matched_tokens(_request("r3", ids[:96]), 0) == (64, True)
+
+    blocks = KVCacheBlocks(blocks=([KVCacheBlock(block_id=b) for b in (9, 4, 2, 8)],))
+    sched.update_state_after_alloc(r1, blocks, 96)
+    (job,) = sched.pending_loads
+    assert job.block_ids == [9, 4, 2] and job.keys == sched.keys_of(r1, 0, 3)
+
+    # Blocks a worker reports newly stored become BlockStored events for a KV-aware router.
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
+    events = list(sched.take_events())
+    assert all(isinstance(e, BlockStored) and e.medium == "kvstore" for e in events)
+    assert [e.block_hashes[0] for e in events] == list(r1.block_hashes)
+    assert [e.token_ids for e in events] == [ids[0:32], ids[32:64], ids[64:96]]
+    assert list(sched.take_events()) == []
+    sched.store.close()
