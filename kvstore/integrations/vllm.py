@@ -1013,6 +1013,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         worker = self._worker
         if meta is None or worker is None:
             return
+        if meta.saves and worker.copier is not None and worker.copier.device.type == "cuda":
+            # The transfer thread copies on its own stream: the step's writes into the blocks
+            # it saves must be complete first.
+            torch.cuda.current_stream(worker.copier.device).synchronize()
         for job in meta.saves:
             worker.submit("save", job)
         worker.hold(meta.held)

