@@ -466,13 +466,26 @@ class PagedKVCache:
             table.token_ids += new_ids
             self._extend_keys(table)
 
-    def fork(self, parent: SeqId, child: SeqId) -> None:
+    def fork(self, parent: SeqId, child: SeqId, *, share: bool = True) -> None:
         """Start ``child`` as a copy of ``parent`` sharing every block (refcount + 1 each).
-        Whichever of them next writes a shared block copies it first."""
+        Whichever of them next writes a shared block copies it first.
+
+        ``share=False`` gives the child private copies of every block instead (what an engine
+        without copy-on-write does; kept to measure against). All or nothing: CapacityError."""
         if child in self._tables:
             raise ValueError(f"sequence {child!r} already exists")
         table = self._table(parent).copy()
-        self.allocator.touch(table.block_ids)
+        if share:
+            self.allocator.touch(table.block_ids)
+        else:
+            if len(table.block_ids) > self.allocator.num_allocatable:
+                raise CapacityError(
+                    f"copying {parent!r} needs {len(table.block_ids)} blocks, "
+                    f"{self.allocator.num_allocatable} free or cached"
+                )
+            copies = self.allocator.allocate(len(table.block_ids))
+            copy_blocks(self.kv_caches, table.block_ids, copies)
+            table.block_ids = copies  # keyless copies: only the originals are findable
         self._tables[child] = table
 
     def free(self, seq_id: SeqId) -> None:

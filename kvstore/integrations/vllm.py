@@ -72,7 +72,10 @@ try:
         KVConnectorRole,
         KVConnectorWorkerMetadata,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "kvstore.integrations.vllm needs vLLM (scripts/vllm_env.sh builds an environment "
@@ -193,6 +196,13 @@ def store_identity(
             f"model has {kinds}"
         )
     spec = groups[0].kv_cache_spec
+    hash_block = getattr(kv_cache_config, "hash_block_size", None)
+    if hash_block not in (None, spec.block_size):
+        # Keys are vLLM's block hashes, one per block: they must cover exactly one block.
+        raise ValueError(
+            f"KVStoreConnector needs hash_block_size == block_size, got {hash_block} and "
+            f"{spec.block_size}"
+        )
     if getattr(spec, "sliding_window", None):
         raise ValueError("KVStoreConnector does not support sliding-window attention")
     if spec.head_size_v not in (None, spec.head_size):
@@ -251,8 +261,13 @@ class _Store:
         self._client: KVStoreClient | None = None
         self._down_until = 0.0
         self._warned = False
+        self.reused = False
 
     def client(self) -> KVStoreClient | None:
+        """The client, or None while the store is left alone after a failure. ``reused`` says
+        whether it was opened before this call: a failure on a reused client earns one retry on
+        a new one (a restarted daemon leaves the old channel in reconnect backoff)."""
+        self.reused = self._client is not None
         if self._client is not None:
             return self._client
         if time.monotonic() < self._down_until:
@@ -372,6 +387,45 @@ class KVStoreConnectorStats(KVConnectorStats):
         self.data[name] = self.data.get(name, 0) + value
 
 
+_HELP = {
+    "lookups": "Lookups the scheduler made in the kvstore daemon",
+    "lookup_failures": "Lookups that failed or timed out (answered as a miss)",
+    "hit_tokens": "Prompt tokens found in kvstore (to be loaded instead of computed)",
+    "blocks_loaded": "Blocks loaded from kvstore into the KV cache",
+    "load_errors": "Blocks that failed to load (missing, corrupt, store down): recomputed",
+    "blocks_saved": "Blocks newly stored in kvstore",
+    "saves_dropped": "Blocks whose save was dropped because the store failed",
+    "load_seconds": "Seconds spent loading blocks from kvstore",
+    "save_seconds": "Seconds spent saving blocks to kvstore",
+}
+
+
+class KVStorePromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per statistic, ``vllm:kvstore_<name>_total``, per engine."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            name: self._counter_cls(
+                name=f"vllm:kvstore_{name}", documentation=_HELP[name], labelnames=labelnames
+            )
+            for name in _COUNTERS
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in transfer_stats_data.items():
+            counter = self.counters.get(name)
+            if counter is not None and value:
+                counter.labels(*labels).inc(value)
+
+
 # ---------------------------------------------------------------------------- scheduler side
 @dataclass
 class _Tracked:
@@ -412,16 +466,23 @@ class _Scheduler:
         stop = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
         if stop <= start:
             return 0, False
-        client = self.store.client()
-        if client is None:
-            return 0, False
-        self.stats.add("lookups")
-        try:
-            found = client.lookup(self.keys_of(request, start, stop))
-        except KVStoreError as exc:
-            self.stats.add("lookup_failures")
-            self.store.failed("lookup", exc)
-            return 0, False
+        keys = self.keys_of(request, start, stop)
+        found = 0
+        for attempt in range(2):
+            client = self.store.client()
+            if client is None:
+                return 0, False
+            self.stats.add("lookups")
+            try:
+                found = client.lookup(keys)
+                break
+            except KVStoreError as exc:
+                if self.store.reused and attempt == 0:
+                    self.store.close()
+                    continue
+                self.stats.add("lookup_failures")
+                self.store.failed("lookup", exc)
+                return 0, False
         if found == 0:
             return 0, False
         tokens = found * bs
@@ -765,24 +826,32 @@ class _Worker:
         t0 = time.perf_counter()
         copier = self.copier
         loaded = 0
-        client = self.store.client() if copier is not None else None
-        if client is not None and copier is not None:
+        answered = False  # the store answered (a miss it reports means the block is gone)
+        for attempt in range(2):
+            client = self.store.client() if copier is not None else None
+            if client is None or copier is None:
+                break
             try:
-                for start in range(0, len(job.keys), CHUNK_BLOCKS):
+                for start in range(loaded, len(job.keys), CHUNK_BLOCKS):
                     keys = job.keys[start : start + CHUNK_BLOCKS]
                     ids = job.block_ids[start : start + CHUNK_BLOCKS]
                     n = self._load_chunk(client, copier, keys, ids)
                     loaded += n
                     if n < len(keys):
                         break
+                answered = True
+                break
             except KVStoreError as exc:
+                if self.store.reused and attempt == 0:
+                    self.store.close()
+                    continue
                 self.store.failed("load", exc)
         failed = job.block_ids[loaded:]
         with self._cv:
             self.stats.add("blocks_loaded", loaded)
             self.stats.add("load_errors", len(failed))
             self.stats.add("load_seconds", time.perf_counter() - t0)
-            if client is not None and failed:
+            if answered and failed:
                 self.meta.missing.extend(job.keys[loaded:])
         return failed
 
@@ -805,24 +874,29 @@ class _Worker:
     def _save(self, job: SaveJob) -> None:
         t0 = time.perf_counter()
         copier = self.copier
-        client = self.store.client() if copier is not None else None
-        stored = 0
-        if client is None or copier is None:
-            with self._cv:
-                self.stats.add("saves_dropped", len(job.keys))
-            return
-        try:
-            for start in range(0, len(job.keys), CHUNK_BLOCKS):
-                keys = job.keys[start : start + CHUNK_BLOCKS]
-                ids = job.block_ids[start : start + CHUNK_BLOCKS]
-                new = self._save_chunk(client, copier, keys, ids)
-                stored += len(new)
-                with self._cv:
-                    self.meta.stored.extend(new)
-        except KVStoreError as exc:
-            self.store.failed("save", exc)
-            with self._cv:
-                self.stats.add("saves_dropped", len(job.keys) - stored)
+        stored = done = 0
+        for attempt in range(2):
+            client = self.store.client() if copier is not None else None
+            if client is None or copier is None:
+                break
+            try:
+                for start in range(done, len(job.keys), CHUNK_BLOCKS):
+                    keys = job.keys[start : start + CHUNK_BLOCKS]
+                    ids = job.block_ids[start : start + CHUNK_BLOCKS]
+                    new = self._save_chunk(client, copier, keys, ids)
+                    stored += len(new)
+                    done = start + len(keys)
+                    with self._cv:
+                        self.meta.stored.extend(new)
+                break
+            except KVStoreError as exc:
+                if self.store.reused and attempt == 0:
+                    self.store.close()
+                    continue
+                self.store.failed("save", exc)
+                break
+        with self._cv:
+            self.stats.add("saves_dropped", len(job.keys) - done)
         with self._cv:
             self.stats.add("blocks_saved", stored)
             self.stats.add("save_seconds", time.perf_counter() - t0)
@@ -939,6 +1013,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         worker = self._worker
         if meta is None or worker is None:
             return
+        if meta.saves and worker.copier is not None and worker.copier.device.type == "cuda":
+            # The transfer thread copies on its own stream: the step's writes into the blocks
+            # it saves must be complete first.
+            torch.cuda.current_stream(worker.copier.device).synchronize()
         for job in meta.saves:
             worker.submit("save", job)
         worker.hold(meta.held)
@@ -965,6 +1043,16 @@ class KVStoreConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return KVStoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

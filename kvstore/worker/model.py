@@ -183,9 +183,12 @@ def forward(
     cache: PagedKVCache,
     prefills: Sequence[tuple[SeqId, int, Sequence[int]]],
     decodes: Sequence[tuple[SeqId, int]],
+    *,
+    every_prefill_token: bool = False,
 ) -> torch.Tensor:
     """Logits ``[len(prefills) + len(decodes), vocab]``: of each prefill's last prompt token
-    and of each decode token, in that order.
+    and of each decode token, in that order. With ``every_prefill_token``, of every computed
+    prefill token instead of only the last (for perplexity), then the decode tokens'.
 
     ``prefills``: (sequence, first token to compute, prompt); tokens before ``start`` have
     their K/V in the cache already. ``decodes``: (sequence, its last token), whose slot
@@ -263,6 +266,9 @@ def forward(
         h = rms_norm(x, lw.post_norm, w.rms_eps)
         gated = w.act(F.linear(h, lw.gate, lw.gate_bias)) * F.linear(h, lw.up, lw.up_bias)
         x = x + F.linear(gated, lw.down, lw.down_bias)
-    last = [off + m - 1 for _, _, off, m in segments] + list(range(n_pre, n))
+    if every_prefill_token:
+        last = list(range(n))
+    else:
+        last = [off + m - 1 for _, _, off, m in segments] + list(range(n_pre, n))
     out_rows = rms_norm(x[last], w.norm, w.rms_eps)
     return F.linear(out_rows, w.lm_head)

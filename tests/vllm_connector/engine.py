@@ -1,9 +1,9 @@
 """Runs one vLLM engine in its own process, for the connector's tests and benchmark.
 
-``python tests/vllm/engine.py SPEC.json`` reads a spec, starts ``vllm.LLM`` (vLLM spawns its
-own processes, so this must be a script run under ``__main__``), serves the spec's phases one
-after the other and writes what a user sees (token ids, logprobs, cached tokens, timings) as
-JSON to ``spec["out"]``.
+``python tests/vllm_connector/engine.py SPEC.json`` reads a spec, starts ``vllm.LLM`` (vLLM
+spawns its own processes, so this must be a script run under ``__main__``), serves the spec's
+phases one after the other and writes what a user sees (token ids, logprobs, cached tokens,
+timings) as JSON to ``spec["out"]``.
 
 Spec: ``model``, ``dtype``, ``block_size``, ``connector`` (the ``kv_connector_extra_config``,
 or null for an engine without the connector), optional ``max_num_batched_tokens``,
@@ -60,6 +60,9 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no {phase['wait_for']}")
                 time.sleep(0.05)
+        if phase.get("chat"):
+            result["phases"].append(_chat(llm, phase["chat"], SamplingParams, TokensPrompt))
+            continue
         params = SamplingParams(
             temperature=0.0, max_tokens=phase.get("max_tokens", 8), logprobs=1, ignore_eos=True
         )
@@ -99,6 +102,40 @@ def main() -> None:
     Path(spec["out"]).write_text(json.dumps(result))
     # The engine's own processes are stopped by the interpreter's exit handlers.
     del llm
+
+
+def _chat(llm, chat: dict, SamplingParams, TokensPrompt) -> dict:
+    """A multi-turn chat workload of token ids: ``conversations`` conversations in parallel,
+    each turn a batch of every conversation's history plus ``user_tokens`` new tokens, answered
+    with ``reply_tokens`` tokens that join the history."""
+    import random
+
+    rng = random.Random(chat.get("seed", 0))
+    n, turns = chat["conversations"], chat["turns"]
+    system = [rng.randrange(1, 2000) for _ in range(chat.get("system_tokens", 0))]
+    histories = [list(system) for _ in range(n)]
+    params = SamplingParams(temperature=0.0, max_tokens=chat["reply_tokens"], ignore_eos=True)
+    prompt_tokens = cached = generated = 0
+    t0 = time.perf_counter()
+    for _ in range(turns):
+        for h in histories:
+            h.extend(rng.randrange(1, 2000) for _ in range(chat["user_tokens"]))
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=h) for h in histories], params, use_tqdm=False
+        )
+        for h, out in zip(histories, outs, strict=True):
+            prompt_tokens += len(h)
+            cached += out.num_cached_tokens
+            generated += len(out.outputs[0].token_ids)
+            h.extend(out.outputs[0].token_ids)
+    wall = time.perf_counter() - t0
+    return {
+        "outputs": [],
+        "wall_s": wall,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "generated_tokens": generated,
+    }
 
 
 if __name__ == "__main__":
