@@ -219,7 +219,7 @@ class Quota:
     quota first evicts the tenant's (or namespace's) own coldest blocks."""
 
     cpu_bytes: int = 0  # bytes in the CPU tier (committed, being written, quarantined)
-    nvme_bytes: int = 0  # bytes in the NVMe tier
+    nvme_bytes: int = 0  # block bytes in the NVMe tier (before its codec compresses them)
     redis_bytes: int = 0  # bytes this daemon writes to Redis (per namespace only)
     pinned_bytes: int = 0  # leased + reserved CPU bytes (0: limits.max_pinned_share)
     leases: int = 0  # read leases outstanding
