@@ -23,6 +23,7 @@ Usage: ``python benchmarks/bench_quotas.py [--quick] [--json] [--part fair|hot]
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import statistics
@@ -44,8 +45,12 @@ LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtyp
 TIER = 64 * MiB
 
 
+_CONFIGS = tempfile.TemporaryDirectory(prefix="kvbench-quota-")  # removed at exit
+_made = itertools.count()
+
+
 def _config(text: str) -> str:
-    path = os.path.join(tempfile.mkdtemp(prefix="kvbench-quota-"), "daemon.toml")
+    path = os.path.join(_CONFIGS.name, f"daemon{next(_made)}.toml")
     with open(path, "w") as f:
         f.write(
             f'[cpu]\ncapacity = "{TIER}"\nslab = "1MiB"\n\n'
