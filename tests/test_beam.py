@@ -168,3 +168,18 @@ def test_beam_search_refuses_a_busy_worker_and_bad_arguments(model, prompts) -> 
             worker.beam_search(prompts, 2, 4)
         worker.run_until_done()
         assert len(worker.beam_search(prompts, 2, 4)) == 2
+
+
+def test_a_beam_search_that_runs_out_of_blocks_frees_everything(model, prompts) -> None:
+    from kvstore.errors import CapacityError
+    from kvstore.worker import Worker
+
+    # 30 + 21 prompt tokens in blocks of 8: 7 blocks for the prompts, 4 beams copying them
+    # need far more than 12.
+    with Worker(model, num_blocks=12, block_size=8) as worker:
+        with pytest.raises(CapacityError):
+            worker.beam_search(prompts, 4, MAX_NEW, share=False)
+        worker.cache.check_invariants()
+        assert worker.cache.stats().num_in_use == 0
+        # Sharing fits: the same worker serves it afterwards.
+        assert len(worker.beam_search(prompts, 2, 4)) == 2

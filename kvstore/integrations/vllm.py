@@ -23,6 +23,10 @@ Options (``kv_connector_extra_config``; an unknown option is refused at start-up
   (0.5): the deadline of the scheduler's one lookup per request; ``retry_after_s`` (2.0): after
   a store call fails, the store is left alone that long (lookups answer 0, saves are dropped),
   so a store that is down costs nothing per request.
+* ``transfers``: ``"auto"`` (default: on the engine's thread between forward passes for CPU
+  caches, on a transfer thread for CUDA caches), ``"inline"`` or ``"thread"``. On vLLM's CPU
+  backend a thread copying during the forward pass stalls its OpenMP threads (measured: a
+  no-reuse workload ran several times slower), so CPU engines copy at the step boundary.
 
 What is stored, and under which keys:
 
@@ -112,6 +116,7 @@ _OPTIONS = {
     "timeout_s": 2.0,
     "lookup_timeout_s": 0.5,
     "retry_after_s": 2.0,
+    "transfers": "auto",
 }
 
 
@@ -127,6 +132,7 @@ class ConnectorConfig:
     timeout_s: float
     lookup_timeout_s: float
     retry_after_s: float
+    transfers: str
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -142,6 +148,10 @@ class ConnectorConfig:
             raise ValueError(f"store must be 'all', 'prompt' or 'none', got {values['store']!r}")
         if values["load"] not in ("async", "sync", "none"):
             raise ValueError(f"load must be 'async', 'sync' or 'none', got {values['load']!r}")
+        if values["transfers"] not in ("auto", "thread", "inline"):
+            raise ValueError(
+                f"transfers must be 'auto', 'thread' or 'inline', got {values['transfers']!r}"
+            )
         for name in ("timeout_s", "lookup_timeout_s", "retry_after_s"):
             value = values[name]
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
@@ -728,12 +738,29 @@ class _Worker:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.copier = _LayerCopier(self.ident, kv_caches)
 
+    @property
+    def inline(self) -> bool:
+        """Transfers run on the engine's thread, between forward passes, rather than on the
+        transfer thread. Measured on vLLM's CPU backend: a transfer thread copying while the
+        forward pass runs stalls its OpenMP threads, and a no-reuse workload ran several times
+        slower; at the step boundary the copy costs only its own time. CUDA caches keep the
+        thread (the GPU computes while the host copies)."""
+        mode = self.cfg.transfers
+        if mode == "auto":
+            return self.copier is None or self.copier.device.type == "cpu"
+        return mode == "inline"
+
     def submit(self, kind: str, job: LoadJob | SaveJob) -> None:
         with self._cv:
             if kind == "save":
                 self._pending_saves[job.req_id] = self._pending_saves.get(job.req_id, 0) + 1
-            self._queue.append((kind, job))
-            self._cv.notify_all()
+            if self.inline:
+                self._busy = True
+            else:
+                self._queue.append((kind, job))
+                self._cv.notify_all()
+                return
+        self._execute(kind, job)
 
     def hold(self, req_ids: Iterable[str]) -> None:
         with self._cv:
@@ -797,28 +824,31 @@ class _Worker:
                     return
                 kind, job = self._queue.popleft()
                 self._busy = True
-            try:
-                if kind == "load":
-                    assert isinstance(job, LoadJob)
-                    failed = self._load(job)
-                    with self._cv:
-                        self._done.append(_Done(job.req_id, "load", failed))
-                else:
-                    assert isinstance(job, SaveJob)
-                    self._save(job)
-            except Exception:  # never let the thread die: the engine would wait forever
-                logger.exception("kvstore transfer failed")
-                if kind == "load":
-                    with self._cv:
-                        self._done.append(_Done(job.req_id, "load", list(job.block_ids)))
-            finally:
+            self._execute(kind, job)
+
+    def _execute(self, kind: str, job: LoadJob | SaveJob) -> None:
+        try:
+            if kind == "load":
+                assert isinstance(job, LoadJob)
+                failed = self._load(job)
                 with self._cv:
-                    if kind == "save":
-                        self._pending_saves[job.req_id] -= 1
-                        if not self._pending_saves[job.req_id]:
-                            del self._pending_saves[job.req_id]
-                    self._busy = False
-                    self._cv.notify_all()
+                    self._done.append(_Done(job.req_id, "load", failed))
+            else:
+                assert isinstance(job, SaveJob)
+                self._save(job)
+        except Exception:  # never let the thread die: the engine would wait forever
+            logger.exception("kvstore transfer failed")
+            if kind == "load":
+                with self._cv:
+                    self._done.append(_Done(job.req_id, "load", list(job.block_ids)))
+        finally:
+            with self._cv:
+                if kind == "save":
+                    self._pending_saves[job.req_id] -= 1
+                    if not self._pending_saves[job.req_id]:
+                        del self._pending_saves[job.req_id]
+                self._busy = False
+                self._cv.notify_all()
 
     def _load(self, job: LoadJob) -> list[int]:
         """Copy the job's blocks into vLLM's cache; returns the ids of the blocks not loaded

@@ -29,7 +29,7 @@ from kvstore.paged import SeqId
 from kvstore.worker.model import forward
 
 if TYPE_CHECKING:
-    from kvstore.worker.engine import Worker
+    from kvstore.worker.engine import Worker, _Request
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,13 @@ def beam_search(
     cow_before = cache.cow_copies
     ids = itertools.count()
     groups = [_Group([int(t) for t in p]) for p in prompts]
-    roots = [worker._begin([int(t) for t in p]) for p in prompts]
+    roots: list[_Request] = []
+    owned: list[SeqId] = []  # every sequence this call made: all freed when it ends, or fails
     peak = cache.stats().num_in_use
     try:
+        for g in groups:
+            roots.append(worker._begin(g.prompt))
+            owned.append(roots[-1].rid)
         prefills = [(r.rid, r.resident_tokens + r.store_tokens, r.prompt) for r in roots]
         with torch.no_grad():
             logits = forward(worker.weights, cache, prefills, [])
@@ -107,7 +111,7 @@ def beam_search(
         for g, r, lp in zip(groups, roots, logprobs, strict=True):
             # The prompt's sequence is the parent of the first beams (the first carries on in
             # its table, the others fork from it).
-            _select(worker, g, [_Live(r.rid, [], 0.0)], lp[None], beam_width, ids, share)
+            _select(worker, g, [_Live(r.rid, [], 0.0)], lp[None], beam_width, ids, share, owned)
         peak = max(peak, cache.stats().num_in_use)
         for _ in range(max_new_tokens - 1):
             live = [b for g in groups for b in g.live]
@@ -122,17 +126,13 @@ def beam_search(
             at = 0
             for g in groups:
                 n = len(g.live)
-                _select(worker, g, g.live, logprobs[at : at + n], beam_width, ids, share)
+                _select(worker, g, g.live, logprobs[at : at + n], beam_width, ids, share, owned)
                 at += n
             peak = max(peak, cache.stats().num_in_use)
     finally:
-        for g in groups:
-            for b in g.live:
-                if b.seq in cache:
-                    cache.free(b.seq)
-        for r in roots:
-            if r.rid in cache:
-                cache.free(r.rid)
+        for seq in owned:
+            if seq in cache:
+                cache.free(seq)
         worker.flush()
     elapsed = time.monotonic() - start
     results = []
@@ -161,6 +161,7 @@ def _select(
     beam_width: int,
     ids: itertools.count[int],
     share: bool,
+    owned: list[SeqId],
 ) -> None:
     """Keep the group's ``beam_width`` best continuations of ``parents`` (``logprobs`` ``[len
     (parents), vocab]``): EOS ones end as hypotheses, the others become the live beams, forked
@@ -193,6 +194,7 @@ def _select(
         if parent in taken:
             seq = ("beam", next(ids))
             cache.fork(src.seq, seq, share=share)
+            owned.append(seq)
         else:
             seq = src.seq  # the first continuation of a beam carries on in its table
             taken.add(parent)

@@ -167,9 +167,11 @@ def _flip_block_on_disk(nvme_dir: Path, block: bytes) -> None:
     raise AssertionError("block not found in the NVMe slab files")
 
 
-def _stored_block(daemon: DaemonProcess, model: Path, tokens: list[int], index: int) -> bytes:
-    """The bytes the connector stored for block ``index`` of ``tokens``: the keys are vLLM's
-    sha256 block hashes, re-hashed (see kvstore.integrations.vllm)."""
+def _connector_view(daemon: DaemonProcess, model: Path, tokens: list[int]):
+    """(a client of the namespace the connector stores ``tokens`` in, the keys of its full
+    blocks): the keys are vLLM's sha256 block hashes, re-hashed (see kvstore.integrations.vllm),
+    computed here independently of the connector."""
+    import torch
     from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_utils as kcu
 
@@ -179,21 +181,39 @@ def _stored_block(daemon: DaemonProcess, model: Path, tokens: list[int], index: 
 
     kcu.init_none_hash(sha256)
     parent = None
-    hashes = []
-    for i in range(index + 1):
+    keys = []
+    for i in range(len(tokens) // BLOCK):
         parent = kcu.hash_block_tokens(sha256, parent, tokens[i * BLOCK : (i + 1) * BLOCK])
-        hashes.append(parent)
-    layout = KVLayout(4, 2, 64, BLOCK, dtype=__import__("torch").float32)
+        keys.append(store_key(parent))
+    layout = KVLayout(4, 2, 64, BLOCK, dtype=torch.float32)
     with KVStoreClient(daemon.address, layout=layout, model="probe") as probe:
         revision = next(
             ns.name.split("@", 1)[1].rsplit("/", 1)[0]
             for ns in probe.stats().namespaces
             if "vllm-cpu" in ns.name
         )
-    with KVStoreClient(daemon.address, layout=layout, model=str(model), revision=revision) as kv:
-        got = kv.get([store_key(h) for h in hashes])
+    return KVStoreClient(daemon.address, layout=layout, model=str(model), revision=revision), keys
+
+
+def _stored_block(daemon: DaemonProcess, model: Path, tokens: list[int], index: int) -> bytes:
+    """The bytes the connector stored for block ``index`` of ``tokens``."""
+    import torch
+
+    kv, keys = _connector_view(daemon, model, tokens)
+    with kv:
+        got = kv.get(keys[: index + 1])
     assert got.shape[0] == index + 1, "the connector's keys are not the documented ones"
-    return got[index].contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+    return got[index].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _wait_stored(daemon: DaemonProcess, model: Path, tokens: list[int]) -> None:
+    """Wait until every full block of ``tokens`` is stored (saves are asynchronous)."""
+    kv, keys = _connector_view(daemon, model, tokens)
+    with kv:
+        deadline = time.monotonic() + 120
+        while kv.lookup(keys) < len(keys):
+            assert time.monotonic() < deadline, "the connector never stored the blocks again"
+            time.sleep(0.1)
 
 
 def _checksum_failures(daemon: DaemonProcess) -> int:
@@ -244,6 +264,7 @@ def test_corrupt_stalled_killed_restarted_daemon_never_changes_an_answer(
     )
     try:
         engine.wait_file(s0)
+        _wait_stored(d, model, P_FULL[: 6 * BLOCK])
         block3 = _stored_block(d, model, P_FULL, 3)
         assert d.stop() == 0
         _flip_block_on_disk(nvme, block3)
@@ -251,6 +272,7 @@ def test_corrupt_stalled_killed_restarted_daemon_never_changes_an_answer(
         g1.touch()
         engine.wait_file(s1)
         checksum_failures = _checksum_failures(d)
+        _wait_stored(d, model, P_FULL[: 6 * BLOCK])  # block 3, recomputed, is stored again
         d.proc.send_signal(signal.SIGSTOP)  # a daemon that answers nothing
         g2.touch()
         engine.wait_file(s2)

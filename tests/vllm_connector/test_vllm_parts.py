@@ -42,6 +42,8 @@ def test_unknown_or_bad_options_are_refused_by_name() -> None:
         ConnectorConfig.parse({"store": "everything"})
     with pytest.raises(ValueError, match="timeout_s"):
         ConnectorConfig.parse({"timeout_s": -1})
+    with pytest.raises(ValueError, match="transfers must be"):
+        ConnectorConfig.parse({"transfers": "sometimes"})
     cfg = ConnectorConfig.parse({"address": "unix:/x", "timeout_s": 3})
     assert (cfg.address, cfg.timeout_s, cfg.load, cfg.store) == ("unix:/x", 3.0, "async", "all")
 
@@ -99,16 +101,19 @@ def test_copier_refuses_a_layout_it_does_not_know() -> None:
         _LayerCopier(ident(), {NAMES[0]: torch.zeros(5, 2, 32, 64)})
 
 
-def _worker(address: str) -> _Worker:
-    cfg = ConnectorConfig.parse({"address": address, "timeout_s": 20, "retry_after_s": 60})
+def _worker(address: str, transfers: str = "auto") -> _Worker:
+    cfg = ConnectorConfig.parse(
+        {"address": address, "timeout_s": 20, "retry_after_s": 60, "transfers": transfers}
+    )
     return _Worker(ident(), cfg)
 
 
-def test_worker_saves_then_loads_blocks_through_a_real_daemon(daemon_factory) -> None:
+@pytest.mark.parametrize("transfers", ["inline", "thread"])
+def test_worker_saves_then_loads_blocks_through_a_real_daemon(daemon_factory, transfers) -> None:
     d = daemon_factory(cpu_capacity="16MiB", slab="1MiB")
     keys = [store_key(bytes([i]) * 32) for i in range(4)]
     src = _caches("cpu", nb=6)
-    w = _worker(d.address)
+    w = _worker(d.address, transfers)
     try:
         w.register(src)
         w.submit("save", SaveJob("r1", keys, [5, 4, 3, 2]))
