@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 import torch
 
+from kvstore import local_calls
 from kvstore.checksum import checksum_seed, seeded_checksum
 from kvstore.client.session import ClientSession, SlabUnavailable
 from kvstore.errors import ERRORS_BY_NAME, KVStoreError, UnavailableError
@@ -160,6 +161,99 @@ def translate_error(err: grpc.RpcError) -> KVStoreError:
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return UnavailableError(f"kvstore daemon unreachable ({code.name}): {details}")
     return KVStoreError(f"{code.name if code else 'error'}: {details}")
+
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
+_REPLY_TYPES = {
+    name: getattr(pb, _SERVICE.methods_by_name[name].output_type.name)
+    for name in local_calls.METHODS
+}
+_STATUS_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class LocalCallError(grpc.RpcError):
+    """A local call's error reply, read like a gRPC error (``translate_error``)."""
+
+    def __init__(self, status: int, body: memoryview) -> None:
+        name, message = local_calls.decode_error(body)
+        super().__init__(message)
+        self._code = _STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
+        self._details = message
+        self._name = name
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("kvstore-error", self._name),) if self._name else ()
+
+
+class LocalStub:
+    """The control calls of a blocking ``KVStoreStub``, sent as local calls over the session
+    socket (``kvstore.local_calls``) when the daemon offers them, else over gRPC: ``Lookup``,
+    ``Reserve``, ``Commit``, ``Abort``, ``Acquire``, ``Release``, ``Prefetch``, ``Delete``, with
+    the stub's signature ``(request, timeout=...)``. A request too large for one datagram goes
+    over gRPC. ``SessionBroken`` when the session fails during a call."""
+
+    def __init__(self, stub: Any, session: Callable[[], ClientSession | None]) -> None:
+        self._stub = stub
+        self._session = session
+        for name in local_calls.METHODS:
+            setattr(self, name, self._method(name))
+
+    def _method(self, name: str) -> Callable[..., Any]:
+        index = local_calls.METHOD_INDEX[name]
+        reply_type = _REPLY_TYPES[name]
+        grpc_method = getattr(self._stub, name)
+        limit = local_calls.MAX_REQUEST_BYTES - local_calls.REQUEST.size
+
+        def call(request: Any, timeout: float) -> Any:
+            session = self._session()
+            if session is not None and session.calls:
+                body = request.SerializeToString()
+                if len(body) <= limit:
+                    status, reply = session.call(index, body, timeout)
+                    if status != local_calls.STATUS_OK:
+                        raise LocalCallError(status, reply)
+                    return reply_type.FromString(reply)
+            return grpc_method(request, timeout=timeout)
+
+        return call
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:  # for type checkers: set above
+        raise AttributeError(name)
+
+
+class PendingReleases:
+    """Read leases this client is done with and has not released yet. The next control call of
+    their handle carries them (``release_leases``) and the daemon releases them before that call
+    runs, so a get never waits for a Release of its own. Until then their blocks stay pinned:
+    at most what the client read since its last call, and for no longer than the lease's TTL;
+    closing the client (its handle) releases them at once. ``MAX`` of them at most: past that
+    the client sends them in a Release of their own."""
+
+    MAX = 64
+
+    def __init__(self) -> None:
+        self._handle = b""
+        self._ids: list[int] = []
+
+    def add(self, handle: bytes, lease_id: int) -> bool:
+        """Note one; True when ``MAX`` are waiting (release them now: ``take``)."""
+        if handle != self._handle:  # a lease of a handle since reopened: gone with it
+            self._handle, self._ids = handle, []
+        self._ids.append(lease_id)
+        return len(self._ids) >= self.MAX
+
+    def take(self, handle: bytes) -> list[int]:
+        """The ids to send with a call of ``handle`` (they are then the daemon's to release)."""
+        if handle != self._handle or not self._ids:
+            return []
+        ids, self._ids = self._ids, []
+        return ids
 
 
 class MappedArena:
@@ -374,15 +468,23 @@ class PoolLink:
 
 
 def commit_request(
-    reply: pb.ReserveResponse, checksums: list[int], handle: bytes
+    reply: pb.ReserveResponse, checksums: list[int], handle: bytes, release: Sequence[int] = ()
 ) -> pb.CommitRequest:
     """The commit of a reservation: GPU pool slots carry device checksums, arena slots xxh3
     (both bound to namespace and key)."""
     if reply.gpu:
         return pb.CommitRequest(
-            reservation_id=reply.reservation_id, device_checksums=checksums, handle=handle
+            reservation_id=reply.reservation_id,
+            device_checksums=checksums,
+            handle=handle,
+            release_leases=release,
         )
-    return pb.CommitRequest(reservation_id=reply.reservation_id, checksums=checksums, handle=handle)
+    return pb.CommitRequest(
+        reservation_id=reply.reservation_id,
+        checksums=checksums,
+        handle=handle,
+        release_leases=release,
+    )
 
 
 def put_messages(

@@ -21,6 +21,7 @@ from kvstore.client import paged_io
 from kvstore.client._common import (
     Credentials,
     MappedArena,
+    PendingReleases,
     PoolLink,
     PutCount,
     StreamAssembler,
@@ -107,7 +108,7 @@ class AsyncKVStoreClient:
         self._handle = b""
         self._stream: Any = None  # the OpenNamespace call whose life is the handle's
         self._chunk_bytes = 1 << 20
-        self._pending: set[asyncio.Task[Any]] = set()
+        self._releases = PendingReleases()
 
     @classmethod
     async def connect(cls, address: str | None = None, **kwargs: Any) -> AsyncKVStoreClient:
@@ -160,15 +161,9 @@ class AsyncKVStoreClient:
                     "cannot map the daemon's arena: shared memory needs the unix socket"
                 )
 
-    async def _flush(self) -> None:
-        if self._pending:
-            pending, self._pending = self._pending, set()
-            await asyncio.gather(*pending, return_exceptions=True)
-
     async def _call(self, method: Callable[..., Awaitable[R]], build: Callable[[], Any]) -> R:
         if self._stub is None:
             raise KVStoreError("client is not open: use `await client.open()` or `async with`")
-        await self._flush()
         for attempt in range(2):
             try:
                 return await method(build(), timeout=self.timeout_s)
@@ -179,11 +174,6 @@ class AsyncKVStoreClient:
                     continue
                 raise exc from None
         raise AssertionError("unreachable")
-
-    def _background(self, coro: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -200,8 +190,7 @@ class AsyncKVStoreClient:
             stream.cancel()  # the daemon closes the handle and reclaims what it holds
 
     async def close(self) -> None:
-        await self._flush()
-        self._close_stream()
+        self._close_stream()  # releases the handle's leases, pending ones included
         self._pool_link.close()
         if self._arena is not None:
             self._arena.close()
@@ -236,7 +225,10 @@ class AsyncKVStoreClient:
         if not keys:
             return 0
         reply = await self._call(
-            self._stub.Lookup, lambda: pb.LookupRequest(handle=self._handle, keys=packed)
+            self._stub.Lookup,
+            lambda: pb.LookupRequest(
+                handle=self._handle, keys=packed, release_leases=self._releases.take(self._handle)
+            ),
         )
         return int(reply.found)
 
@@ -247,7 +239,10 @@ class AsyncKVStoreClient:
             await self._call(
                 self._stub.Prefetch,
                 lambda: pb.PrefetchRequest(
-                    handle=self._handle, keys=packed, gpu=self._pool_link.pool is not None
+                    handle=self._handle,
+                    keys=packed,
+                    gpu=self._pool_link.pool is not None,
+                    release_leases=self._releases.take(self._handle),
                 ),
             )
 
@@ -290,7 +285,7 @@ class AsyncKVStoreClient:
                 lambda: lease.copy_into(rows, self.verify_checksums),
             )
         finally:
-            self._background(lease.release())
+            await lease.release()  # no call: the next one carries it
         return dest[:m]
 
     async def delete(self, keys: Sequence[bytes]) -> int:
@@ -298,7 +293,10 @@ class AsyncKVStoreClient:
         if not keys:
             return 0
         reply = await self._call(
-            self._stub.Delete, lambda: pb.DeleteRequest(handle=self._handle, keys=packed)
+            self._stub.Delete,
+            lambda: pb.DeleteRequest(
+                handle=self._handle, keys=packed, release_leases=self._releases.take(self._handle)
+            ),
         )
         return int(reply.deleted)
 
@@ -422,7 +420,11 @@ class AsyncKVStoreClient:
         reply = await self._call(
             self._stub.Reserve,
             lambda: pb.ReserveRequest(
-                handle=self._handle, keys=packed, priority=prio, gpu=_device is not None
+                handle=self._handle,
+                keys=packed,
+                priority=prio,
+                gpu=_device is not None,
+                release_leases=self._releases.take(self._handle),
             ),
         )
         handle = self._handle  # the reservation is this handle's (after any reopen)
@@ -431,8 +433,10 @@ class AsyncKVStoreClient:
         pool = self._pool_link.for_device(_device) if reply.gpu else None
 
         async def commit(checksums: list[int]) -> int:
-            req = commit_request(reply, checksums, handle)
-            return int((await self._call(self._stub.Commit, lambda: req)).committed)
+            def build() -> pb.CommitRequest:
+                return commit_request(reply, checksums, handle, self._releases.take(self._handle))
+
+            return int((await self._call(self._stub.Commit, build)).committed)
 
         async def abort() -> None:
             req = pb.AbortRequest(reservation_id=reply.reservation_id, handle=handle)
@@ -465,19 +469,26 @@ class AsyncKVStoreClient:
         self._require_arena("acquire")
         reply = await self._call(
             self._stub.Acquire,
-            lambda: pb.AcquireRequest(handle=self._handle, keys=packed, gpu=_device is not None),
+            lambda: pb.AcquireRequest(
+                handle=self._handle,
+                keys=packed,
+                gpu=_device is not None,
+                release_leases=self._releases.take(self._handle),
+            ),
         )
         handle = self._handle
         arena = self._require_arena("acquire")
         pool = self._pool_link.for_device(_device) if any(reply.on_gpu) else None
 
         async def release() -> None:
-            if reply.lease_id:
-                request = pb.ReleaseRequest(lease_id=reply.lease_id, handle=handle)
+            # Not a call of its own: the next call carries it (PendingReleases).
+            if reply.lease_id and self._releases.add(handle, reply.lease_id):
+                ids = self._releases.take(handle)
+                request = pb.ReleaseRequest(handle=handle, release_leases=ids)
                 try:
                     await self._stub.Release(request, timeout=self.timeout_s)
                 except grpc.RpcError:
-                    pass  # expired first, or the handle closed: the daemon already dropped it
+                    pass  # the handle closed: the daemon already dropped its leases
 
         return AsyncReadLease(
             arena,
