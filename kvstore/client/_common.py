@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
+import xxhash
 
 from kvstore import local_calls
 from kvstore.checksum import checksum_seed, seeded_checksum
@@ -256,6 +257,46 @@ class PendingReleases:
         return ids
 
 
+PASS_CHUNK_BYTES = 256 << 10
+"""Copies of larger blocks go in pieces of this size, each hashed while it is in cache (L2 is
+2 MiB a core here: a piece and its copy fit with room): one pass over memory, not two."""
+
+
+def copy_hashing_source(dst: np.ndarray, src: np.ndarray, seed: int) -> int:
+    """Copy ``src`` into ``dst`` (1-D uint8, same length); return the seeded xxh3 of ``src``,
+    each piece hashed just before its copy (so the copy reads it from cache). The checksum is
+    of what this client meant to store, whatever writes into ``dst`` meanwhile."""
+    n = len(src)
+    if n <= PASS_CHUNK_BYTES:
+        checksum = seeded_checksum(src, seed)
+        # One thread, through numpy: torch's copy_ splits a block over its thread pool and
+        # stalls whenever another process holds a core (measured 20x slower under load).
+        np.copyto(dst, src)
+        return checksum
+    h = xxhash.xxh3_64(seed=seed)  # streaming xxh3 gives the one-shot digest
+    for start in range(0, n, PASS_CHUNK_BYTES):
+        piece = src[start : start + PASS_CHUNK_BYTES]
+        h.update(piece.data)
+        np.copyto(dst[start : start + PASS_CHUNK_BYTES], piece)
+    return h.intdigest()
+
+
+def copy_hashing_copy(dst: np.ndarray, src: np.ndarray, seed: int) -> int:
+    """Copy ``src`` into ``dst``; return the seeded xxh3 of ``dst``, each piece hashed right
+    after its copy, from cache: it vouches for the copy the caller keeps, so a source that
+    changes during the copy fails the check rather than slipping through."""
+    n = len(src)
+    if n <= PASS_CHUNK_BYTES:
+        np.copyto(dst, src)
+        return seeded_checksum(dst, seed)
+    h = xxhash.xxh3_64(seed=seed)
+    for start in range(0, n, PASS_CHUNK_BYTES):
+        piece = dst[start : start + PASS_CHUNK_BYTES]
+        np.copyto(piece, src[start : start + PASS_CHUNK_BYTES])
+        h.update(piece.data)
+    return h.intdigest()
+
+
 class MappedArena:
     """The daemon's CPU-tier memory as this client maps it: slab files, each handed over as a
     descriptor by the session (``ClientSession.slab``) the first time a reply names it, and
@@ -311,9 +352,9 @@ class MappedArena:
     ) -> list[int]:
         """Copy ``rows[i]`` into the slot at ``offsets[i]`` (skipping -1; ``seeds[i]`` is key
         i's checksum seed); return the checksums of the written blocks, in order. Each checksum
-        is of the source, taken just before its copy (the block is then in cache, so the copy
-        reads it from there): it vouches for what this client meant to store, and nothing that
-        writes into the slot meanwhile can make it vouch for other bytes."""
+        is of the source, taken piece by piece as it is copied (``copy_hashing_source``): it
+        vouches for what this client meant to store, and nothing that writes into the slot
+        meanwhile can make it vouch for other bytes."""
         nbytes = rows.shape[1]
         rows_np = rows.numpy()
         checksums = []
@@ -323,10 +364,8 @@ class MappedArena:
             slab, offset = self._where(address, nbytes)
             if not slab.writable:
                 raise KVStoreError("the daemon reserved a slot in memory this client may only read")
-            checksums.append(seeded_checksum(rows_np[i], seeds[i]))
-            # One thread, through numpy: torch's copy_ splits a block over its thread pool and
-            # stalls whenever another process holds a core (measured 20x slower under load).
-            np.copyto(slab.np[offset : offset + nbytes], rows_np[i])
+            dst = slab.np[offset : offset + nbytes]
+            checksums.append(copy_hashing_source(dst, rows_np[i], seeds[i]))
         return checksums
 
     def copy_out(
@@ -338,9 +377,10 @@ class MappedArena:
         verify: bool,
     ) -> int:
         """Copy slots into ``rows``; return how many leading blocks arrived intact. Each copy is
-        verified against the checksum of the key it was asked for (``seeds``), after the copy
-        and from the copy: a slot reused after a lease expired, or scribbled on, or holding
-        another key's block is a miss, and so is everything after it."""
+        verified against the checksum of the key it was asked for (``seeds``), from the copy,
+        piece by piece as it is made (``copy_hashing_copy``): a slot reused after a lease
+        expired, or scribbled on, or holding another key's block is a miss, and so is
+        everything after it."""
         nbytes = rows.shape[1]
         rows_np = rows.numpy()
         for i, address in enumerate(offsets):
@@ -348,8 +388,10 @@ class MappedArena:
                 slab, offset = self._where(address, nbytes)
             except SlabUnavailable:  # retired since the lease was granted: a miss
                 return i
-            np.copyto(rows_np[i], slab.np[offset : offset + nbytes])
-            if verify and seeded_checksum(rows_np[i], seeds[i]) != checksums[i]:
+            src = slab.np[offset : offset + nbytes]
+            if not verify:
+                np.copyto(rows_np[i], src)
+            elif copy_hashing_copy(rows_np[i], src, seeds[i]) != checksums[i]:
                 return i
         return len(offsets)
 

@@ -319,7 +319,7 @@ class AsyncKVStoreClient:
         on_stream = paged_io.on_stream
         stored = 0
         stage: torch.Tensor | None = None
-        for ck, cids in paged_io.chunked(keys, ids):
+        for ck, cids in paged_io.chunked(keys, ids, self._chunk_blocks):
             if self._arena is None:
                 if stage is None:  # one chunk-sized buffer for the whole transfer
                     stage = paged_io.staging(self.layout, len(ids), kv_caches)
@@ -370,7 +370,7 @@ class AsyncKVStoreClient:
         on_stream = paged_io.on_stream
         loaded = 0
         stage: torch.Tensor | None = None
-        for ck, cids in paged_io.chunked(keys, ids):
+        for ck, cids in paged_io.chunked(keys, ids, self._chunk_blocks):
             if self._arena is None:
                 if stage is None:  # one chunk-sized buffer for the whole transfer
                     stage = paged_io.staging(self.layout, len(ids), kv_caches)
@@ -387,17 +387,28 @@ class AsyncKVStoreClient:
             else:
                 lease = await self.acquire(ck, _device=gpu)
                 try:
-                    if lease.any_on_host:
-                        paged_io.ensure_pinned(lease.arena, kv_caches)
-                    await asyncio.to_thread(
-                        on_stream,
-                        stream,
-                        paged_io.scatter_from_views,
+                    # CPU caches: each block verified from its copy as it is made (one pass).
+                    got_n = await asyncio.to_thread(
+                        paged_io.scatter_with_checksums,
                         lease.views,
                         kv_caches,
                         cids[: len(lease)],
+                        lease.checksums,
+                        lease.seeds,
                     )
-                    n = await asyncio.to_thread(on_stream, stream, lease.intact)
+                    if got_n is None:
+                        if lease.any_on_host:
+                            paged_io.ensure_pinned(lease.arena, kv_caches)
+                        await asyncio.to_thread(
+                            on_stream,
+                            stream,
+                            paged_io.scatter_from_views,
+                            lease.views,
+                            kv_caches,
+                            cids[: len(lease)],
+                        )
+                        got_n = await asyncio.to_thread(on_stream, stream, lease.intact)
+                    n = got_n
                 finally:
                     await lease.release()
             loaded += n
@@ -500,6 +511,12 @@ class AsyncKVStoreClient:
             list(reply.on_gpu),
             pool,
         )
+
+    @property
+    def _chunk_blocks(self) -> int:
+        """Blocks per call of an offload or load: the bytes path stages a chunk at a time, the
+        shared-memory path stages nothing."""
+        return paged_io.CHUNK_BLOCKS if self._arena is None else paged_io.ARENA_CHUNK_BLOCKS
 
     def _require_arena(self, what: str) -> MappedArena:
         if self._arena is None:

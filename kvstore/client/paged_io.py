@@ -25,6 +25,11 @@ from kvstore.kernels import _validate
 from kvstore.layout import KVLayout
 
 CHUNK_BLOCKS = 32
+"""Blocks per chunk on the bytes path (the size of its one staging tensor)."""
+ARENA_CHUNK_BLOCKS = 1024
+"""Blocks per reservation or lease on the shared-memory path, which stages nothing: one call
+for a whole prompt's prefix (120 blocks: one acquire, not four), and requests small enough for
+a local call (32 KiB of keys)."""
 R = TypeVar("R")
 
 
@@ -120,6 +125,41 @@ def gather_with_checksums(
                 h.update(np.ascontiguousarray(src).data)  # no copy when contiguous
         sums.append(h.intdigest())
     return sums
+
+
+def scatter_with_checksums(
+    views: Sequence[torch.Tensor],
+    kv_caches: Sequence[torch.Tensor],
+    block_ids: list[int],
+    checksums: Sequence[int],
+    seeds: Sequence[int],
+) -> int | None:
+    """Scatter leased arena slots (``views``) into CPU caches and verify each block from its
+    copy as it is made: a streaming xxh3 over the destination pieces, in the slot's byte order,
+    each hashed right after its copy (while in cache), against the lease's checksum for the key
+    asked (``seeds``). Returns how many leading blocks arrived intact; the copy stops at the
+    first that did not (the caller recomputes from there). None for CUDA caches: they are
+    verified on the slots after the kernel (``ReadLease.intact``)."""
+    if not views:
+        return 0
+    if kv_caches[0].device.type != "cpu":
+        return None
+    geom = _validate.check_caches(kv_caches)
+    ids = _validate.as_ids(block_ids, "block_ids")
+    _validate.check_blocks(views, geom, ids.numel(), "blocks")
+    _validate.check_id_range(ids, geom.num_blocks, "block_ids")
+    caches = [kernels.reference.raw(c.detach()).numpy() for c in kv_caches]
+    for i, (block, view) in enumerate(zip(block_ids, views, strict=True)):
+        src = kernels.reference.raw(view).numpy()  # [layers, 2, block_size, H, D]
+        h = xxhash.xxh3_64(seed=seeds[i])
+        for layer, cache in enumerate(caches):
+            for kv in (0, 1):
+                dst = cache[kv, block]
+                np.copyto(dst, src[layer, kv])
+                h.update(np.ascontiguousarray(dst).data)  # no copy when contiguous
+        if h.intdigest() != checksums[i]:
+            return i
+    return len(views)
 
 
 def scatter_from_views(

@@ -324,7 +324,7 @@ class KVStoreClient:
         gpu = self._pool_link.device_for(kv_caches)
         stored = 0
         stage: torch.Tensor | None = None
-        for ck, cids in paged_io.chunked(keys, ids):
+        for ck, cids in paged_io.chunked(keys, ids, self._chunk_blocks):
             if self._arena is None:
                 if stage is None:  # one chunk-sized buffer for the whole transfer
                     stage = paged_io.staging(self.layout, len(ids), kv_caches)
@@ -357,7 +357,7 @@ class KVStoreClient:
         gpu = self._pool_link.device_for(kv_caches)
         loaded = 0
         stage: torch.Tensor | None = None
-        for ck, cids in paged_io.chunked(keys, ids):
+        for ck, cids in paged_io.chunked(keys, ids, self._chunk_blocks):
             if self._arena is None:
                 if stage is None:  # one chunk-sized buffer for the whole transfer
                     stage = paged_io.staging(self.layout, len(ids), kv_caches)
@@ -366,12 +366,18 @@ class KVStoreClient:
                 n = got.shape[0]
             else:
                 with self.acquire(ck, _device=gpu) as lease:
-                    if lease.any_on_host:
-                        paged_io.ensure_pinned(lease.arena, kv_caches)
-                    paged_io.scatter_from_views(lease.views, kv_caches, cids[: len(lease)])
-                    # Checked after the copy: a slot that changed under us fails here, and the
-                    # caller recomputes from that block on.
-                    n = lease.intact()
+                    # CPU caches: each block verified from its copy as it is made (one pass).
+                    intact = paged_io.scatter_with_checksums(
+                        lease.views, kv_caches, cids[: len(lease)], lease.checksums, lease.seeds
+                    )
+                    if intact is None:
+                        if lease.any_on_host:
+                            paged_io.ensure_pinned(lease.arena, kv_caches)
+                        paged_io.scatter_from_views(lease.views, kv_caches, cids[: len(lease)])
+                        # Checked after the copy: a slot that changed under us fails here, and
+                        # the caller recomputes from that block on.
+                        intact = lease.intact()
+                    n = intact
             loaded += n
             if n < len(ck):
                 break
@@ -488,6 +494,12 @@ class KVStoreClient:
                 self._rpc.Release(request, timeout=self.timeout_s)
             except (grpc.RpcError, SessionBroken):
                 pass  # the handle is gone (and its leases with it) or will be reopened
+
+    @property
+    def _chunk_blocks(self) -> int:
+        """Blocks per call of an offload or load: the bytes path stages a chunk at a time, the
+        shared-memory path stages nothing."""
+        return paged_io.CHUNK_BLOCKS if self._arena is None else paged_io.ARENA_CHUNK_BLOCKS
 
     def _require_arena(self, what: str) -> MappedArena:
         if self._arena is None:
