@@ -134,9 +134,9 @@ def scatter_with_checksums(
     checksums: Sequence[int],
     seeds: Sequence[int],
 ) -> int | None:
-    """Scatter leased arena slots (``views``) into CPU caches and verify each block from its
-    copy as it is made: a streaming xxh3 over the destination pieces, in the slot's byte order,
-    each hashed right after its copy (while in cache), against the lease's checksum for the key
+    """Scatter leased arena slots (``views``) into CPU caches, verifying each block right after
+    its copy: the xxh3 of the slot, read again while it is still in cache (one pass over memory
+    where a check after the whole batch made two), against the lease's checksum for the key
     asked (``seeds``). Returns how many leading blocks arrived intact; the copy stops at the
     first that did not (the caller recomputes from there). None for CUDA caches: they are
     verified on the slots after the kernel (``ReadLease.intact``)."""
@@ -149,17 +149,52 @@ def scatter_with_checksums(
     _validate.check_blocks(views, geom, ids.numel(), "blocks")
     _validate.check_id_range(ids, geom.num_blocks, "block_ids")
     caches = [kernels.reference.raw(c.detach()).numpy() for c in kv_caches]
-    for i, (block, view) in enumerate(zip(block_ids, views, strict=True)):
-        src = kernels.reference.raw(view).numpy()  # [layers, 2, block_size, H, D]
-        h = xxhash.xxh3_64(seed=seeds[i])
+    slots = [kernels.reference.raw(v).numpy() for v in views]  # [layers, 2, bs, H, D] each
+    i = 0
+    while i < len(slots):
+        run = _slot_run(slots, block_ids, i)
+        k = len(run)
+        # Blocks in consecutive slots (the usual case: one reservation's slots) are copied a
+        # layer at a time, one numpy call for the whole run instead of one per block and layer.
+        ids_run = block_ids[i : i + k]
+        first, last = ids_run[0], ids_run[-1]
+        dst_ids: slice | np.ndarray = (
+            slice(first, first + k) if last - first == k - 1 else np.asarray(ids_run)
+        )
         for layer, cache in enumerate(caches):
-            for kv in (0, 1):
-                dst = cache[kv, block]
-                np.copyto(dst, src[layer, kv])
-                h.update(np.ascontiguousarray(dst).data)  # no copy when contiguous
-        if h.intdigest() != checksums[i]:
-            return i
+            part = run[:, layer].swapaxes(0, 1)  # [2, k, bs, H, D]
+            if isinstance(dst_ids, slice):
+                np.copyto(cache[:, dst_ids], part)
+            else:
+                cache[:, dst_ids] = part
+        for j in range(k):  # each slot again while the run is in cache
+            if xxhash.xxh3_64_intdigest(run[j].data, seed=seeds[i + j]) != checksums[i + j]:
+                return i + j
+        i += k
     return len(views)
+
+
+RUN_BLOCKS = 16
+"""Most blocks one scatter step copies (then hashes) at once: a few MiB, which stay in cache."""
+
+
+def _slot_run(slots: Sequence[np.ndarray], block_ids: Sequence[int], i: int) -> np.ndarray:
+    """``[k, *block]`` over the slots i, i+1, ... that lie back to back in memory (k >= 1,
+    at most RUN_BLOCKS, destination ids distinct as the caller checked)."""
+    first = slots[i]
+    size = first.nbytes
+    base = first.__array_interface__["data"][0]
+    k = 1
+    while (
+        k < RUN_BLOCKS
+        and i + k < len(slots)
+        and slots[i + k].__array_interface__["data"][0] == base + k * size
+    ):
+        k += 1
+    # The slots are views of one mapping, back to back: one view over all of them.
+    return np.lib.stride_tricks.as_strided(
+        first, shape=(k, *first.shape), strides=(size, *first.strides), writeable=False
+    )
 
 
 def scatter_from_views(
