@@ -176,3 +176,38 @@ def test_unknown_or_expired_leases_in_a_request_are_ignored(daemon) -> None:
             ),
         )
         assert status_name(status) == "INVALID_ARGUMENT" and b"max_leases_per_handle" in body
+
+
+def test_a_stopped_daemon_fails_fast_and_a_restarted_one_is_rejoined(daemon_factory) -> None:
+    import time
+
+    from kvstore.errors import UnavailableError
+
+    d = daemon_factory()
+    kv = client(d, timeout_s=20.0)
+    try:
+        keys = kv.hash_tokens(tokens(2))
+        blocks = random_blocks(SMALL_LAYOUT, 2, seed=8)
+        kv.put(keys, blocks)
+        d.stop()
+        start = time.monotonic()
+        with pytest.raises(UnavailableError):
+            kv.lookup(keys)  # the session broke: gRPC answers, at once, as it would have
+        assert time.monotonic() - start < 10.0  # not the 20 s a wait for a daemon would take
+        d.start()
+        # gRPC may still be backing off from the failed connect (its own reconnect policy):
+        # retry until it reconnects, as any caller of a restarted daemon does.
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:
+                found = kv.lookup(keys)
+                break
+            except UnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        assert found == 0  # a new daemon: rejoined, its CPU tier empty
+        assert kv._session is not None and kv._session.calls  # the new session's calls
+        assert kv.put(keys, blocks) == 2 and same_bytes(kv.get(keys), blocks)
+    finally:
+        kv.close()

@@ -22,7 +22,7 @@ import xxhash
 
 from kvstore import local_calls
 from kvstore.checksum import checksum_seed, seeded_checksum
-from kvstore.client.session import ClientSession, SlabUnavailable
+from kvstore.client.session import ClientSession, SessionBroken, SlabUnavailable
 from kvstore.errors import ERRORS_BY_NAME, KVStoreError, UnavailableError
 from kvstore.keys import Namespace, pack_keys
 from kvstore.layout import KVLayout
@@ -197,7 +197,9 @@ class LocalStub:
     socket (``kvstore.local_calls``) when the daemon offers them, else over gRPC: ``Lookup``,
     ``Reserve``, ``Commit``, ``Abort``, ``Acquire``, ``Release``, ``Prefetch``, ``Delete``, with
     the stub's signature ``(request, timeout=...)``. A request too large for one datagram goes
-    over gRPC. ``SessionBroken`` when the session fails during a call."""
+    over gRPC, and so does every call once the session has failed (the daemon stopped or
+    restarted): gRPC then answers as it would have (UNAVAILABLE, or NOT_FOUND for the old
+    handle, and the client reopens), so a broken session changes nothing a caller sees."""
 
     def __init__(self, stub: Any, session: Callable[[], ClientSession | None]) -> None:
         self._stub = stub
@@ -216,10 +218,14 @@ class LocalStub:
             if session is not None and session.calls:
                 body = request.SerializeToString()
                 if len(body) <= limit:
-                    status, reply = session.call(index, body, timeout)
-                    if status != local_calls.STATUS_OK:
-                        raise LocalCallError(status, reply)
-                    return reply_type.FromString(reply)
+                    try:
+                        status, reply = session.call(index, body, timeout)
+                    except SessionBroken:
+                        session.calls = False  # this session is over: gRPC from now on
+                    else:
+                        if status != local_calls.STATUS_OK:
+                            raise LocalCallError(status, reply)
+                        return reply_type.FromString(reply)
             return grpc_method(request, timeout=timeout)
 
         return call

@@ -251,11 +251,11 @@ class AsyncKVStoreClient:
     ) -> int:
         packed = check_keys(keys)
         rows = check_put(self.layout, keys, blocks)
-        check_priority(priority)
+        prio = check_priority(priority)
         if not keys:
             return 0
         if self._arena is None:
-            return await self._put_bytes(keys, rows, check_priority(priority))
+            return await self._put_bytes(keys, rows, prio)
         reservation = await self.reserve(keys, priority, _packed=packed)
         if not reservation.offsets_new:
             return PutCount(0, reservation.pending)

@@ -120,8 +120,8 @@ class ClientSession:
 
     def call(self, method: int, request: bytes, timeout_s: float) -> tuple[int, memoryview]:
         """One local call: (status, body) of its reply (``kvstore.local_calls``). The body is a
-        view of this session's reply buffer, valid until the next call. UnavailableError when
-        the connection fails or no reply comes within ``timeout_s``."""
+        view of this session's reply buffer, valid until the next call. SessionBroken when the
+        connection fails; UnavailableError when no reply comes in time."""
         with self._lock:
             self._call_id = call_id = (self._call_id + 1) & 0xFFFFFFFF
             frame = local_calls.encode_request(method, call_id, timeout_s, request)
@@ -140,7 +140,11 @@ class ClientSession:
                     status, got_id, body = local_calls.decode_reply(reply)
                     if got_id == call_id:
                         return status, body
-            except OSError as exc:  # TimeoutError included
+            except TimeoutError:  # as a gRPC deadline: the call may have run; never retried
+                raise UnavailableError(
+                    f"kvstore daemon unreachable: no reply to a local call within {timeout_s}s"
+                ) from None
+            except OSError as exc:
                 raise SessionBroken(f"the session with the daemon failed: {exc}") from None
 
     def metadata(self) -> tuple[tuple[str, str], ...]:

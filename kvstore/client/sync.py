@@ -50,8 +50,13 @@ from kvstore.client._common import (
     translate_error,
 )
 from kvstore.client.leases import ReadLease, WriteReservation
-from kvstore.client.session import ClientSession, SessionBroken
-from kvstore.errors import KVStoreError, UnauthenticatedError, UnknownNamespaceError
+from kvstore.client.session import ClientSession
+from kvstore.errors import (
+    KVStoreError,
+    UnauthenticatedError,
+    UnavailableError,
+    UnknownNamespaceError,
+)
 from kvstore.keys import BlockKey, Namespace, block_hashes, unpack_keys
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
@@ -171,11 +176,9 @@ class KVStoreClient:
         for attempt in range(2):
             try:
                 return method(build(), timeout=self.timeout_s)
-            except (grpc.RpcError, SessionBroken) as err:
-                # A broken session: the daemon stopped (or restarted) under a local call.
-                exc = translate_error(err) if isinstance(err, grpc.RpcError) else err
-                retry = UnknownNamespaceError | UnauthenticatedError | SessionBroken
-                if isinstance(exc, retry) and attempt == 0:
+            except grpc.RpcError as err:
+                exc = translate_error(err)
+                if isinstance(exc, UnknownNamespaceError | UnauthenticatedError) and attempt == 0:
                     self._open()
                     continue
                 raise exc from None
@@ -492,7 +495,7 @@ class KVStoreClient:
             request = pb.ReleaseRequest(handle=self._handle, release_leases=ids)
             try:
                 self._rpc.Release(request, timeout=self.timeout_s)
-            except (grpc.RpcError, SessionBroken):
+            except (grpc.RpcError, UnavailableError):
                 pass  # the handle is gone (and its leases with it) or will be reopened
 
     @property
