@@ -40,7 +40,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     serve.add_argument("--cpu-policy", choices=("lru", "priority", "prefix"))
     serve.add_argument("--nvme-path", help="directory for the NVMe tier's slab files (enables it)")
     serve.add_argument("--nvme-capacity", type=parse_size, help="size of the NVMe tier, e.g. 64GiB")
-    serve.add_argument("--nvme-codec", choices=("none", "lz4"))
+    serve.add_argument(
+        "--nvme-codec",
+        choices=("none", "lz4", "fp8", "fp8+lz4"),
+        help="default codec on disk (fp8 ones are lossy); [[codecs]] in the config per namespace",
+    )
     serve.add_argument(
         "--write-through", action="store_true", help="write every put to the NVMe tier at once"
     )

@@ -52,6 +52,13 @@ def stats_to_dict(reply: Any) -> dict[str, Any]:
                 "hit_rate": (n.hits / lookups) if lookups else None,
             }
         )
+    tenants = [
+        {
+            f.name: getattr(t, f.name)
+            for f in t.DESCRIPTOR.fields  # every figure of TenantStats, by its proto name
+        }
+        for t in getattr(reply, "tenants", ())
+    ]
     return {
         "version": reply.version,
         "uptime_s": reply.uptime_s,
@@ -59,6 +66,7 @@ def stats_to_dict(reply: Any) -> dict[str, Any]:
         "active_reservations": reply.active_reservations,
         "tiers": tiers,
         "namespaces": namespaces,
+        "tenants": tenants,
     }
 
 
@@ -119,4 +127,29 @@ def render_stats(d: dict[str, Any]) -> str:
                 f"{n['name'][:40]:<40} {n['blocks']:>9} {format_size(n['used_bytes']):>10} "
                 f"{format_size(n['block_bytes']):>9} {_pct(n['hit_rate']):>10}"
             )
+    if d.get("tenants"):
+        lines += ["", *_tenant_lines(d["tenants"])]
     return "\n".join(lines)
+
+
+def _tenant_lines(tenants: list[dict[str, Any]]) -> list[str]:
+    """Each tenant's usage against its quotas ([tenants.NAME]); "-" where nothing bounds it."""
+
+    def of(used: int, bound: int) -> str:
+        return format_size(used) + (f" / {format_size(bound)}" if bound else "")
+
+    lines = [
+        f"{'TENANT':<20} {'CPU / QUOTA':>22} {'GUARANTEED':>10} {'NVME / QUOTA':>22} "
+        f"{'PINNED / MAX':>22} {'LEASES':>7} {'RESERV':>7} {'KEYS/S':>8} {'REFUSED':>8}"
+    ]
+    for t in tenants:
+        rate = f"{t['keys_per_s']:g}" if t["keys_per_s"] else "-"
+        lines.append(
+            f"{(t['name'] or '(default)')[:20]:<20} "
+            f"{of(t['cpu_bytes'], t['quota_cpu_bytes']):>22} "
+            f"{format_size(t['guaranteed_cpu_bytes']):>10} "
+            f"{of(t['nvme_bytes'], t['quota_nvme_bytes']):>22} "
+            f"{of(t['pinned_bytes'], t['max_pinned_bytes']):>22} {t['leases']:>7} "
+            f"{t['reservations']:>7} {rate:>8} {t['refused_keys']:>8}"
+        )
+    return lines
