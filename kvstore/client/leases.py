@@ -3,7 +3,9 @@
 A ``WriteReservation`` names the arena slots reserved for the keys that were not yet stored; the
 caller writes them (through ``views`` or ``fill_from``) and commits. A ``ReadLease`` names the
 slots of the leading run of stored blocks; the caller copies out, verifies and releases. The
-sync and async flavours differ only in whether commit/abort/release are awaited.
+sync and async flavours differ only in whether commit/abort/release are awaited: each runs the
+same operation (``_commit_op``, ``_abort_op``, ``_release_op``, generators of the client's core,
+``kvstore.client.core``) through its client's face.
 
 A client that maps the daemon's GPU pool (a CUDA worker on the daemon's GPU) may get its slots
 there instead: a reservation with ``on_gpu`` names pool slots and commits device checksums; a
@@ -12,7 +14,7 @@ lease names, per block, a pool slot (``on_gpu[i]``, verified by device checksum)
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 import torch
@@ -23,6 +25,18 @@ from kvstore.client._common import MappedArena
 from kvstore.errors import KVStoreError
 from kvstore.layout import KVLayout
 from kvstore.tiers.gpu import MappedDevicePool
+
+Op = Generator[Any, Any, Any]
+"""An operation of the client's core (``kvstore.client.core``): steps for a face to perform."""
+
+
+def _run_inline(op: Op) -> Any:
+    """Run an operation that performs no step (a reservation or lease made by hand)."""
+    try:
+        step = next(op)
+    except StopIteration as stop:
+        return stop.value
+    raise KVStoreError(f"no client to perform {step!r}")
 
 
 class _ReservationState:
@@ -54,6 +68,8 @@ class _ReservationState:
         """Keys another client was still writing when the daemon stopped waiting for them."""
         self.done = not self.indices
         self._checksums: list[int] | None = None
+        self._commit_step: Callable[[list[int]], Any] = lambda checksums: iter(())
+        self._abort_step: Callable[[], Any] = lambda: iter(())
 
     @property
     def on_gpu(self) -> bool:
@@ -122,6 +138,27 @@ class _ReservationState:
             )
         return not self.done
 
+    def _commit_op(self, checksums: list[int] | None) -> Op:
+        """Commit (``checksums``: the caller's, computed off the event loop, else
+        ``checksums()``); the number of blocks stored."""
+        if not self._check_open():
+            return 0
+        self.done = True
+        try:
+            sums = self.checksums() if checksums is None else checksums
+            self.committed = yield from self._commit_step(sums)
+        finally:
+            self._drop_pool()
+        return self.committed
+
+    def _abort_op(self) -> Op:
+        if self._check_open():
+            self.done = True
+            try:
+                yield from self._abort_step()
+            finally:
+                self._drop_pool()
+
 
 class WriteReservation(_ReservationState):
     def __init__(
@@ -131,32 +168,22 @@ class WriteReservation(_ReservationState):
         reservation_id: int,
         offsets: list[int],
         seeds: list[int],
-        commit_fn: Callable[[list[int]], int],
-        abort_fn: Callable[[], None],
+        commit_op: Callable[[list[int]], Any],
+        abort_op: Callable[[], Any],
         pool: MappedDevicePool | None = None,
+        run: Callable[[Op], Any] = _run_inline,
     ) -> None:
         super().__init__(arena, layout, reservation_id, offsets, seeds, pool)
-        self._commit_fn = commit_fn
-        self._abort_fn = abort_fn
+        self._commit_step = commit_op
+        self._abort_step = abort_op
+        self._run = run
 
     def commit(self) -> int:
         """Make the written blocks visible; returns how many were stored."""
-        if not self._check_open():
-            return 0
-        self.done = True
-        try:
-            self.committed = self._commit_fn(self.checksums())
-        finally:
-            self._drop_pool()
-        return self.committed
+        return int(self._run(self._commit_op(None)))
 
     def abort(self) -> None:
-        if self._check_open():
-            self.done = True
-            try:
-                self._abort_fn()
-            finally:
-                self._drop_pool()
+        self._run(self._abort_op())
 
     def __enter__(self) -> WriteReservation:
         return self
@@ -178,35 +205,26 @@ class AsyncWriteReservation(_ReservationState):
         reservation_id: int,
         offsets: list[int],
         seeds: list[int],
-        commit_fn: Callable[[list[int]], Awaitable[int]],
-        abort_fn: Callable[[], Awaitable[None]],
+        commit_op: Callable[[list[int]], Any],
+        abort_op: Callable[[], Any],
         pool: MappedDevicePool | None = None,
+        run: Callable[[Op], Awaitable[Any]] | None = None,
     ) -> None:
         super().__init__(arena, layout, reservation_id, offsets, seeds, pool)
-        self._commit_fn = commit_fn
-        self._abort_fn = abort_fn
+        self._commit_step = commit_op
+        self._abort_step = abort_op
+        self._run = run
+
+    async def _perform(self, op: Op) -> Any:
+        return _run_inline(op) if self._run is None else await self._run(op)
 
     async def commit(self, checksums: list[int] | None = None) -> int:
         """As ``WriteReservation.commit``; ``checksums`` when the caller computed them already
         (off the event loop)."""
-        if not self._check_open():
-            return 0
-        self.done = True
-        try:
-            self.committed = await self._commit_fn(
-                self.checksums() if checksums is None else checksums
-            )
-        finally:
-            self._drop_pool()
-        return self.committed
+        return int(await self._perform(self._commit_op(checksums)))
 
     async def abort(self) -> None:
-        if self._check_open():
-            self.done = True
-            try:
-                await self._abort_fn()
-            finally:
-                self._drop_pool()
+        await self._perform(self._abort_op())
 
     async def __aenter__(self) -> AsyncWriteReservation:
         return self
@@ -246,6 +264,15 @@ class _LeaseState:
         if pool is not None:
             pool.retain()  # mapped until this lease is released
         self.released = False
+        self._release_step: Callable[[], Any] = lambda: iter(())
+
+    def _release_op(self) -> Op:
+        if not self.released:
+            self.released = True
+            try:
+                yield from self._release_step()
+            finally:
+                self._drop_pool()
 
     def _drop_pool(self) -> None:
         if self.pool is not None:
@@ -311,20 +338,17 @@ class ReadLease(_LeaseState):
         offsets: list[int],
         checksums: list[int],
         seeds: list[int],
-        release_fn: Callable[[], None],
+        release_op: Callable[[], Any],
         on_gpu: list[bool] | None = None,
         pool: MappedDevicePool | None = None,
+        run: Callable[[Op], Any] = _run_inline,
     ) -> None:
         super().__init__(arena, layout, offsets, checksums, seeds, on_gpu, pool)
-        self._release_fn = release_fn
+        self._release_step = release_op
+        self._run = run
 
     def release(self) -> None:
-        if not self.released:
-            self.released = True
-            try:
-                self._release_fn()
-            finally:
-                self._drop_pool()
+        self._run(self._release_op())
 
     def __enter__(self) -> ReadLease:
         return self
@@ -341,20 +365,20 @@ class AsyncReadLease(_LeaseState):
         offsets: list[int],
         checksums: list[int],
         seeds: list[int],
-        release_fn: Callable[[], Awaitable[None]],
+        release_op: Callable[[], Any],
         on_gpu: list[bool] | None = None,
         pool: MappedDevicePool | None = None,
+        run: Callable[[Op], Awaitable[Any]] | None = None,
     ) -> None:
         super().__init__(arena, layout, offsets, checksums, seeds, on_gpu, pool)
-        self._release_fn = release_fn
+        self._release_step = release_op
+        self._run = run
 
     async def release(self) -> None:
-        if not self.released:
-            self.released = True
-            try:
-                await self._release_fn()
-            finally:
-                self._drop_pool()
+        if self._run is None:
+            _run_inline(self._release_op())
+        else:
+            await self._run(self._release_op())
 
     async def __aenter__(self) -> AsyncReadLease:
         return self

@@ -25,6 +25,11 @@ from kvstore.kernels import _validate
 from kvstore.layout import KVLayout
 
 CHUNK_BLOCKS = 32
+"""Blocks per chunk on the bytes path (the size of its one staging tensor)."""
+ARENA_CHUNK_BLOCKS = 1024
+"""Blocks per reservation or lease on the shared-memory path, which stages nothing: one call
+for a whole prompt's prefix (120 blocks: one acquire, not four), and requests small enough for
+a local call (32 KiB of keys)."""
 R = TypeVar("R")
 
 
@@ -120,6 +125,76 @@ def gather_with_checksums(
                 h.update(np.ascontiguousarray(src).data)  # no copy when contiguous
         sums.append(h.intdigest())
     return sums
+
+
+def scatter_with_checksums(
+    views: Sequence[torch.Tensor],
+    kv_caches: Sequence[torch.Tensor],
+    block_ids: list[int],
+    checksums: Sequence[int],
+    seeds: Sequence[int],
+) -> int | None:
+    """Scatter leased arena slots (``views``) into CPU caches, verifying each block right after
+    its copy: the xxh3 of the slot, read again while it is still in cache (one pass over memory
+    where a check after the whole batch made two), against the lease's checksum for the key
+    asked (``seeds``). Returns how many leading blocks arrived intact; the copy stops at the
+    first that did not (the caller recomputes from there). None for CUDA caches: they are
+    verified on the slots after the kernel (``ReadLease.intact``)."""
+    if not views:
+        return 0
+    if kv_caches[0].device.type != "cpu":
+        return None
+    geom = _validate.check_caches(kv_caches)
+    ids = _validate.as_ids(block_ids, "block_ids")
+    _validate.check_blocks(views, geom, ids.numel(), "blocks")
+    _validate.check_id_range(ids, geom.num_blocks, "block_ids")
+    caches = [kernels.reference.raw(c.detach()).numpy() for c in kv_caches]
+    slots = [kernels.reference.raw(v).numpy() for v in views]  # [layers, 2, bs, H, D] each
+    i = 0
+    while i < len(slots):
+        run = _slot_run(slots, block_ids, i)
+        k = len(run)
+        # Blocks in consecutive slots (the usual case: one reservation's slots) are copied a
+        # layer at a time, one numpy call for the whole run instead of one per block and layer.
+        ids_run = block_ids[i : i + k]
+        first, last = ids_run[0], ids_run[-1]
+        dst_ids: slice | np.ndarray = (
+            slice(first, first + k) if last - first == k - 1 else np.asarray(ids_run)
+        )
+        for layer, cache in enumerate(caches):
+            part = run[:, layer].swapaxes(0, 1)  # [2, k, bs, H, D]
+            if isinstance(dst_ids, slice):
+                np.copyto(cache[:, dst_ids], part)
+            else:
+                cache[:, dst_ids] = part
+        for j in range(k):  # each slot again while the run is in cache
+            if xxhash.xxh3_64_intdigest(run[j].data, seed=seeds[i + j]) != checksums[i + j]:
+                return i + j
+        i += k
+    return len(views)
+
+
+RUN_BLOCKS = 16
+"""Most blocks one scatter step copies (then hashes) at once: a few MiB, which stay in cache."""
+
+
+def _slot_run(slots: Sequence[np.ndarray], block_ids: Sequence[int], i: int) -> np.ndarray:
+    """``[k, *block]`` over the slots i, i+1, ... that lie back to back in memory (k >= 1,
+    at most RUN_BLOCKS, destination ids distinct as the caller checked)."""
+    first = slots[i]
+    size = first.nbytes
+    base = first.__array_interface__["data"][0]
+    k = 1
+    while (
+        k < RUN_BLOCKS
+        and i + k < len(slots)
+        and slots[i + k].__array_interface__["data"][0] == base + k * size
+    ):
+        k += 1
+    # The slots are views of one mapping, back to back: one view over all of them.
+    return np.lib.stride_tricks.as_strided(
+        first, shape=(k, *first.shape), strides=(size, *first.strides), writeable=False
+    )
 
 
 def scatter_from_views(

@@ -3,7 +3,8 @@
 A same-host client connects it first: the kernel tells the daemon who this process is, and the
 daemon answers with a session token, which goes on every gRPC call as ``kvstore-session``
 metadata. The CPU tier's memory comes over the same connection, one slab file descriptor at a
-time, when a reply first names a slab.
+time, when a reply first names a slab; so do local calls (``kvstore.local_calls``), when the
+daemon offers them: the control RPCs of a batch at a socket's round trip instead of gRPC's.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import socket
 import threading
 import time
 
+from kvstore import local_calls
 from kvstore.address import session_socket_path
 from kvstore.errors import (
     CapacityError,
@@ -27,6 +29,10 @@ MAX_MESSAGE = 4096
 
 class SlabUnavailable(KVStoreError):
     """The daemon will not hand over this slab (retired since, or not this caller's)."""
+
+
+class SessionBroken(UnavailableError):
+    """The session connection failed during a local call (the daemon stopped or restarted)."""
 
 
 class ClientSession:
@@ -50,6 +56,11 @@ class ClientSession:
             raise
         self.token: str = hello["session"]
         self.principal: str = hello.get("principal", "")
+        self.calls = bool(hello.get("calls")) and os.environ.get("KVSTORE_LOCAL_CALLS") != "0"
+        """The daemon serves local calls on this connection (``KVSTORE_LOCAL_CALLS=0``: never
+        use them)."""
+        self._call_id = 0
+        self._reply = bytearray(local_calls.MAX_REPLY_BYTES)
 
     def _connect(self, path: str, timeout_s: float) -> None:
         """Connect, waiting (up to ``timeout_s``) for a daemon that is starting or restarting."""
@@ -64,14 +75,19 @@ class ClientSession:
                 time.sleep(0.05)
 
     def _receive(self) -> tuple[dict, list[int]]:
-        try:
-            data, fds, _, _ = socket.recv_fds(self._sock, MAX_MESSAGE, 1)
-        except OSError as exc:
-            raise UnavailableError(f"the session with the daemon failed: {exc}") from None
-        if not data:
-            for fd in fds:
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self._sock, MAX_MESSAGE, 1)
+            except OSError as exc:
+                raise UnavailableError(f"the session with the daemon failed: {exc}") from None
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                raise UnavailableError("the daemon closed the session")
+            if data[0] != local_calls.MAGIC:
+                break
+            for fd in fds:  # a late reply to a call this client stopped waiting for
                 os.close(fd)
-            raise UnavailableError("the daemon closed the session")
         reply = json.loads(data)
         if not reply.get("ok"):
             for fd in fds:
@@ -101,6 +117,35 @@ class ClientSession:
                 os.close(fd)
             raise KVStoreError("the daemon sent a slab without its descriptor")
         return fds[0], int(reply["size"]), bool(reply["writable"])
+
+    def call(self, method: int, request: bytes, timeout_s: float) -> tuple[int, memoryview]:
+        """One local call: (status, body) of its reply (``kvstore.local_calls``). The body is a
+        view of this session's reply buffer, valid until the next call. SessionBroken when the
+        connection fails; UnavailableError when no reply comes in time."""
+        with self._lock:
+            self._call_id = call_id = (self._call_id + 1) & 0xFFFFFFFF
+            frame = local_calls.encode_request(method, call_id, timeout_s, request)
+            try:
+                wait = timeout_s + 1.0  # the daemon answers by timeout_s
+                if self._sock.gettimeout() != wait:
+                    self._sock.settimeout(wait)
+                self._sock.send(frame)
+                while True:
+                    n = self._sock.recv_into(self._reply)
+                    if n == 0:
+                        raise SessionBroken("the daemon closed the session")
+                    reply = memoryview(self._reply)[:n]
+                    if reply[0] != local_calls.MAGIC:
+                        continue  # not a call reply (none is expected): skip it
+                    status, got_id, body = local_calls.decode_reply(reply)
+                    if got_id == call_id:
+                        return status, body
+            except TimeoutError:  # as a gRPC deadline: the call may have run; never retried
+                raise UnavailableError(
+                    f"kvstore daemon unreachable: no reply to a local call within {timeout_s}s"
+                ) from None
+            except OSError as exc:
+                raise SessionBroken(f"the session with the daemon failed: {exc}") from None
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("kvstore-session", self.token),)

@@ -28,6 +28,7 @@ from kvstore import __version__
 from kvstore.address import default_address, session_socket_path, unix_socket_path
 from kvstore.config import AuthConfig, DaemonConfig
 from kvstore.daemon.auth import Authenticator, Policy
+from kvstore.daemon.local_calls import LocalCalls
 from kvstore.daemon.metrics import MetricsServer, RpcMetrics, RpcMetricsInterceptor, render_metrics
 from kvstore.daemon.service import KVStoreServicer, add_to_server
 from kvstore.daemon.session import SessionServer
@@ -235,6 +236,10 @@ class Daemon:
             session_principal=sessions.principal if sessions is not None else lambda t: None,
         )
         self.servicer = KVStoreServicer(self.store, auth)
+        if sessions is not None:
+            # Before any await: every session that connects from now on is offered them.
+            observe = self.rpc_metrics.observe if self.rpc_metrics is not None else None
+            sessions.calls = LocalCalls(self.servicer, observe).serve
         add_to_server(self.servicer, self.server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)

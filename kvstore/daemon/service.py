@@ -14,11 +14,12 @@ handle, and the store checks it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -216,16 +217,25 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         end now rather than after the stop's grace period."""
         self._closing.set()
 
-    def _handle(self, token: bytes, write: bool = False) -> Handle:
+    def _handle(self, token: bytes, write: bool = False, release: Sequence[int] = ()) -> Handle:
         """The handle ``token`` names, if the caller is the one that opened it (anything else
         is NOT_FOUND, like a handle that never existed); ``write``: the call stores or deletes,
-        which a reader of a shared namespace may not."""
+        which a reader of a shared namespace may not. ``release``: lease ids the request
+        carries (``release_leases``), released first, whatever the call does then."""
         handle = self.store.handle(token)
         if handle.principal is not None and handle.principal != _caller.get(OWNER):
             raise UnknownNamespaceError(
                 "unknown namespace handle (closed, or the daemon restarted): open the namespace "
                 "again"
             )
+        if release:
+            if len(release) > self.limits.max_leases_per_handle:
+                raise ValueError(
+                    f"{len(release)} leases to release, more than limits.max_leases_per_handle"
+                )
+            for lease_id in release:
+                with contextlib.suppress(LeaseExpiredError):  # expired: already dropped
+                    self.store.release(handle, lease_id)
         if write and not handle.writable:
             raise PermissionDeniedError(
                 f"namespace {handle.record.name!r} is shared with this caller read-only"
@@ -304,13 +314,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Lookup(self, request, context):
-        found = await self.store.lookup(self._handle(request.handle), self._keys(request.keys))
+        handle = self._handle(request.handle, release=request.release_leases)
+        found = await self.store.lookup(handle, self._keys(request.keys))
         return pb.LookupResponse(found=found)
 
     @_rpc
     async def Reserve(self, request, context):
         result = await self.store.reserve(
-            self._handle(request.handle, write=True),
+            self._handle(request.handle, write=True, release=request.release_leases),
             self._keys(request.keys),
             request.priority,
             gpu=request.gpu,
@@ -328,7 +339,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     async def Commit(self, request, context):
         committed = await self.store.commit_durably(
-            self._handle(request.handle),
+            self._handle(request.handle, release=request.release_leases),
             request.reservation_id,
             list(request.checksums),
             list(request.device_checksums),
@@ -343,7 +354,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     async def Acquire(self, request, context):
         result = await self.store.acquire(
-            self._handle(request.handle),
+            self._handle(request.handle, release=request.release_leases),
             self._keys(request.keys),
             gpu=request.gpu,
             wait_s=remaining_s(context),
@@ -363,7 +374,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Release(self, request, context):
-        self.store.release(self._handle(request.handle), request.lease_id)
+        handle = self._handle(request.handle, release=request.release_leases)
+        if request.lease_id:
+            self.store.release(handle, request.lease_id)
         return pb.ReleaseResponse()
 
     @_rpc
@@ -448,7 +461,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Prefetch(self, request, context):
-        handle = self._handle(request.handle)
+        handle = self._handle(request.handle, release=request.release_leases)
         keys = self._keys(request.keys)
         if request.gpu and self.store.device.enabled:
             queued = self.store.device.prefetch(handle.ns_id, keys)
@@ -459,7 +472,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     async def Delete(self, request, context):
         deleted = self.store.delete(
-            self._handle(request.handle, write=True), self._keys(request.keys)
+            self._handle(request.handle, write=True, release=request.release_leases),
+            self._keys(request.keys),
         )
         return pb.DeleteResponse(deleted=deleted)
 

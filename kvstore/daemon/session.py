@@ -17,7 +17,9 @@ the tier's size.
 Messages are one JSON object each (a datagram of the seqpacket socket):
 ``{"op": "map", "slab": UID}`` -> ``{"ok": true, "size": N, "writable": B}`` plus the
 descriptor, or ``{"ok": false, "error": "..."}``. The first message from the daemon is
-``{"ok": true, "session": TOKEN, "principal": NAME}`` or an error (then it closes).
+``{"ok": true, "session": TOKEN, "principal": NAME, "calls": B}`` or an error (then it
+closes). With ``calls`` true the connection also carries local calls (``kvstore.local_calls``):
+binary frames, one call in flight at a time, run as the session's principal.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ import os
 import secrets
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from kvstore import local_calls
 from kvstore.daemon.auth import SESSION_TOKEN_BYTES, Policy, Principal
 from kvstore.tiers.cpu import SharedMemoryArena
 
@@ -75,6 +78,8 @@ class SessionServer:
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
+        self.calls: Callable[[str, bytes], Awaitable[bytes]] | None = None
+        """Serves a local call frame of a session (its token, the frame): the reply frame."""
 
     def principal(self, token: str) -> Principal | None:
         """The principal of the live session ``token`` names (None: unknown or closed)."""
@@ -151,12 +156,30 @@ class SessionServer:
             token = secrets.token_hex(SESSION_TOKEN_BYTES)
             principal = dataclasses.replace(principal, session=token)
             self._sessions[token] = Session(token, principal, pid, uid)
-            self._send(conn, {"ok": True, "session": token, "principal": principal.name})
+            calls = self.calls
+            self._send(conn, {
+                "ok": True, "session": token, "principal": principal.name,
+                "calls": calls is not None,
+            })  # fmt: skip
+            limit = local_calls.MAX_REQUEST_BYTES if calls is not None else MAX_MESSAGE
             while True:
-                data = await loop.sock_recv(conn, MAX_MESSAGE)
+                data = await loop.sock_recv(conn, limit + 1)
                 if not data:
                     return
-                self._answer(conn, self._sessions[token], data)
+                if data[0] == local_calls.MAGIC and calls is not None:
+                    if len(data) > limit:  # truncated: the datagram was larger than allowed
+                        call_id = local_calls.REQUEST.unpack_from(data)[2]
+                        reply = local_calls.encode_error(
+                            call_id,
+                            local_calls.STATUS_EXHAUSTED,
+                            "CapacityError",
+                            f"a local call is at most {limit} bytes: send it over gRPC",
+                        )
+                    else:
+                        reply = await calls(token, data)
+                    conn.send(reply)  # non-blocking, as _send
+                    continue
+                self._answer(conn, self._sessions[token], data[:MAX_MESSAGE])
         except (OSError, ValueError) as exc:
             log.debug("session ended: %s", exc)
         finally:

@@ -85,12 +85,14 @@ class ArenaInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("handle", "keys")
+    __slots__ = ("handle", "keys", "release_leases")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     keys: bytes
-    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    release_leases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("found",)
@@ -99,16 +101,18 @@ class LookupResponse(_message.Message):
     def __init__(self, found: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("handle", "keys", "priority", "gpu")
+    __slots__ = ("handle", "keys", "priority", "gpu", "release_leases")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     keys: bytes
     priority: int
     gpu: bool
-    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., priority: _Optional[int] = ..., gpu: _Optional[bool] = ...) -> None: ...
+    release_leases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., priority: _Optional[int] = ..., gpu: _Optional[bool] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "offsets", "expires_in_s", "gpu", "pending")
@@ -125,16 +129,18 @@ class ReserveResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., gpu: _Optional[bool] = ..., pending: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("reservation_id", "handle", "checksums", "device_checksums")
+    __slots__ = ("reservation_id", "handle", "checksums", "device_checksums", "release_leases")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     handle: bytes
     checksums: _containers.RepeatedScalarFieldContainer[int]
     device_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reservation_id: _Optional[int] = ..., handle: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., device_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    release_leases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reservation_id: _Optional[int] = ..., handle: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., device_checksums: _Optional[_Iterable[int]] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed",)
@@ -155,14 +161,16 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("handle", "keys", "gpu")
+    __slots__ = ("handle", "keys", "gpu", "release_leases")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     keys: bytes
     gpu: bool
-    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., gpu: _Optional[bool] = ...) -> None: ...
+    release_leases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., gpu: _Optional[bool] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "offsets", "checksums", "expires_in_s", "on_gpu", "pending")
@@ -181,12 +189,14 @@ class AcquireResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., on_gpu: _Optional[_Iterable[bool]] = ..., pending: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_id", "handle")
+    __slots__ = ("lease_id", "handle", "release_leases")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     handle: bytes
-    def __init__(self, lease_id: _Optional[int] = ..., handle: _Optional[bytes] = ...) -> None: ...
+    release_leases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., handle: _Optional[bytes] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
@@ -233,14 +243,16 @@ class BlockData(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("handle", "keys", "gpu")
+    __slots__ = ("handle", "keys", "gpu", "release_leases")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     keys: bytes
     gpu: bool
-    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., gpu: _Optional[bool] = ...) -> None: ...
+    release_leases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., gpu: _Optional[bool] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
     __slots__ = ("queued",)
@@ -249,12 +261,14 @@ class PrefetchResponse(_message.Message):
     def __init__(self, queued: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
-    __slots__ = ("handle", "keys")
+    __slots__ = ("handle", "keys", "release_leases")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     keys: bytes
-    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    release_leases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
     __slots__ = ("deleted",)

@@ -1,0 +1,517 @@
+"""The client's logic, written once for the blocking and the asyncio face (sans-I/O).
+
+``ClientCore`` holds a client's state (namespace, handle, session, mapped arena and GPU pool,
+pending releases) and every operation as a generator: it validates the arguments, builds the
+requests, reads the replies, copies through the arena and the kernels, and *yields* each step
+that the face must perform, receiving its result back:
+
+- ``Call(method, build)``: call the daemon (``build()`` makes the request, again on a retry
+  after the face reopened the namespace); the result is the reply;
+- ``Fetch(build, consume)``: a ``GetBlocks`` stream whose messages go to ``consume`` until it
+  returns False;
+- ``Blocking(fn, nbytes, thread)``: work that may block (a copy, a kernel launch and its wait):
+  the blocking face runs it in place; the asyncio face runs it on its loop when it is a small
+  copy, else in a worker thread with the caller's CUDA stream current.
+
+``KVStoreClient`` (``sync.py``) performs the steps with blocking calls, ``AsyncKVStoreClient``
+(``aio.py``) awaits them; each public method of a face is one line that runs the core's
+generator, so the two cannot drift apart. An error a step raises is thrown into the generator
+at that step, so its ``try``/``finally`` (abort a reservation, drop a pool mapping) run the
+same way on both faces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from kvstore.client import paged_io
+from kvstore.client._common import (
+    Credentials,
+    MappedArena,
+    PendingReleases,
+    PoolLink,
+    PutCount,
+    StreamAssembler,
+    byte_rows,
+    check_keys,
+    check_open_reply,
+    check_out,
+    check_priority,
+    check_put,
+    check_transport,
+    commit_request,
+    empty_blocks,
+    put_messages,
+    seeds_for,
+)
+from kvstore.client.leases import _LeaseState, _ReservationState
+from kvstore.client.session import ClientSession
+from kvstore.errors import KVStoreError
+from kvstore.keys import BlockKey, Namespace, block_hashes, unpack_keys
+from kvstore.layout import KVLayout
+from kvstore.v1 import kvstore_pb2 as pb
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Call:
+    method: str  # a kvstore.v1.KVStore method name
+    build: Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class Fetch:
+    build: Callable[[], pb.GetBlocksRequest]
+    consume: Callable[[pb.BlockData], bool]
+
+
+@dataclass(frozen=True)
+class Blocking:
+    fn: Callable[[], Any]
+    nbytes: int = 0  # bytes the work copies (the asyncio face copies small batches inline)
+    thread: bool = False  # the asyncio face runs it in a worker thread, whatever its size
+    stream: Any = None  # the caller's CUDA stream, current wherever ``fn`` runs
+
+
+Step = Call | Fetch | Blocking
+Op = Generator[Step, Any, R]
+
+
+class ClientCore:
+    """What one client of one namespace knows and does; see the module docstring. Not
+    thread-safe (one client per thread or task that issues calls concurrently)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        layout: KVLayout,
+        model: str,
+        revision: str,
+        tenant: str,
+        tp_rank: int,
+        tp_size: int,
+        priority: int,
+        transport: str,
+        timeout_s: float,
+        verify_checksums: bool,
+        token: str | None,
+        tls_ca: str | None,
+        tls_cert: str | None,
+        tls_key: str | None,
+    ) -> None:
+        check_transport(transport)
+        self.layout = layout
+        self.namespace = Namespace(
+            model=model,
+            layout=layout,
+            revision=revision,
+            tenant=tenant,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.address = address
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.verify_checksums = verify_checksums
+        self._priority = check_priority(priority)
+        self._credentials = Credentials.resolve(token, tls_ca, tls_cert, tls_key)
+        self._session: ClientSession | None = None
+        self._arena: MappedArena | None = None
+        self._pool_link = PoolLink()
+        self._handle = b""
+        self._stream: Any = None  # the OpenNamespace call whose life is the handle's
+        self._chunk_bytes = 1 << 20
+        self._releases = PendingReleases()
+
+    # ------------------------------------------------------------------ state
+    def _opened(self, reply: pb.OpenNamespaceResponse) -> None:
+        """Take a new handle (first open, or a reopen after the daemon restarted)."""
+        check_open_reply(self.namespace, reply)
+        self._handle = reply.handle
+        self._chunk_bytes = reply.max_chunk_bytes or self._chunk_bytes
+        self._pool_link.reset(reply if self.transport != "grpc" else None)
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        if self.transport != "grpc":
+            if self._session is not None:
+                self._arena = MappedArena(self._session)
+            elif self.transport == "shm":
+                raise KVStoreError(
+                    "cannot map the daemon's arena: shared memory needs the unix socket"
+                )
+
+    def _take_releases(self) -> list[int]:
+        return self._releases.take(self._handle)
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        return self._arena is not None
+
+    def _require_arena(self, what: str) -> MappedArena:
+        if self._arena is None:
+            raise KVStoreError(
+                f"{what} needs the shared-memory arena; this client uses the bytes path"
+            )
+        return self._arena
+
+    @property
+    def _chunk_blocks(self) -> int:
+        """Blocks per call of an offload or load: the bytes path stages a chunk at a time, the
+        shared-memory path stages nothing."""
+        return paged_io.CHUNK_BLOCKS if self._arena is None else paged_io.ARENA_CHUNK_BLOCKS
+
+    def _close_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
+
+    def _close_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.cancel()  # the daemon closes the handle and reclaims what it holds
+
+    def _close_local(self) -> None:
+        """Close what is not the channel: the handle's stream, the pool, the arena, the
+        session (the handle's leases, pending releases included, go with it)."""
+        self._close_stream()
+        self._pool_link.close()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        self._close_session()
+
+    def hash_tokens(
+        self,
+        token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+        extra_keys: Sequence[bytes] | None = None,
+    ) -> list[BlockKey]:
+        """One 32-byte key per full block of ``token_ids`` in this client's namespace."""
+        return block_hashes(self.namespace.seed, token_ids, self.layout.block_size, extra_keys)
+
+    # ------------------------------------------------------------------ operations
+    def _lookup(self, keys: Sequence[bytes]) -> Op[int]:
+        packed = check_keys(keys)
+        if not keys:
+            return 0
+        reply = yield Call(
+            "Lookup",
+            lambda: pb.LookupRequest(
+                handle=self._handle, keys=packed, release_leases=self._take_releases()
+            ),
+        )
+        return int(reply.found)
+
+    def _prefetch(self, keys: Sequence[bytes]) -> Op[None]:
+        packed = check_keys(keys)
+        if keys:
+            # A call like any other: a daemon that restarted is rejoined and still gets it.
+            yield Call(
+                "Prefetch",
+                lambda: pb.PrefetchRequest(
+                    handle=self._handle,
+                    keys=packed,
+                    gpu=self._pool_link.pool is not None,
+                    release_leases=self._take_releases(),
+                ),
+            )
+
+    def _delete(self, keys: Sequence[bytes]) -> Op[int]:
+        packed = check_keys(keys)
+        if not keys:
+            return 0
+        reply = yield Call(
+            "Delete",
+            lambda: pb.DeleteRequest(
+                handle=self._handle, keys=packed, release_leases=self._take_releases()
+            ),
+        )
+        return int(reply.deleted)
+
+    def _stats(self) -> Op[pb.StatsResponse]:
+        return (yield Call("Stats", pb.StatsRequest))
+
+    def _put(self, keys: Sequence[bytes], blocks: torch.Tensor, priority: int | None) -> Op[int]:
+        packed = check_keys(keys)
+        rows = check_put(self.layout, keys, blocks)
+        prio = check_priority(priority)
+        if not keys:
+            return 0
+        if self._arena is None:
+            return (yield from self._put_bytes(keys, rows, prio))
+        reservation = yield from self._reserve(keys, priority, packed, None)
+        if not reservation.offsets_new:
+            return PutCount(0, reservation.pending)
+        try:
+            nbytes = len(reservation.offsets_new) * self.layout.block_bytes
+            yield Blocking(lambda: reservation.fill_from(rows), nbytes)
+        except BaseException:
+            yield from reservation._abort_op()
+            raise
+        committed = yield from reservation._commit_op(None)
+        return PutCount(committed, reservation.pending)
+
+    def _get(self, keys: Sequence[bytes], out: torch.Tensor | None) -> Op[torch.Tensor]:
+        packed = check_keys(keys)
+        check_out(self.layout, len(keys), out)
+        if not keys:
+            return out[:0] if out is not None else empty_blocks(self.layout, 0)
+        if self._arena is None:
+            return (yield from self._get_bytes(packed, out))
+        lease = yield from self._acquire(keys, packed, None)
+        try:
+            dest = empty_blocks(self.layout, len(lease)) if out is None else out
+            rows = byte_rows(self.layout, dest)
+            nbytes = len(lease) * self.layout.block_bytes
+            m = yield Blocking(lambda: lease.copy_into(rows, self.verify_checksums), nbytes)
+        finally:
+            yield from lease._release_op()  # no call: the next one carries it
+        return dest[:m]
+
+    # ------------------------------------------------------------------ paged caches
+    def _offload(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        priority: int | None,
+    ) -> Op[int]:
+        ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
+        check_keys(keys)
+        gpu = self._pool_link.device_for(kv_caches)
+        stream = paged_io.caller_stream(kv_caches)
+        stored = 0
+        stage: torch.Tensor | None = None
+        for ck, cids in paged_io.chunked(keys, ids, self._chunk_blocks):
+            if self._arena is None:
+                if stage is None:  # one chunk-sized buffer for the whole transfer
+                    stage = paged_io.staging(self.layout, len(ids), kv_caches)
+                blocks = stage[: len(cids)]
+                yield Blocking(
+                    partial(paged_io.gather_into_views, kv_caches, cids, blocks),
+                    thread=True,
+                    stream=stream,
+                )  # waits for the kernel
+                stored += yield from self._put(ck, blocks, priority)
+                continue
+            reservation = yield from self._reserve(ck, priority, None, gpu)
+            try:
+                ids_new = [cids[i] for i in reservation.indices]
+                checksums = None
+                if not reservation.on_gpu:
+                    paged_io.ensure_pinned(reservation.arena, kv_caches)
+                    views, seeds = reservation.views, reservation.seeds_new
+                    checksums = yield Blocking(
+                        partial(paged_io.gather_with_checksums, kv_caches, ids_new, views, seeds),
+                        thread=True,
+                    )
+                if checksums is None:
+                    views = reservation.views
+                    yield Blocking(
+                        partial(paged_io.gather_into_views, kv_caches, ids_new, views),
+                        thread=True,
+                        stream=stream,
+                    )
+                    # Device checksums launch a kernel and wait for it: off the loop too.
+                    checksums = yield Blocking(reservation.checksums, thread=True, stream=stream)
+            except BaseException:
+                yield from reservation._abort_op()
+                raise
+            stored += yield from reservation._commit_op(checksums)
+        return stored
+
+    def _load(
+        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], keys: Sequence[bytes]
+    ) -> Op[int]:
+        ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
+        check_keys(keys)
+        gpu = self._pool_link.device_for(kv_caches)
+        stream = paged_io.caller_stream(kv_caches)
+        loaded = 0
+        stage: torch.Tensor | None = None
+        for ck, cids in paged_io.chunked(keys, ids, self._chunk_blocks):
+            if self._arena is None:
+                if stage is None:  # one chunk-sized buffer for the whole transfer
+                    stage = paged_io.staging(self.layout, len(ids), kv_caches)
+                got = yield from self._get(ck, stage)
+                yield Blocking(
+                    partial(paged_io.scatter_from_views, got, kv_caches, cids[: got.shape[0]]),
+                    thread=True,
+                    stream=stream,
+                )
+                n = got.shape[0]
+            else:
+                lease = yield from self._acquire(ck, None, gpu)
+                try:
+                    n = yield from self._scatter(lease, kv_caches, cids[: len(lease)], stream)
+                finally:
+                    yield from lease._release_op()
+            loaded += n
+            if n < len(ck):
+                break
+        return loaded
+
+    def _scatter(
+        self,
+        lease: _LeaseState,
+        kv_caches: Sequence[torch.Tensor],
+        ids: list[int],
+        stream: Any,
+    ) -> Op[int]:
+        """Copy a lease into physical blocks ``ids``; how many leading blocks are intact."""
+        views = lease.views
+        # CPU caches: each block verified right after its copy, while in cache (one pass).
+        intact = yield Blocking(
+            lambda: paged_io.scatter_with_checksums(
+                views, kv_caches, ids, lease.checksums, lease.seeds
+            ),
+            thread=True,
+        )
+        if intact is None:
+            if lease.any_on_host:
+                paged_io.ensure_pinned(lease.arena, kv_caches)
+            yield Blocking(
+                lambda: paged_io.scatter_from_views(views, kv_caches, ids),
+                thread=True,
+                stream=stream,
+            )
+            # Checked after the copy: a slot that changed under us fails here, and the caller
+            # recomputes from that block on.
+            intact = yield Blocking(lease.intact, thread=True, stream=stream)
+        return int(intact)
+
+    # ------------------------------------------------------------------ zero-copy API
+    def _new_reservation(self, *args: Any) -> _ReservationState:
+        """The face's reservation class (``WriteReservation`` or ``AsyncWriteReservation``)."""
+        raise NotImplementedError
+
+    def _new_lease(self, *args: Any) -> _LeaseState:
+        """The face's lease class (``ReadLease`` or ``AsyncReadLease``)."""
+        raise NotImplementedError
+
+    def _reserve(
+        self,
+        keys: Sequence[bytes],
+        priority: int | None,
+        packed: bytes | None,
+        device: torch.device | None,
+    ) -> Op[Any]:
+        packed = check_keys(keys) if packed is None else packed
+        prio = check_priority(priority)
+        self._require_arena("reserve")
+        reply = yield Call(
+            "Reserve",
+            lambda: pb.ReserveRequest(
+                handle=self._handle,
+                keys=packed,
+                priority=prio,
+                gpu=device is not None,
+                release_leases=self._take_releases(),
+            ),
+        )
+        handle = self._handle  # the reservation is this handle's (after any reopen)
+        # Fetched after the call: a daemon restart makes the call reopen and remap the arena.
+        arena = self._require_arena("reserve")
+        pool = self._pool_link.for_device(device) if reply.gpu else None
+
+        def commit(checksums: list[int]) -> Op[int]:
+            reply_c = yield Call(
+                "Commit",
+                lambda: commit_request(reply, checksums, handle, self._take_releases()),
+            )
+            return int(reply_c.committed)
+
+        def abort() -> Op[None]:
+            req = pb.AbortRequest(reservation_id=reply.reservation_id, handle=handle)
+            yield Call("Abort", lambda: req)
+
+        if reply.gpu and pool is None:
+            yield from abort()
+            raise KVStoreError("the daemon reserved GPU pool slots this client cannot reach")
+        reservation = self._new_reservation(
+            arena,
+            self.layout,
+            reply.reservation_id,
+            list(reply.offsets),
+            seeds_for(self.namespace, unpack_keys(packed)),
+            commit,
+            abort,
+            pool,
+        )
+        reservation.pending = reply.pending
+        return reservation
+
+    def _acquire(
+        self, keys: Sequence[bytes], packed: bytes | None, device: torch.device | None
+    ) -> Op[Any]:
+        packed = check_keys(keys) if packed is None else packed
+        self._require_arena("acquire")
+        reply = yield Call(
+            "Acquire",
+            lambda: pb.AcquireRequest(
+                handle=self._handle,
+                keys=packed,
+                gpu=device is not None,
+                release_leases=self._take_releases(),
+            ),
+        )
+        handle = self._handle
+        arena = self._require_arena("acquire")
+        pool = self._pool_link.for_device(device) if any(reply.on_gpu) else None
+
+        def release() -> Op[None]:
+            # Not a call of its own: the next call carries it (PendingReleases), unless that
+            # makes too many waiting.
+            if reply.lease_id and self._releases.add(handle, reply.lease_id):
+                ids = self._releases.take(handle)
+                request = pb.ReleaseRequest(handle=handle, release_leases=ids)
+                try:
+                    yield Call("Release", lambda: request)
+                except KVStoreError:
+                    pass  # the handle is gone, and its leases with it
+
+        return self._new_lease(
+            arena,
+            self.layout,
+            list(reply.offsets),
+            list(reply.checksums),
+            seeds_for(self.namespace, unpack_keys(packed)[: len(reply.offsets)]),
+            release,
+            list(reply.on_gpu),
+            pool,
+        )
+
+    # ------------------------------------------------------------------ bytes path
+    def _put_bytes(self, keys: Sequence[bytes], rows: torch.Tensor, priority: int) -> Op[int]:
+        rows_np = rows.numpy()
+        seeds = seeds_for(self.namespace, keys)
+
+        def messages() -> Iterator[pb.PutBlocksRequest]:
+            return put_messages(self._handle, keys, seeds, rows_np, priority, self._chunk_bytes)
+
+        reply = yield Call("PutBlocks", messages)
+        return int(reply.stored)
+
+    def _get_bytes(self, packed: bytes, out: torch.Tensor | None) -> Op[torch.Tensor]:
+        keys = unpack_keys(packed)
+        seeds = seeds_for(self.namespace, keys)
+        got: list[StreamAssembler] = []
+
+        def consume(message: pb.BlockData) -> bool:
+            return got[-1].add(message)
+
+        def build() -> pb.GetBlocksRequest:
+            # A new assembler per attempt: a retry after a reopen starts from the first block.
+            got.append(StreamAssembler(self.layout, keys, seeds, out))
+            return pb.GetBlocksRequest(handle=self._handle, keys=packed)
+
+        yield Fetch(build, consume)
+        return got[-1].result()

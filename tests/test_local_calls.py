@@ -1,0 +1,213 @@
+"""Local calls (``kvstore.local_calls``) and piggy-backed releases, against a real daemon.
+
+A same-host client sends its control calls over the session socket: same messages, same
+servicer, same authentication and handle checks as gRPC, and a bad frame is refused without
+harm. A get's release rides on the client's next call instead of being a call of its own.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tokens
+
+from kvstore import KVStoreClient
+from kvstore import local_calls as wire
+from kvstore.client._common import LocalStub
+from kvstore.errors import UnknownNamespaceError
+from kvstore.keys import pack_keys
+from kvstore.v1 import kvstore_pb2 as pb
+
+LOOKUP = wire.METHOD_INDEX["Lookup"]
+
+
+def client(daemon, **kw) -> KVStoreClient:
+    return KVStoreClient(daemon.address, layout=SMALL_LAYOUT, model="local", **kw)
+
+
+class _NoGrpc:
+    """A stub whose every method fails: a client given it can only use local calls."""
+
+    def __getattr__(self, name: str):
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"{name} went over gRPC")
+
+        return refuse
+
+
+def status_name(status: int) -> str:
+    import grpc
+
+    return next(c.name for c in grpc.StatusCode if c.value[0] == status)
+
+
+def test_control_calls_go_over_the_session_socket(daemon) -> None:
+    with client(daemon) as kv, client(daemon) as other:
+        assert kv._session is not None and kv._session.calls
+        kv._rpc = LocalStub(_NoGrpc(), lambda: kv._session)  # gRPC would fail the test
+        keys = kv.hash_tokens(tokens(6))
+        blocks = random_blocks(SMALL_LAYOUT, 6)
+        assert kv.put(keys, blocks) == 6
+        assert kv.put(keys, blocks) == 0  # present keys are deduplicated
+        assert kv.lookup(keys) == 6
+        assert same_bytes(kv.get(keys), blocks)
+        kv.prefetch(keys)
+        assert same_bytes(other.get(keys), blocks)  # another client sees the same blocks
+        assert kv.delete(keys[3:]) == 3
+        assert kv.lookup(keys) == 3
+        assert other.get(keys).shape[0] == 3  # deleted means gone
+
+
+def test_a_client_without_local_calls_uses_grpc(daemon, monkeypatch) -> None:
+    monkeypatch.setenv("KVSTORE_LOCAL_CALLS", "0")
+    with client(daemon) as kv:
+        assert kv._session is not None and not kv._session.calls
+        keys = kv.hash_tokens(tokens(3))
+        blocks = random_blocks(SMALL_LAYOUT, 3, seed=5)
+        assert kv.put(keys, blocks) == 3
+        assert same_bytes(kv.get(keys), blocks)
+
+
+def test_another_sessions_handle_is_refused_over_a_local_call(daemon) -> None:
+    with client(daemon) as alice, client(daemon) as mallory:
+        keys = alice.hash_tokens(tokens(2))
+        alice.put(keys, random_blocks(SMALL_LAYOUT, 2))
+        assert mallory._session is not None
+        request = pb.LookupRequest(handle=alice._handle, keys=pack_keys(keys))
+        status, body = mallory._session.call(LOOKUP, request.SerializeToString(), 10.0)
+        name, message = wire.decode_error(body)
+        assert status_name(status) == "NOT_FOUND" and name == UnknownNamespaceError.__name__
+        assert "handle" in message
+        assert alice.lookup(keys) == 2  # alice's namespace is untouched
+
+
+def raw_call(kv: KVStoreClient, frame: bytes) -> tuple[int, int, bytes]:
+    """Send one frame on ``kv``'s session socket; (status, call id, body) of the reply."""
+    session = kv._session
+    assert session is not None
+    with session._lock:
+        session._sock.send(frame)
+        data = session._sock.recv(wire.MAX_REPLY_BYTES)
+    status, call_id, body = wire.decode_reply(memoryview(data))
+    return status, call_id, bytes(body)
+
+
+def test_bad_local_frames_are_refused_and_the_daemon_keeps_serving(daemon) -> None:
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(2))
+        kv.put(keys, random_blocks(SMALL_LAYOUT, 2))
+        # An unknown method, a deadline that is no deadline, a body that does not decode.
+        for frame in (
+            wire.REQUEST.pack(wire.MAGIC, 250, 7, 1.0),
+            wire.REQUEST.pack(wire.MAGIC, LOOKUP, 7, float("nan")),
+            wire.encode_request(LOOKUP, 8, 10.0, b"\xff\xff\xff\xff"),
+        ):
+            status, _, body = raw_call(kv, frame)
+            assert status_name(status) == "INVALID_ARGUMENT", body
+        # Keys that are not 32 bytes each: the servicer's own check.
+        bad = pb.LookupRequest(handle=kv._handle, keys=b"x" * 33).SerializeToString()
+        status, call_id, body = raw_call(kv, wire.encode_request(LOOKUP, 9, 10.0, bad))
+        assert status_name(status) == "INVALID_ARGUMENT" and call_id == 9
+        assert b"multiple of 32" in body
+        # Larger than one local call may be: refused, not truncated and misread.
+        huge = wire.encode_request(LOOKUP, 10, 10.0, b"\0" * wire.MAX_REQUEST_BYTES)
+        kv._session._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        status, call_id, body = raw_call(kv, huge)
+        assert status_name(status) == "RESOURCE_EXHAUSTED" and call_id == 10
+        assert kv.lookup(keys) == 2  # the session and the daemon still serve
+
+
+def test_a_large_request_goes_over_grpc(daemon) -> None:
+    # 3000 keys do not fit one local call (64 KiB): the client sends that lookup over gRPC.
+    with client(daemon) as kv:
+        kv._rpc = LocalStub(_NoGrpc(), lambda: kv._session)
+        keys = kv.hash_tokens(tokens(3000))
+        with pytest.raises(AssertionError, match="Lookup went over gRPC"):
+            kv.lookup(keys)
+        assert kv.lookup(keys[:100]) == 0  # a small one stays local
+
+
+def test_a_get_releases_its_lease_with_the_next_call(daemon) -> None:
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(4))
+        blocks = random_blocks(SMALL_LAYOUT, 4, seed=3)
+        kv.put(keys, blocks)
+        assert kv.stats().active_leases == 0
+        assert same_bytes(kv.get(keys), blocks)
+        # The get sent no Release: its lease is held until the next call carries it.
+        assert kv.stats().active_leases == 1  # Stats carries no releases
+        assert kv.lookup(keys) == 4
+        assert kv.stats().active_leases == 0
+        # Every kind of call carries them: a second get releases the first one's lease.
+        kv.get(keys)
+        kv.get(keys)
+        assert kv.stats().active_leases == 1
+        kv.delete(keys[:1])
+        assert kv.stats().active_leases == 0
+
+
+def test_pending_releases_go_in_a_release_of_their_own_past_the_bound(daemon) -> None:
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(2))
+        kv.put(keys, random_blocks(SMALL_LAYOUT, 2))
+        bound = kv._releases.MAX
+        leases = [kv.acquire(keys) for _ in range(bound)]
+        for lease in leases[:-1]:
+            lease.release()
+        assert kv.stats().active_leases == bound  # released by the client, held by the daemon
+        leases[-1].release()  # the bound: sent now
+        assert kv.stats().active_leases == 0
+
+
+def test_unknown_or_expired_leases_in_a_request_are_ignored(daemon) -> None:
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(2))
+        kv.put(keys, random_blocks(SMALL_LAYOUT, 2))
+        request = pb.LookupRequest(
+            handle=kv._handle, keys=pack_keys(keys), release_leases=[12345, 1 << 60]
+        )
+        assert kv._rpc.Lookup(request, timeout=10.0).found == 2
+        too_many = pb.ReleaseRequest(handle=kv._handle, release_leases=range(5000))
+        status, _, body = raw_call(
+            kv,
+            wire.encode_request(
+                wire.METHOD_INDEX["Release"], 3, 10.0, too_many.SerializeToString()
+            ),
+        )
+        assert status_name(status) == "INVALID_ARGUMENT" and b"max_leases_per_handle" in body
+
+
+def test_a_stopped_daemon_fails_fast_and_a_restarted_one_is_rejoined(daemon_factory) -> None:
+    import time
+
+    from kvstore.errors import UnavailableError
+
+    d = daemon_factory()
+    kv = client(d, timeout_s=20.0)
+    try:
+        keys = kv.hash_tokens(tokens(2))
+        blocks = random_blocks(SMALL_LAYOUT, 2, seed=8)
+        kv.put(keys, blocks)
+        d.stop()
+        start = time.monotonic()
+        with pytest.raises(UnavailableError):
+            kv.lookup(keys)  # the session broke: gRPC answers, at once, as it would have
+        assert time.monotonic() - start < 10.0  # not the 20 s a wait for a daemon would take
+        d.start()
+        # gRPC may still be backing off from the failed connect (its own reconnect policy):
+        # retry until it reconnects, as any caller of a restarted daemon does.
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:
+                found = kv.lookup(keys)
+                break
+            except UnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        assert found == 0  # a new daemon: rejoined, its CPU tier empty
+        assert kv._session is not None and kv._session.calls  # the new session's calls
+        assert kv.put(keys, blocks) == 2 and same_bytes(kv.get(keys), blocks)
+    finally:
+        kv.close()

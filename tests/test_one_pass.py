@@ -1,0 +1,134 @@
+"""Copy and checksum in one pass: the pieces' checksum is the block's, the checksum vouches for
+the right bytes (the source on a put, the copy on a get and a load), and a block that is not
+what its checksum says is a miss, on the arena path and on the paged path, with blocks large
+enough to be copied in pieces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from conftest import random_blocks, same_bytes, tokens
+
+from kvstore import KVLayout, KVStoreClient
+from kvstore.client import _common
+from kvstore.client._common import PASS_CHUNK_BYTES, copy_hashing_copy, copy_hashing_source
+
+BIG = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, block_size=16)  # 512 KiB blocks
+assert BIG.block_bytes > PASS_CHUNK_BYTES
+
+
+@pytest.mark.parametrize(
+    "n", [1000, PASS_CHUNK_BYTES, PASS_CHUNK_BYTES + 1, 2 << 20, (2 << 20) + 12345]
+)
+def test_copies_return_the_one_shot_checksum(n: int) -> None:
+    src = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    want = xxhash.xxh3_64_intdigest(src, seed=99)
+    for copy in (copy_hashing_source, copy_hashing_copy):
+        dst = np.zeros(n, dtype=np.uint8)
+        assert copy(dst, src, 99) == want
+        assert np.array_equal(dst, src)
+
+
+def test_a_get_checks_the_copy_not_the_source(monkeypatch) -> None:
+    # A slot rewritten between a piece's copy and its hash would pass a check of the slot.
+    src = np.random.default_rng(1).integers(0, 256, 3 * PASS_CHUNK_BYTES, dtype=np.uint8)
+    want = xxhash.xxh3_64_intdigest(src, seed=5)
+    dst = np.zeros_like(src)
+    real = np.copyto
+
+    def copy_then_rewrite_source(d, s, *args, **kwargs):
+        real(d, s, *args, **kwargs)
+        s[:1] ^= 1  # the source changes right after this piece was copied
+
+    monkeypatch.setattr(np, "copyto", copy_then_rewrite_source)
+    assert copy_hashing_copy(dst, src.copy(), 5) == want  # the copy is intact: it matches
+
+
+def big_client(daemon) -> KVStoreClient:
+    return KVStoreClient(daemon.address, layout=BIG, model="one-pass")
+
+
+def test_large_blocks_round_trip_and_a_corrupt_one_is_a_miss(daemon) -> None:
+    with big_client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(3))
+        blocks = random_blocks(BIG, 3)
+        assert kv.put(keys, blocks) == 3
+        assert same_bytes(kv.get(keys), blocks)
+        with kv.acquire(keys) as lease:
+            slot = kv._arena.slot(lease.offsets[1], BIG.block_bytes)
+        slot[-1] ^= 0xFF  # the last piece of block 1
+        got = kv.get(keys)
+        assert got.shape[0] == 1 and same_bytes(got, blocks[:1])
+
+
+def test_a_write_into_a_slot_during_a_large_put_is_not_committed_as_valid(
+    daemon, monkeypatch
+) -> None:
+    real = np.copyto
+
+    def copy_then_scribble(dst, src, *args, **kwargs):  # a writer lands after each piece
+        real(dst, src, *args, **kwargs)
+        if dst.nbytes == PASS_CHUNK_BYTES:
+            dst[:8] = 0xAB
+
+    with big_client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(2))
+        monkeypatch.setattr(_common.np, "copyto", copy_then_scribble)
+        try:
+            assert kv.put(keys, random_blocks(BIG, 2)) == 2
+        finally:
+            monkeypatch.setattr(_common.np, "copyto", real)
+        assert kv.get(keys).shape[0] == 0  # the checksum was of the source: a miss
+
+
+def paged(num_blocks: int, seed: int | None) -> list[torch.Tensor]:
+    shape = (2, num_blocks, BIG.block_size, BIG.num_kv_heads, BIG.head_dim)
+    if seed is None:
+        return [torch.zeros(shape, dtype=BIG.dtype) for _ in range(BIG.num_layers)]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(BIG.dtype) for _ in range(BIG.num_layers)]
+
+
+def paged_block(kv_caches: list[torch.Tensor], b: int) -> torch.Tensor:
+    return torch.stack([layer[:, b] for layer in kv_caches]).view(torch.uint8)
+
+
+def test_a_paged_load_verifies_its_copies_and_stops_at_a_corrupt_block(daemon) -> None:
+    src, dst = paged(4, seed=1), paged(4, seed=None)
+    with big_client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(4))
+        assert kv.offload(src, [0, 1, 2, 3], keys) == 4
+        assert kv.load(dst, [3, 2, 1, 0], keys) == 4
+        for i in range(4):
+            assert torch.equal(paged_block(dst, 3 - i), paged_block(src, i))
+        with kv.acquire(keys) as lease:
+            slot = kv._arena.slot(lease.offsets[2], BIG.block_bytes)
+        slot[BIG.block_bytes // 2] ^= 0x01
+        fresh = paged(4, seed=None)
+        assert kv.load(fresh, [0, 1, 2, 3], keys) == 2  # block 2 fails its check
+        assert torch.equal(paged_block(fresh, 1), paged_block(src, 1))
+        # Blocks past it may have been written (as a load that fails midway may): they are not
+        # counted, and the engine recomputes them.
+
+
+def test_a_load_of_a_prompts_prefix_is_one_acquire(daemon) -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, block_size=16)
+    shape = (2, 130, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    src = [torch.randn(shape).to(layout.dtype) for _ in range(layout.num_layers)]
+    dst = [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+    with KVStoreClient(daemon.address, layout=layout, model="prefix") as kv:
+        keys = kv.hash_tokens(tokens(120))
+        assert kv.offload(src, list(range(120)), keys) == 120
+        calls = []
+        acquire = kv._rpc.Acquire
+
+        def counted(request, timeout):
+            calls.append(len(request.keys) // 32)
+            return acquire(request, timeout=timeout)
+
+        kv._rpc.Acquire = counted
+        assert kv.load(dst, list(range(120)), keys) == 120
+        assert calls == [120]
+        assert all(torch.equal(a[:, :120], b[:, :120]) for a, b in zip(src, dst, strict=True))
