@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -173,17 +174,20 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="kvbench-vllm-"))
     cache = Path(sys.prefix) / "models"
     cache.mkdir(exist_ok=True)
-    results = [
-        bench_model("SmolLM2-135M", smollm2_dir(cache), work, args.quick, False, report),
-        bench_model(
-            "random-200M",
-            make_random_model(work / "random-200m", **LARGER),
-            work,
-            args.quick,
-            True,
-            report,
-        ),
-    ]
+    try:
+        results = [
+            bench_model("SmolLM2-135M", smollm2_dir(cache), work, args.quick, False, report),
+            bench_model(
+                "random-200M",
+                make_random_model(work / "random-200m", **LARGER),
+                work,
+                args.quick,
+                True,
+                report,
+            ),
+        ]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     if args.json:
         print(json.dumps({"results": results}, indent=2))
     return 0

@@ -731,8 +731,8 @@ class _Worker:
         self._errors: set[int] = set()
         self._stopping = False
         self._staging: torch.Tensor | None = None
-        self._thread = threading.Thread(target=self._run, name="kvstore-vllm", daemon=True)
-        self._thread.start()
+        # Started on the first job that needs it: inline engines never run a second thread.
+        self._thread: threading.Thread | None = None
 
     # -------------------------------------------------------------- engine thread
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -757,6 +757,11 @@ class _Worker:
             if self.inline:
                 self._busy = True
             else:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="kvstore-vllm", daemon=True
+                    )
+                    self._thread.start()
                 self._queue.append((kind, job))
                 self._cv.notify_all()
                 return
@@ -811,7 +816,8 @@ class _Worker:
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
         self.store.close()
 
     # -------------------------------------------------------------- transfer thread
