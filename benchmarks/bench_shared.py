@@ -87,6 +87,7 @@ from kvstore.checksum import block_checksum
 from kvstore.keys import BlockKey
 from kvstore.models import find_smollm2, kv_shape
 from kvstore.tiers.redis import RedisTier
+from kvstore.tiers.redis_tier.value import HEADER_BYTES  # the Redis tier's value header
 
 T = TypeVar("T")
 MiB = 1 << 20
@@ -96,7 +97,6 @@ SMOL = KVLayout(30, 3, 64, 16)  # SmolLM2-135M: 360 KiB blocks
 SMOL_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TOKENS = 2048
 BLOCKS = TOKENS // 16
-HEADER_BYTES = 80  # the Redis tier's value header (tiers/redis_tier/value.py)
 PROMPTS = 4  # part 2: one warm-up + 3 timed
 # Each daemon's CPU tier: one Llama prefix, a slab for SmolLM2's blocks, one slab spare.
 CPU_CAPACITY = BLOCKS * LLAMA.block_bytes + 3 * 64 * MiB

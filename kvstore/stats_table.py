@@ -35,6 +35,9 @@ def stats_to_dict(reply: Any) -> dict[str, Any]:
                 "promotions": t.promotions,
                 "demotions": t.demotions,
                 "checksum_failures": t.checksum_failures,
+                "logical_bytes": t.logical_bytes,
+                "stored_bytes": t.stored_bytes,
+                "ratio": (t.logical_bytes / t.stored_bytes) if t.stored_bytes else None,
                 "extra": dict(t.extra),
             }
         )
@@ -50,6 +53,17 @@ def stats_to_dict(reply: Any) -> dict[str, Any]:
                 "lookup_hits": n.hits,
                 "lookup_misses": n.misses,
                 "hit_rate": (n.hits / lookups) if lookups else None,
+                "tiers": [
+                    {
+                        "tier": b.tier,
+                        "blocks": b.blocks,
+                        "logical_bytes": b.logical_bytes,
+                        "stored_bytes": b.stored_bytes,
+                        "ratio": (b.logical_bytes / b.stored_bytes) if b.stored_bytes else None,
+                        "codec": b.codec,
+                    }
+                    for b in n.tiers
+                ],
             }
         )
     tenants = [
@@ -74,7 +88,7 @@ _EXTRA_LABELS = {
     "clean_bytes": "clean (on disk too)",
     "clean_below_bytes": "clean (in a tier below too)",
     "device": "cuda device",
-    "compression_ratio": "lz4 ratio",
+    "compression_ratio": "io ratio",
     "prefetch_hits": "prefetch hits",
     "io_errors": "io errors",
     "skipped_while_down": "calls skipped while down",
@@ -88,6 +102,10 @@ def _fmt_extra(key: str, value: float) -> str:
     if key.endswith("ratio"):
         return f"{value:.2f}x"
     return f"{value:.0f}"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def _pct(x: float | None) -> str:
@@ -113,8 +131,14 @@ def render_stats(d: dict[str, Any]) -> str:
         )
     for t in d["tiers"]:
         shown = {k: v for k, v in t["extra"].items() if k in _EXTRA_LABELS}
-        if shown or t["checksum_failures"]:
-            parts = [f"{_EXTRA_LABELS[k]} {_fmt_extra(k, v)}" for k, v in shown.items()]
+        if shown or t["checksum_failures"] or t["name"] in ("nvme", "redis"):
+            parts = []
+            if t["name"] in ("nvme", "redis"):
+                parts.append(
+                    f"logical {format_size(t['logical_bytes'])} stored "
+                    f"{format_size(t['stored_bytes'])} ({_ratio(t['ratio'])})"
+                )
+            parts += [f"{_EXTRA_LABELS[k]} {_fmt_extra(k, v)}" for k, v in shown.items()]
             parts.append(f"checksum failures {t['checksum_failures']}")
             lines.append(f"{'':<6} {t['name']}: " + ", ".join(parts))
     if d["namespaces"]:
@@ -127,6 +151,12 @@ def render_stats(d: dict[str, Any]) -> str:
                 f"{n['name'][:40]:<40} {n['blocks']:>9} {format_size(n['used_bytes']):>10} "
                 f"{format_size(n['block_bytes']):>9} {_pct(n['hit_rate']):>10}"
             )
+            for b in n.get("tiers", ()):
+                lines.append(
+                    f"  {b['tier']:<6} {b['codec'] or '-':<8} {b['blocks']:>9} blocks, logical "
+                    f"{format_size(b['logical_bytes'])} stored {format_size(b['stored_bytes'])} "
+                    f"({_ratio(b['ratio'])})"
+                )
     if d.get("tenants"):
         lines += ["", *_tenant_lines(d["tenants"])]
     return "\n".join(lines)

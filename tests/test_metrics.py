@@ -485,6 +485,7 @@ def test_label_values_are_escaped_and_parse_back() -> None:
             SimpleNamespace(name=tricky, blocks=2, block_bytes=10, lookup_hits=7, lookup_misses=1),
             SimpleNamespace(name="plain", blocks=1, block_bytes=10, lookup_hits=0, lookup_misses=0),
         ],
+        namespace_tier_bytes=lambda: {},
         active_leases=1,
         active_reservations=2,
     )

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tiers, tokens, wait_for
 
-from kvstore import AsyncKVStoreClient, KVStoreClient
+from kvstore import AsyncKVStoreClient, KVLayout, KVStoreClient
 from kvstore.tiers import codecs
 from kvstore.tiers.codecs import block_format_of
 
@@ -296,7 +296,7 @@ def test_stat_shows_the_nvme_tier_and_check_verifies_it(daemon_factory, nvme_dir
     table = subprocess.run(
         [*cli, "stat", "--address", d.address], capture_output=True, text=True, check=True
     ).stdout
-    assert "nvme" in table and "lz4 ratio" in table
+    assert "nvme" in table and "io ratio" in table and "logical" in table
     data = json.loads(
         subprocess.run(
             [*cli, "stat", "--json", "--address", d.address],
@@ -403,3 +403,35 @@ def test_a_lossy_block_promoted_within_one_run_is_its_decoded_form(
         t = tiers(kv)
         assert t["nvme"].promotions > 0 and t["nvme"].checksum_failures == 0
         assert t["cpu"].checksum_failures == 0
+
+
+def test_stat_shows_logical_and_stored_bytes_per_tier_and_namespace(daemon_factory, nvme_dir):
+    layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16)  # 64 KiB
+    d = daemon_factory(
+        cpu_capacity="1MiB",
+        slab="256KiB",
+        nvme_path=nvme_dir,
+        nvme_capacity="520MiB",  # two 256 MiB slabs: one per slot size (raw, fp8)
+        write_through=True,
+        extra='[[codecs]]\nmodel = "lossy-model"\nnvme = "fp8"\n',
+    )
+    n = 8
+    for want, model in enumerate(("lossy-model", "exact-model"), start=1):
+        with KVStoreClient(d.address, layout=layout, model=model) as kv:
+            kv.put(kv.hash_tokens(tokens(n)), random_blocks(layout, n, seed=31))
+            wait_for(lambda kv=kv, want=want: tiers(kv)["nvme"].blocks >= n * want)
+    cli = [sys.executable, "-m", "kvstore", "stat", "--address", d.address]
+    table = subprocess.run(cli, capture_output=True, text=True, check=True).stdout
+    assert "fp8" in table and "logical" in table
+    data = json.loads(subprocess.run([*cli, "--json"], capture_output=True, text=True).stdout)
+    nvme = next(t for t in data["tiers"] if t["name"] == "nvme")
+    raw_slot, fp8_slot = 4096 + layout.block_bytes, 4096 + 40960 - 4096
+    assert nvme["logical_bytes"] == 2 * n * layout.block_bytes
+    assert nvme["stored_bytes"] == nvme["used_bytes"] == n * (raw_slot + fp8_slot)
+    by_model = {ns["name"].split("/")[0]: ns for ns in data["namespaces"]}
+    (lossy,) = by_model["lossy-model"]["tiers"]
+    (exact,) = by_model["exact-model"]["tiers"]
+    assert (lossy["tier"], lossy["codec"], exact["codec"]) == ("nvme", "fp8", "none")
+    assert lossy["stored_bytes"] == n * fp8_slot and exact["stored_bytes"] == n * raw_slot
+    assert lossy["ratio"] > 1.5 and exact["ratio"] < 1.0
+    assert lossy["logical_bytes"] == exact["logical_bytes"] == n * layout.block_bytes

@@ -65,4 +65,6 @@ class DiskSlots:
             self.blocks,
             self.counters,
             extra=extra,
+            logical_bytes=int(stats["logical_bytes"]),
+            stored_bytes=int(stats["used_bytes"]),  # whole slots: what capacity counts
         )

@@ -331,6 +331,13 @@ def render_metrics(
         out.family(name, "counter", help_text)
         for t in tiers:
             out.sample(name, (("tier", t.name),), getattr(t.counters, counter))
+    for attr, help_text in (
+        ("logical_bytes", "Bytes of the tier's blocks as readers get them."),
+        ("stored_bytes", "Bytes the tier stores them in, after its codecs (what it counts)."),
+    ):
+        out.family(f"kvstore_tier_{attr}", "gauge", help_text)
+        for t in tiers:
+            out.sample(f"kvstore_tier_{attr}", (("tier", t.name),), getattr(t, attr))
     out.family("kvstore_tier_up", "gauge", "1 while the tier can be reached (redis), else 0.")
     for t in tiers:
         out.sample("kvstore_tier_up", (("tier", t.name),), bool(t.up))
@@ -361,6 +368,26 @@ def render_metrics(
         out.family(name, kind, help_text)
         for ns_name, row in per_ns.items():
             out.sample(name, (("namespace", ns_name),), row[column])
+
+    # Per namespace and tier below the CPU tier: logical and stored bytes (after codecs).
+    per_tier: dict[tuple[str, str], list[int]] = {}
+    if store is not None:
+        below = store.namespace_tier_bytes()
+        names = {r.fingerprint: r.name for r in store.namespaces()} if below else {}
+        for fp, rows in below.items():
+            for tier, _, logical, stored, _ in rows:
+                row = per_tier.setdefault((names.get(fp, fp.hex()), tier), [0, 0])
+                row[0] += logical
+                row[1] += stored
+    for column, (name, help_text) in enumerate(
+        (
+            ("kvstore_namespace_tier_logical_bytes", "A namespace's bytes in a tier, as read."),
+            ("kvstore_namespace_tier_stored_bytes", "A namespace's bytes in a tier, as stored."),
+        )
+    ):
+        out.family(name, "gauge", help_text)
+        for (ns_name, tier), row in per_tier.items():
+            out.sample(name, (("namespace", ns_name), ("tier", tier)), row[column])
 
     out.family("kvstore_active_leases", "gauge", "Read leases not released yet.")
     if store is not None:

@@ -313,6 +313,12 @@ class Daemon:
 async def run_daemon(
     config: DaemonConfig, on_ready: Callable[[Daemon], None] | None = None
 ) -> None:
+    import torch
+
+    # The daemon's torch work (the tiers' codecs) runs on its IO threads, several blocks at
+    # once; torch's own intra-op pool inside each of them oversubscribes the cores (fp8
+    # encoding ran ~20x slower on a loaded 2-core host with two threads than with one).
+    torch.set_num_threads(1)
     daemon = Daemon(config)
     await daemon.start()
     loop = asyncio.get_running_loop()

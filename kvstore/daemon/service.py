@@ -501,6 +501,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 checksum_failures=c.checksum_failures,
                 up=tier.up,
                 extra=tier.extra,
+                logical_bytes=tier.logical_bytes,
+                stored_bytes=tier.stored_bytes,
             )
         # The most used namespaces first, at most max_stats_namespaces of them (names are
         # bounded too), so the reply stays small whatever clients open.
@@ -516,8 +518,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             key=lambda r: -r.blocks * r.block_bytes,
         )
         limit = self.limits.max_stats_namespaces
+        below = self.store.namespace_tier_bytes()
         for ns in records[:limit]:
-            reply.namespaces.add(
+            entry = reply.namespaces.add(
                 name=ns.name,
                 blocks=ns.blocks,
                 used_bytes=ns.blocks * ns.block_bytes,
@@ -525,6 +528,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 misses=ns.lookup_misses,
                 block_bytes=ns.block_bytes,
             )
+            for name, blocks, logical, stored, codec in below.get(ns.fingerprint, ()):
+                entry.tiers.add(
+                    tier=name,
+                    blocks=blocks,
+                    logical_bytes=logical,
+                    stored_bytes=stored,
+                    codec=codec,
+                )
         reply.namespaces_omitted = max(0, len(records) - limit)
         quotas = self.store.quotas
         for books in quotas.tenants():

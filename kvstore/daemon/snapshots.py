@@ -45,7 +45,15 @@ def tier_snapshots(store: BlockStore) -> list[TierSnapshot]:
         extra = {
             k: float(v)
             for k, v in stats.items()
-            if k in ("bytes_written", "bytes_read", "errors", "reconnects", "unavailable")
+            if k
+            in (
+                "bytes_written",
+                "logical_bytes_written",
+                "bytes_read",
+                "errors",
+                "reconnects",
+                "unavailable",
+            )
         }
         extra["skipped_while_down"] = float(store.shared.skipped)
         extra["dropped_while_down"] = float(store.shared.dropped_while_down)
@@ -59,6 +67,28 @@ def tier_snapshots(store: BlockStore) -> list[TierSnapshot]:
                 c,
                 up=bool(stats.get("up", False)),
                 extra=extra,
+                logical_bytes=int(stats.get("logical_bytes_written", 0)),
+                stored_bytes=int(stats.get("bytes_written", 0)),
             )
         )
     return snaps
+
+
+def namespace_tier_bytes(store: BlockStore) -> dict[bytes, list[tuple[str, int, int, int, str]]]:
+    """By namespace fingerprint: (tier, blocks, logical bytes, stored bytes, codec of new
+    records) in the tiers below the CPU tier (redis: what this host wrote)."""
+    from kvstore.tiers.codecs import NAME_OF
+
+    out: dict[bytes, list[tuple[str, int, int, int, str]]] = {}
+    records = {r.fingerprint: r for r in store.namespaces()}
+    sources = []
+    if store.nvme is not None:
+        sources.append(("nvme", store.nvme.namespace_bytes()))
+    if store.shared.tier is not None:
+        sources.append(("redis", store.shared.tier.namespace_bytes()))
+    for tier, by_ns in sources:
+        for fingerprint, (blocks, logical, stored) in by_ns.items():
+            record = records.get(fingerprint)
+            codec = NAME_OF[store.codec_of(record, tier)[0]] if record is not None else ""
+            out.setdefault(fingerprint, []).append((tier, blocks, logical, stored, codec))
+    return out

@@ -1090,5 +1090,12 @@ class BlockStore:
 
         return tier_snapshots(self)
 
+    def namespace_tier_bytes(self) -> dict[bytes, list[tuple[str, int, int, int, str]]]:
+        """By namespace fingerprint: (tier, blocks, logical, stored bytes, codec) in the tiers
+        below the CPU tier (``Stats``, the metrics)."""
+        from kvstore.daemon.snapshots import namespace_tier_bytes
+
+        return namespace_tier_bytes(self)
+
     def namespaces(self) -> list[NamespaceRecord]:
         return [r for r in self.names.records() if r.namespace is not None or r.blocks]

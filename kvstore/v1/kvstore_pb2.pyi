@@ -281,7 +281,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions", "promotions", "demotions", "checksum_failures", "up", "extra")
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions", "promotions", "demotions", "checksum_failures", "up", "extra", "logical_bytes", "stored_bytes")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,8 @@ class TierStats(_message.Message):
     CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     capacity_bytes: int
     used_bytes: int
@@ -313,23 +315,41 @@ class TierStats(_message.Message):
     checksum_failures: int
     up: bool
     extra: _containers.ScalarMap[str, float]
-    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., up: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    logical_bytes: int
+    stored_bytes: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., up: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ..., logical_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
+
+class NamespaceTierBytes(_message.Message):
+    __slots__ = ("tier", "blocks", "logical_bytes", "stored_bytes", "codec")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    blocks: int
+    logical_bytes: int
+    stored_bytes: int
+    codec: str
+    def __init__(self, tier: _Optional[str] = ..., blocks: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("name", "blocks", "used_bytes", "hits", "misses", "block_bytes")
+    __slots__ = ("name", "blocks", "used_bytes", "hits", "misses", "block_bytes", "tiers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     blocks: int
     used_bytes: int
     hits: int
     misses: int
     block_bytes: int
-    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[NamespaceTierBytes]
+    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., block_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[NamespaceTierBytes, _Mapping]]] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("name", "cpu_bytes", "nvme_bytes", "pinned_bytes", "leases", "reservations", "quota_cpu_bytes", "quota_nvme_bytes", "guaranteed_cpu_bytes", "guaranteed_nvme_bytes", "max_pinned_bytes", "keys_per_s", "refused_keys")

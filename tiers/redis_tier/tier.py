@@ -137,6 +137,7 @@ class RedisTier:
         self._up = False
         self._state = "new"
         self._reconnect_task: asyncio.Task[None] | None = None
+        self._by_ns: dict[bytes, list[int]] = {}  # namespace -> [blocks, logical, stored] put
         self._counters = dict.fromkeys(
             (
                 "hits",
@@ -195,6 +196,12 @@ class RedisTier:
 
     def stats(self) -> dict[str, Any]:
         return {"up": self._up, **self._counters}
+
+    def namespace_bytes(self) -> dict[bytes, tuple[int, int, int]]:
+        """(blocks, logical bytes, stored bytes) this tier object has written, by namespace:
+        Redis is shared and evicts by itself, so this is what this host put, not what Redis
+        holds now."""
+        return {ns: (b, raw, stored) for ns, (b, raw, stored) in self._by_ns.items()}
 
     # ------------------------------------------------------------------ up / down
     async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
@@ -342,6 +349,11 @@ class RedisTier:
                 stored += 1
                 written += size
                 raw += n
+        if stored:
+            per = self._by_ns.setdefault(namespace, [0, 0, 0])
+            per[0] += stored
+            per[1] += raw
+            per[2] += written
         self._counters["puts"] += stored
         self._counters["bytes_written"] += written
         self._counters["logical_bytes_written"] += raw
