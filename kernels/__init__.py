@@ -32,6 +32,7 @@ from ._validate import (
     check_checksum_blocks,
     check_id_range,
     check_unique,
+    check_write_fp8,
 )
 
 __all__ = [
@@ -39,8 +40,10 @@ __all__ = [
     "device_checksums",
     "gather_blocks",
     "paged_attention",
+    "paged_attention_fp8",
     "reference",
     "scatter_blocks",
+    "write_kv_fp8",
 ]
 
 
@@ -150,6 +153,59 @@ def paged_attention(
 
         return cuda.paged_attention(shape, query, kv_cache_layer, block_tables, seq_lens, scale)
     return reference.paged_attention(query, kv_cache_layer, block_tables, seq_lens, float(scale))
+
+
+def paged_attention_fp8(
+    query: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    check: bool = True,
+) -> torch.Tensor:
+    """``paged_attention`` over a scaled FP8 layer (format in ``reference.py``): kv_cache_layer
+    ``[2, num_blocks, block_size + 1, num_kv_heads, D]`` float8_e4m3fn, whose last row per
+    (K|V, block) holds the blocks' per-head float32 scales. K and V are dequantized in the
+    kernel as they are read; query and result are fp16, bf16 or fp32."""
+    shape = check_attention(query, kv_cache_layer, block_tables, seq_lens, scale, check, fp8=True)
+    if query.device.type == "cuda":
+        from . import cuda
+
+        return cuda.paged_attention(
+            shape, query, kv_cache_layer, block_tables, seq_lens, scale, fp8=True
+        )
+    return reference.paged_attention_fp8(
+        query, kv_cache_layer, block_tables, seq_lens, float(scale)
+    )
+
+
+def write_kv_fp8(
+    kv_cache_layer: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_ids: IdsLike,
+    row_start: IdsLike,
+    row_end: IdsLike,
+    valid_rows: IdsLike,
+    *,
+    check: bool = True,
+) -> None:
+    """Quantize new tokens' K and V (``[n, H, D]``, fp16/bf16/fp32, packed in block order) into
+    blocks of a scaled FP8 layer, keeping each group's scale covering its block (semantics in
+    ``reference.write_kv_fp8``). Block ids must be distinct; ``0 <= row_start < row_end <=
+    valid_rows <= block_size`` for each block and the blocks take exactly n tokens."""
+    ids = as_ids(block_ids, "block_ids")
+    lo, hi = as_ids(row_start, "row_start"), as_ids(row_end, "row_end")
+    valid = as_ids(valid_rows, "valid_rows")
+    if check_write_fp8(kv_cache_layer, k, v, ids, lo, hi, valid, check) == 0:
+        return
+    if kv_cache_layer.device.type == "cuda":
+        from . import cuda
+
+        cuda.write_kv_fp8(kv_cache_layer, k, v, ids, lo, hi, valid)
+    else:
+        reference.write_kv_fp8(kv_cache_layer, k, v, ids, lo, hi, valid)
 
 
 def device_checksums(blocks: Sequence[torch.Tensor] | torch.Tensor) -> list[int]:

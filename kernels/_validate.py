@@ -17,6 +17,8 @@ IdsLike = Sequence[int] | torch.Tensor
 BlocksLike = torch.Tensor | Sequence[torch.Tensor]
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_SCALE_ROWS = 1  # as reference.FP8_SCALE_ROWS (this module imports no implementation)
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,10 @@ def check_attention(
     seq_lens: torch.Tensor,
     scale: float,
     check: bool,
+    fp8: bool = False,
 ) -> AttentionShape:
+    """With ``fp8`` the layer is a scaled FP8 one (``reference.py``): e4m3fn, one scale row
+    after each block's ``block_size`` token rows; otherwise it has the query's dtype."""
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         got = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
         raise ValueError(f"query must be a tensor [num_seqs, num_heads, head_dim], got {got}")
@@ -195,10 +200,13 @@ def check_attention(
             f"query has dtype {query.dtype}; paged_attention supports {ATTENTION_DTYPES}"
         )
     cache = _check_layer(kv_cache_layer, "kv_cache_layer")
-    if cache.dtype != query.dtype:
+    if fp8:
+        check_fp8_layer(cache, "kv_cache_layer")
+    elif cache.dtype != query.dtype:
         raise ValueError(f"kv_cache_layer has dtype {cache.dtype}, query {query.dtype}")
     s, hq, d = query.shape
     _, nb, bs, hkv, dc = cache.shape
+    bs -= FP8_SCALE_ROWS if fp8 else 0
     if dc != d:
         raise ValueError(f"query head_dim {d} != kv_cache_layer head_dim {dc}")
     if bs == 0 or hkv == 0:
@@ -246,6 +254,66 @@ def check_attention(
                 f"block_tables[{i}, {j}] = {int(block_tables[i, j])} out of range [0, {nb})"
             )
     return AttentionShape(s, hq, d, nb, bs, hkv, max_blocks)
+
+
+def check_fp8_layer(cache: torch.Tensor, what: str) -> None:
+    """A scaled FP8 cache layer: e4m3fn, at least one token row besides the scale row, and
+    head_dim a multiple of 4 (the float32 scales sit 4-byte aligned in the scale row)."""
+    if cache.dtype != FP8_DTYPE:
+        raise ValueError(f"{what} has dtype {cache.dtype}; a scaled FP8 cache is {FP8_DTYPE}")
+    if cache.shape[2] <= FP8_SCALE_ROWS:
+        raise ValueError(
+            f"{what} has {cache.shape[2]} rows per block: need block_size + {FP8_SCALE_ROWS}"
+        )
+    if cache.shape[4] % 4 or cache.shape[3] == 0:
+        raise ValueError(f"{what}: head_dim {cache.shape[4]} must be a positive multiple of 4")
+    if (cache.stride(0) | cache.stride(1)) % 4:
+        raise ValueError(f"{what}: strides {cache.stride()} must keep the scales 4-byte aligned")
+
+
+def check_write_fp8(
+    kv_cache_layer: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_ids: torch.Tensor,
+    row_start: torch.Tensor,
+    row_end: torch.Tensor,
+    valid_rows: torch.Tensor,
+    check: bool,
+) -> int:
+    """Validate a ``write_kv_fp8`` call; returns the number of blocks written."""
+    cache = _check_layer(kv_cache_layer, "kv_cache_layer")
+    check_fp8_layer(cache, "kv_cache_layer")
+    _, nb, rows, h, d = cache.shape
+    bs = rows - FP8_SCALE_ROWS
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[1:]) != (h, d):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be [n, {h}, {d}], got {got}")
+        if t.dtype not in ATTENTION_DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; write_kv_fp8 takes {ATTENTION_DTYPES}")
+        if t.device != cache.device:
+            raise ValueError(f"{name} is on {t.device}, kv_cache_layer on {cache.device}")
+    if k.shape[0] != v.shape[0] or k.dtype != v.dtype:
+        raise ValueError(f"k is {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}")
+    m = block_ids.numel()
+    for name, t in (("row_start", row_start), ("row_end", row_end), ("valid_rows", valid_rows)):
+        if t.dim() != 1 or t.numel() != m:
+            raise ValueError(f"{name} must be 1-D with one entry per block ({m})")
+    if check and m:
+        check_id_range(block_ids, nb, "block_ids")
+        check_unique(block_ids, "block_ids")
+        lo, hi, valid = (t.to(torch.int64) for t in (row_start, row_end, valid_rows))
+        bad = (lo < 0) | (hi <= lo) | (valid < hi) | (valid > bs)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"block {i}: rows [{int(lo[i])}, {int(hi[i])}) valid {int(valid[i])}; need "
+                f"0 <= row_start < row_end <= valid_rows <= block_size ({bs})"
+            )
+        if int((hi - lo).sum()) != k.shape[0]:
+            raise ValueError(f"the blocks take {int((hi - lo).sum())} tokens, k has {k.shape[0]}")
+    return m
 
 
 @dataclass(frozen=True)

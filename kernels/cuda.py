@@ -54,6 +54,17 @@ _ATTENTION_KERNELS = {
     torch.float16: "paged_attention_f16",
     torch.bfloat16: "paged_attention_bf16",
 }
+_ATTENTION_FP8_KERNELS = {
+    torch.float32: "paged_attention_fp8_f32",
+    torch.float16: "paged_attention_fp8_f16",
+    torch.bfloat16: "paged_attention_fp8_bf16",
+}
+_WRITE_FP8_KERNELS = {
+    torch.float32: "write_kv_fp8_f32",
+    torch.float16: "write_kv_fp8_f16",
+    torch.bfloat16: "write_kv_fp8_bf16",
+}
+_WRITE_FP8_THREADS = 128  # KVSTORE_WRITE_THREADS in paged_attention.cu
 _COPY_WIDTHS = (16, 8, 4, 2, 1)  # bytes per access; suffixes v16 .. v1 in paged_copy.cu
 # Every entry point the launchers may ask for, by source file (scripts/compile_kernels.sh checks
 # the compiled PTX holds each one).
@@ -63,7 +74,11 @@ KERNELS: dict[str, tuple[str, ...]] = {
         for op in ("gather_blocks", "scatter_blocks", "copy_blocks")
         for w in _COPY_WIDTHS
     ),
-    _ATTENTION_SOURCE: tuple(_ATTENTION_KERNELS.values()),
+    _ATTENTION_SOURCE: (
+        *_ATTENTION_KERNELS.values(),
+        *_ATTENTION_FP8_KERNELS.values(),
+        *_WRITE_FP8_KERNELS.values(),
+    ),
     _CHECKSUM_SOURCE: (_CHECKSUM_KERNEL,),
 }
 # cudaMemoryType values returned by cudaPointerGetAttributes.
@@ -294,7 +309,11 @@ def paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    fp8: bool = False,
 ) -> torch.Tensor:
+    """Decode attention; with ``fp8`` over a scaled FP8 layer (``shape.block_size`` counts its
+    token rows, the kernel finds the scale row after them)."""
     if shape.head_dim > _ATTENTION_MAX_HEAD_DIM:
         raise ValueError(
             f"head_dim {shape.head_dim} > {_ATTENTION_MAX_HEAD_DIM}, the CUDA kernel's limit"
@@ -323,9 +342,50 @@ def paged_attention(
         np.float32(scale),
     )
     grid = (shape.num_heads, shape.num_seqs)
-    name = _ATTENTION_KERNELS[query.dtype]
+    name = (_ATTENTION_FP8_KERNELS if fp8 else _ATTENTION_KERNELS)[query.dtype]
     _launch(query.device, _ATTENTION_SOURCE, name, grid, (_ATTENTION_THREADS,), args)
     return out
+
+
+def write_kv_fp8(
+    kv_cache_layer: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_ids: torch.Tensor,
+    row_start: torch.Tensor,
+    row_end: torch.Tensor,
+    valid_rows: torch.Tensor,
+) -> None:
+    """One launch, one CUDA block per (block, K|V, head) group."""
+    device = kv_cache_layer.device
+    ids, lo, hi, valid = (
+        t.to(device=device, dtype=torch.int64, non_blocking=True).contiguous()
+        for t in (block_ids, row_start, row_end, valid_rows)
+    )
+    first = torch.cumsum(hi - lo, 0) - (hi - lo)  # each block's first token in k / v
+    k, v = k.contiguous(), v.contiguous()
+    _, _, rows, hkv, d = kv_cache_layer.shape
+    m = ids.numel()
+    if 2 * hkv > _MAX_GRID_Y:
+        raise ValueError(f"{hkv} KV heads; the CUDA kernel takes {_MAX_GRID_Y // 2}")
+    args = (
+        np.uint64(kv_cache_layer.data_ptr()),
+        np.uint64(k.data_ptr()),
+        np.uint64(v.data_ptr()),
+        np.uint64(ids.data_ptr()),
+        np.uint64(lo.data_ptr()),
+        np.uint64(hi.data_ptr()),
+        np.uint64(valid.data_ptr()),
+        np.uint64(first.data_ptr()),
+        np.int32(hkv),
+        np.int32(d),
+        np.int32(rows - reference.FP8_SCALE_ROWS),
+        np.int64(kv_cache_layer.stride(0)),
+        np.int64(kv_cache_layer.stride(1)),
+    )
+    grid = (m, 2 * hkv)
+    name = _WRITE_FP8_KERNELS[k.dtype]
+    _launch(device, _ATTENTION_SOURCE, name, grid, (_WRITE_FP8_THREADS,), args)
 
 
 def device_checksums(blocks: BlocksLike, spec: ChecksumBlocks) -> list[int]:

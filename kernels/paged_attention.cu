@@ -11,6 +11,12 @@
 // tokens warp, warp + kWarps, ...; lane j holds query dims j, j + 32, ... (head_dim <= 256),
 // so each load of a K or V row reads 32 consecutive elements. The warps' partial results are
 // merged through shared memory at the end. A sequence of length 0 gets zeros.
+//
+// FP8. The paged_attention_fp8_* entries read a scaled FP8 cache (format in reference.py):
+// e4m3fn bytes, block rows block_size + 1, the last row of each (K|V, block) chunk holding the
+// chunk's num_kv_heads float32 scales; each K/V element is dequantized (decode, times its
+// group's scale) as it is loaded. write_kv_fp8_* fill such a cache: they live in this file
+// because they share the e4m3 conversions, which must match torch's bit for bit.
 
 typedef long long i64;
 
@@ -56,16 +62,54 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-template <typename E>
+// e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits, no infinity, NaN = 0x7f/0xff).
+struct FP8 {
+  typedef unsigned char T;
+  static __device__ __forceinline__ float load(T b) {
+    const unsigned sign = (unsigned)(b & 0x80u) << 24;
+    const unsigned e = (b >> 3) & 15u;
+    const unsigned m = b & 7u;
+    if (e == 15u && m == 7u) return __uint_as_float(sign | 0x7fc00000u);
+    if (e == 0u) return __uint_as_float(__float_as_uint((float)m * 0.001953125f) | sign);
+    return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));  // rebias 7 -> 127
+  }
+  // Round to nearest even, as torch converts. The caller clamps to [-448, 448] first (torch
+  // turns magnitudes from 464 up into NaN), so the result never reaches the NaN pattern.
+  static __device__ __forceinline__ T store(float f) {
+    unsigned u = __float_as_uint(f);
+    const unsigned sign = (u >> 24) & 0x80u;
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u) return (T)(sign | 0x7fu);
+    const float a = __uint_as_float(u);
+    if (a < 0.015625f) return (T)(sign | (unsigned)rintf(a * 512.0f));  // below 2^-6: steps 2^-9
+    const unsigned keep = u >> 20;  // exponent and the top 3 mantissa bits
+    const unsigned rest = u & 0xfffffu;
+    const unsigned up = rest > 0x80000u || (rest == 0x80000u && (keep & 1u));
+    return (T)(sign | (keep + up - (120u << 3)));  // a carry rounds into the exponent
+  }
+};
+
+#define KVSTORE_FP8_MAX 448.0f
+
+// reference.quantize_fp8 for one element: 0 when the scale is 0, clamp, round.
+__device__ __forceinline__ unsigned char quantize_fp8(float x, float scale) {
+  float y = scale > 0.f ? x / scale : 0.f;
+  if (!(y != y)) y = fminf(fmaxf(y, -KVSTORE_FP8_MAX), KVSTORE_FP8_MAX);
+  return FP8::store(y);
+}
+
+// E: the query's element type; C: the cache's (E itself, or FP8 with kScaled).
+template <typename E, typename C, bool kScaled>
 __device__ __forceinline__ void attention_impl(typename E::T* __restrict__ out,
                                                const typename E::T* __restrict__ query,
-                                               const typename E::T* __restrict__ cache,
+                                               const typename C::T* __restrict__ cache,
                                                const int* __restrict__ block_tables,
                                                const int* __restrict__ seq_lens, int num_heads,
                                                int num_kv_heads, int head_dim, int block_size,
                                                int max_blocks, i64 kv_stride, i64 block_stride,
                                                float scale) {
   typedef typename E::T T;
+  typedef typename C::T CT;
   const int kWarps = KVSTORE_ATTENTION_WARPS;
   const int kPerLane = KVSTORE_ATTENTION_MAX_PER_LANE;
   const float neg_inf = __int_as_float(0xff800000);
@@ -92,14 +136,21 @@ __device__ __forceinline__ void attention_impl(typename E::T* __restrict__ out,
   float l = 0.f;      // running sum of exp(score - m)
   for (int t = warp; t < len; t += kWarps) {
     const i64 block = table[t / block_size];
-    const T* k = cache + block * block_stride +
-                 ((i64)(t % block_size) * num_kv_heads + kv_head) * head_dim;
-    const T* v = k + kv_stride;
+    const CT* chunk = cache + block * block_stride;
+    const CT* k = chunk + ((i64)(t % block_size) * num_kv_heads + kv_head) * head_dim;
+    const CT* v = k + kv_stride;
+    float k_scale = 1.f, v_scale = 1.f;
+    if (kScaled) {
+      // The scale row follows the block's token rows, in K's chunk and in V's.
+      const CT* row = chunk + (i64)block_size * num_kv_heads * head_dim;
+      k_scale = ((const float*)row)[kv_head];
+      v_scale = ((const float*)(row + kv_stride))[kv_head];
+    }
     float s = 0.f;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int d = lane + 32 * j;
-      if (d < head_dim) s += q[j] * E::load(k[d]);
+      if (d < head_dim) s += q[j] * (C::load(k[d]) * k_scale);
     }
     s = warp_sum(s);
     const float m_new = fmaxf(m, s);
@@ -109,7 +160,7 @@ __device__ __forceinline__ void attention_impl(typename E::T* __restrict__ out,
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int d = lane + 32 * j;
-      if (d < head_dim) acc[j] = acc[j] * correction + p * E::load(v[d]);
+      if (d < head_dim) acc[j] = acc[j] * correction + p * (C::load(v[d]) * v_scale);
     }
     m = m_new;
   }
@@ -149,15 +200,101 @@ __device__ __forceinline__ void attention_impl(typename E::T* __restrict__ out,
   }
 }
 
-#define KVSTORE_ATTENTION_ENTRY(NAME, E)                                                       \
+#define KVSTORE_ATTENTION_ENTRY(NAME, E, C, SCALED)                                            \
   extern "C" __global__ void __launch_bounds__(KVSTORE_ATTENTION_WARPS * 32)                  \
-      NAME(E::T* out, const E::T* query, const E::T* cache, const int* block_tables,           \
+      NAME(E::T* out, const E::T* query, const C::T* cache, const int* block_tables,           \
            const int* seq_lens, int num_heads, int num_kv_heads, int head_dim, int block_size, \
            int max_blocks, i64 kv_stride, i64 block_stride, float scale) {                     \
-    attention_impl<E>(out, query, cache, block_tables, seq_lens, num_heads, num_kv_heads,      \
-                      head_dim, block_size, max_blocks, kv_stride, block_stride, scale);       \
+    attention_impl<E, C, SCALED>(out, query, cache, block_tables, seq_lens, num_heads,         \
+                                 num_kv_heads, head_dim, block_size, max_blocks, kv_stride,    \
+                                 block_stride, scale);                                         \
   }
 
-KVSTORE_ATTENTION_ENTRY(paged_attention_f32, F32)
-KVSTORE_ATTENTION_ENTRY(paged_attention_f16, F16)
-KVSTORE_ATTENTION_ENTRY(paged_attention_bf16, BF16)
+KVSTORE_ATTENTION_ENTRY(paged_attention_f32, F32, F32, false)
+KVSTORE_ATTENTION_ENTRY(paged_attention_f16, F16, F16, false)
+KVSTORE_ATTENTION_ENTRY(paged_attention_bf16, BF16, BF16, false)
+KVSTORE_ATTENTION_ENTRY(paged_attention_fp8_f32, F32, FP8, true)
+KVSTORE_ATTENTION_ENTRY(paged_attention_fp8_f16, F16, FP8, true)
+KVSTORE_ATTENTION_ENTRY(paged_attention_fp8_bf16, BF16, FP8, true)
+
+// ---- write_kv_fp8: reference.write_kv_fp8, bit for bit -----------------------------------------
+//
+// Grid (m, 2 * num_kv_heads): one CUDA block per group (block i, K|V, head), so a group's amax,
+// scale and requantization need no communication between CUDA blocks. Rows [row_start, row_end)
+// get tokens tok_first[i] .. of k|v ([n, H, D], contiguous); kept rows ([0, row_start) and
+// [row_end, valid_rows)) are requantized only when the scale grows; rows from valid_rows are
+// zeroed. Every element is read and written by one thread; the scale is read by all before the
+// first barrier and written after the last.
+
+#define KVSTORE_WRITE_THREADS 128
+
+template <typename E>
+__device__ __forceinline__ void write_fp8_impl(unsigned char* __restrict__ cache,
+                                               const typename E::T* __restrict__ k,
+                                               const typename E::T* __restrict__ v,
+                                               const i64* __restrict__ block_ids,
+                                               const i64* __restrict__ row_start,
+                                               const i64* __restrict__ row_end,
+                                               const i64* __restrict__ valid_rows,
+                                               const i64* __restrict__ tok_first,
+                                               int num_kv_heads, int head_dim, int block_size,
+                                               i64 kv_stride, i64 block_stride) {
+  const int i = blockIdx.x;
+  const int kv = blockIdx.y / num_kv_heads;
+  const int head = blockIdx.y - kv * num_kv_heads;
+  const i64 lo = row_start[i], hi = row_end[i], valid = valid_rows[i];
+  const i64 row_elems = (i64)num_kv_heads * head_dim;
+  const typename E::T* src = (kv ? v : k) + tok_first[i] * row_elems + (i64)head * head_dim;
+  unsigned char* chunk = cache + kv * kv_stride + block_ids[i] * block_stride;
+  float* scales = (float*)(chunk + (i64)block_size * row_elems);
+  const float old_scale = scales[head];
+
+  float amax = 0.f;
+  const i64 new_elems = (hi - lo) * head_dim;
+  for (i64 idx = threadIdx.x; idx < new_elems; idx += blockDim.x) {
+    const i64 r = idx / head_dim;
+    amax = fmaxf(amax, fabsf(E::load(src[r * row_elems + (idx - r * head_dim)])));
+  }
+  for (int offset = 16; offset > 0; offset >>= 1)
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  __shared__ float warp_amax[KVSTORE_WRITE_THREADS / 32];
+  if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = amax;
+  __syncthreads();
+  amax = 0.f;
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) amax = fmaxf(amax, warp_amax[w]);
+
+  const bool has_kept = lo > 0 || hi < valid;
+  float scale = amax / KVSTORE_FP8_MAX;
+  if (has_kept) scale = fmaxf(old_scale, scale);
+  const bool grown = has_kept && scale > old_scale;
+
+  const i64 elems = (i64)block_size * head_dim;
+  for (i64 idx = threadIdx.x; idx < elems; idx += blockDim.x) {
+    const i64 r = idx / head_dim;
+    const i64 d = idx - r * head_dim;
+    unsigned char* q = chunk + r * row_elems + (i64)head * head_dim + d;
+    if (r >= lo && r < hi) {
+      *q = quantize_fp8(E::load(src[(r - lo) * row_elems + d]), scale);
+    } else if (r < valid) {
+      if (grown) *q = quantize_fp8(FP8::load(*q) * old_scale, scale);
+    } else {
+      *q = 0;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) scales[head] = scale;
+}
+
+#define KVSTORE_WRITE_FP8_ENTRY(NAME, E)                                                       \
+  extern "C" __global__ void __launch_bounds__(KVSTORE_WRITE_THREADS)                         \
+      NAME(unsigned char* cache, const E::T* k, const E::T* v, const i64* block_ids,           \
+           const i64* row_start, const i64* row_end, const i64* valid_rows,                    \
+           const i64* tok_first, int num_kv_heads, int head_dim, int block_size,               \
+           i64 kv_stride, i64 block_stride) {                                                  \
+    write_fp8_impl<E>(cache, k, v, block_ids, row_start, row_end, valid_rows, tok_first,       \
+                      num_kv_heads, head_dim, block_size, kv_stride, block_stride);            \
+  }
+
+KVSTORE_WRITE_FP8_ENTRY(write_kv_fp8_f32, F32)
+KVSTORE_WRITE_FP8_ENTRY(write_kv_fp8_f16, F16)
+KVSTORE_WRITE_FP8_ENTRY(write_kv_fp8_bf16, BF16)

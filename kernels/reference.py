@@ -142,6 +142,153 @@ def paged_attention(
     return out
 
 
+# -- FP8 KV cache (write_kv_fp8.cu, paged_attention.cu) ----------------------------------------
+#
+# The one definition of the FP8 format the kernels write and read. Values are float8 e4m3fn
+# (largest finite 448) scaled per group: a group is one KV head of one (layer, K or V) chunk of
+# one block, its scale ``amax / 448`` in float32, so the group's largest magnitude maps to 448.
+# A scaled cache layer is ``[2, num_blocks, block_size + FP8_SCALE_ROWS, H, D]`` in e4m3fn: the
+# last row of each (K|V, block) chunk holds the chunk's H float32 scales in its first 4*H bytes
+# (the rest zero), so every byte copy of a block (gather, scatter, copy-on-write, the store)
+# carries its scales with it. Needs head_dim % 4 == 0 (the scales are 4-byte aligned).
+#
+#   quantize:   q = e4m3(clamp(x / scale, -448, 448))  (round to nearest even; 0 when scale is 0)
+#   dequantize: x' = float(q) * scale
+#
+# Error bound, element x of a group with scale s (e4m3 has 3 mantissa bits, subnormal step 2^-9):
+#   |x - x'| <= max(|x| * 2^-4, s * 2^-10)   (so at most amax / 16 in the group)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_SCALE_ROWS = 1
+FP8_REL_BOUND = 2.0**-4  # half an ulp of a 3-bit mantissa, relative
+FP8_SUBNORMAL_BOUND = 2.0**-10  # half the subnormal step, in units of the scale
+
+
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The scale of a group whose largest magnitude is ``amax`` (float32)."""
+    return amax.float() / FP8_MAX
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` (any float dtype) in e4m3fn units of ``scale`` (broadcast against ``x``)."""
+    s = scale.float()
+    y = torch.where(s > 0, x.float() / torch.where(s > 0, s, 1.0), 0.0)
+    # Clamp first: torch turns magnitudes from 464 up into NaN (e4m3fn has no infinity).
+    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 values of e4m3fn ``q`` in units of ``scale``."""
+    return q.float() * scale.float()
+
+
+def fp8_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The largest ``|x - dequantize(quantize(x, s), s)|`` the format allows, per element."""
+    return torch.maximum(x.float().abs() * FP8_REL_BOUND, scale.float() * FP8_SUBNORMAL_BOUND)
+
+
+def fp8_block_size(kv_cache_layer: torch.Tensor) -> int:
+    """Tokens per block of a scaled cache layer (its rows less the scale row)."""
+    return kv_cache_layer.shape[2] - FP8_SCALE_ROWS
+
+
+def fp8_scales(kv_cache_layer: torch.Tensor) -> torch.Tensor:
+    """``[2, num_blocks, H]`` float32 view (no copy) of a scaled cache layer's scales."""
+    h = kv_cache_layer.shape[3]
+    rows = raw(kv_cache_layer)[:, :, fp8_block_size(kv_cache_layer)]  # [2, nb, H, D] bytes
+    return rows.flatten(2)[:, :, : 4 * h].view(torch.float32)
+
+
+def fp8_dequantize_blocks(kv_cache_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """``[2, n, block_size, H, D]`` float32 values of the listed blocks of a scaled layer."""
+    ids = block_ids.to(device=kv_cache_layer.device, dtype=torch.int64)
+    bs = fp8_block_size(kv_cache_layer)
+    q = kv_cache_layer[:, ids, :bs]
+    return dequantize_fp8(q, fp8_scales(kv_cache_layer)[:, ids][:, :, None, :, None])
+
+
+def write_kv_fp8(
+    kv_cache_layer: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_ids: torch.Tensor,
+    row_start: torch.Tensor,
+    row_end: torch.Tensor,
+    valid_rows: torch.Tensor,
+) -> None:
+    """Quantize new tokens into blocks of a scaled layer. Block i = ``block_ids[i]`` (distinct)
+    gets the next ``row_end[i] - row_start[i]`` tokens of ``k``/``v`` (``[n, H, D]``, packed in
+    block order) at rows ``[row_start[i], row_end[i])``; rows ``[0, row_start[i])`` and
+    ``[row_end[i], valid_rows[i])`` are kept, rows from ``valid_rows[i]`` on are zeroed.
+
+    Per group (block, K|V, head): with kept rows the scale is ``max(old, amax_new / 448)``, else
+    ``amax_new / 448``. When it grows, the kept rows are requantized from their dequantized
+    values (one more rounding each); otherwise their bytes stay as they are."""
+    dev = kv_cache_layer.device
+    ids = block_ids.to(device=dev, dtype=torch.int64)
+    lo, hi = row_start.to(dev, torch.int64), row_end.to(dev, torch.int64)
+    valid = valid_rows.to(dev, torch.int64)
+    m, bs = ids.numel(), fp8_block_size(kv_cache_layer)
+    counts = hi - lo
+    which = torch.repeat_interleave(torch.arange(m, device=dev), counts)  # token -> block i
+    first = torch.cumsum(counts, 0) - counts
+    rows = lo[which] + torch.arange(which.numel(), device=dev) - first[which]
+    new = torch.zeros((2, m, bs, *k.shape[1:]), dtype=torch.float32, device=dev)
+    new[0, which, rows] = k.float()
+    new[1, which, rows] = v.float()
+    r = torch.arange(bs, device=dev)[None, :]
+    is_new = (r >= lo[:, None]) & (r < hi[:, None])  # [m, bs]
+    is_kept = (r < valid[:, None]) & ~is_new  # [0, row_start) and [row_end, valid_rows)
+    has_kept = is_kept.any(dim=1)[None, :, None]  # [1, m, 1]
+    scales = fp8_scales(kv_cache_layer)
+    old_scale = scales[:, ids]  # [2, m, H]
+    amax = (new.abs() * is_new[None, :, :, None, None]).amax(dim=(2, 4))
+    scale = torch.where(has_kept, torch.maximum(old_scale, fp8_scale(amax)), fp8_scale(amax))
+    grown = has_kept & (scale > old_scale)  # [2, m, H]
+    old_q = kv_cache_layer[:, ids, :bs]  # [2, m, bs, H, D]
+    requant = quantize_fp8(
+        dequantize_fp8(old_q, old_scale[:, :, None, :, None]), scale[:, :, None, :, None]
+    )
+    kept_q = torch.where(grown[:, :, None, :, None], raw(requant), raw(old_q))
+    fresh = raw(quantize_fp8(new, scale[:, :, None, :, None]))
+    out = torch.where(
+        is_new[None, :, :, None, None],
+        fresh,
+        torch.where(is_kept[None, :, :, None, None], kept_q, torch.zeros_like(fresh)),
+    )
+    layer = raw(kv_cache_layer)
+    layer[:, ids, :bs] = out
+    scales[:, ids] = scale
+
+
+def paged_attention_fp8(
+    query: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_attention`` over a scaled FP8 layer: each K/V element dequantized with its
+    group's scale, then the same float32 attention."""
+    s, hq, d = query.shape
+    bs, hkv = fp8_block_size(kv_cache_layer), kv_cache_layer.shape[3]
+    group = hq // hkv
+    out = torch.zeros_like(query)
+    lens = seq_lens.tolist()
+    for i in range(s):
+        n = int(lens[i])
+        if n == 0:
+            continue
+        kv = fp8_dequantize_blocks(kv_cache_layer, block_tables[i, : (n + bs - 1) // bs])
+        k = kv[0].reshape(-1, hkv, d)[:n].repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = kv[1].reshape(-1, hkv, d)[:n].repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", query[i].float(), k) * scale
+        probs = torch.softmax(scores, dim=-1)
+        out[i] = torch.einsum("hn,nhd->hd", probs, v).to(query.dtype)
+    return out
+
+
 # -- device checksum (block_checksum.cu) -------------------------------------------------------
 #
 # A block is m little-endian uint64 words w_i; its checksum is

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.cli import render_stats, stats_to_dict
 from kvstore.client import KVStoreClient
 from kvstore.client._common import wait_for_daemon
 from kvstore.errors import KVStoreError
+from kvstore.stats_table import render_stats, stats_to_dict
 from kvstore.units import format_size
 
 COMPANIES = [

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.address import default_address
-from kvstore.units import format_size, parse_size
+from kvstore.stats_table import render_stats, stats_to_dict
+from kvstore.units import parse_size
 
 
 def _add_address(p: argparse.ArgumentParser) -> None:
@@ -39,7 +40,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     serve.add_argument("--cpu-policy", choices=("lru", "priority", "prefix"))
     serve.add_argument("--nvme-path", help="directory for the NVMe tier's slab files (enables it)")
     serve.add_argument("--nvme-capacity", type=parse_size, help="size of the NVMe tier, e.g. 64GiB")
-    serve.add_argument("--nvme-codec", choices=("none", "lz4"))
+    serve.add_argument(
+        "--nvme-codec",
+        choices=("none", "lz4", "fp8", "fp8+lz4"),
+        help="default codec on disk (fp8 ones are lossy); [[codecs]] in the config per namespace",
+    )
     serve.add_argument(
         "--write-through", action="store_true", help="write every put to the NVMe tier at once"
     )
@@ -177,119 +182,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-def _bar(fraction: float, width: int = 24) -> str:
-    fraction = min(max(fraction, 0.0), 1.0)
-    full = round(fraction * width)
-    if fraction > 0 and full == 0:
-        full = 1  # a tier holding anything never looks empty
-    return "█" * full + "░" * (width - full)
-
-
-def stats_to_dict(reply: Any) -> dict[str, Any]:
-    tiers = []
-    for t in reply.tiers:
-        lookups = t.hits + t.misses
-        tiers.append(
-            {
-                "name": t.name,
-                "up": t.up,
-                "capacity_bytes": t.capacity_bytes,
-                "used_bytes": t.used_bytes,
-                "blocks": t.blocks,
-                "hits": t.hits,
-                "misses": t.misses,
-                "hit_rate": (t.hits / lookups) if lookups else None,
-                "evictions": t.evictions,
-                "promotions": t.promotions,
-                "demotions": t.demotions,
-                "checksum_failures": t.checksum_failures,
-                "extra": dict(t.extra),
-            }
-        )
-    namespaces = []
-    for n in reply.namespaces:
-        lookups = n.hits + n.misses
-        namespaces.append(
-            {
-                "name": n.name,
-                "blocks": n.blocks,
-                "used_bytes": n.used_bytes,
-                "block_bytes": n.block_bytes,
-                "lookup_hits": n.hits,
-                "lookup_misses": n.misses,
-                "hit_rate": (n.hits / lookups) if lookups else None,
-            }
-        )
-    return {
-        "version": reply.version,
-        "uptime_s": reply.uptime_s,
-        "active_leases": reply.active_leases,
-        "active_reservations": reply.active_reservations,
-        "tiers": tiers,
-        "namespaces": namespaces,
-    }
-
-
-_EXTRA_LABELS = {
-    "clean_bytes": "clean (on disk too)",
-    "clean_below_bytes": "clean (in a tier below too)",
-    "device": "cuda device",
-    "compression_ratio": "lz4 ratio",
-    "prefetch_hits": "prefetch hits",
-    "io_errors": "io errors",
-    "skipped_while_down": "calls skipped while down",
-    "reconnects": "reconnects",
-}
-
-
-def _fmt_extra(key: str, value: float) -> str:
-    if key.endswith("_bytes"):
-        return format_size(value)
-    if key.endswith("ratio"):
-        return f"{value:.2f}x"
-    return f"{value:.0f}"
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def render_stats(d: dict[str, Any]) -> str:
-    lines = [
-        f"kvstore {d['version']}  up {d['uptime_s']:.0f}s  "
-        f"leases {d['active_leases']}  reservations {d['active_reservations']}",
-        "",
-        f"{'TIER':<6} {'OCCUPANCY':<26} {'USED':>10} {'CAPACITY':>10} {'BLOCKS':>9} "
-        f"{'HIT RATE':>8} {'HITS':>9} {'MISSES':>9} {'EVICTED':>9} {'PROMOTED':>9} {'DEMOTED':>9}",
-    ]
-    for t in d["tiers"]:
-        frac = t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0.0
-        state = "" if t["up"] else "  DOWN"
-        lines.append(
-            f"{t['name']:<6} {_bar(frac)} {100 * frac:4.0f}% {format_size(t['used_bytes']):>9} "
-            f"{format_size(t['capacity_bytes']):>10} {t['blocks']:>9} {_pct(t['hit_rate']):>8} "
-            f"{t['hits']:>9} {t['misses']:>9} {t['evictions']:>9} {t['promotions']:>9} "
-            f"{t['demotions']:>9}{state}"
-        )
-    for t in d["tiers"]:
-        shown = {k: v for k, v in t["extra"].items() if k in _EXTRA_LABELS}
-        if shown or t["checksum_failures"]:
-            parts = [f"{_EXTRA_LABELS[k]} {_fmt_extra(k, v)}" for k, v in shown.items()]
-            parts.append(f"checksum failures {t['checksum_failures']}")
-            lines.append(f"{'':<6} {t['name']}: " + ", ".join(parts))
-    if d["namespaces"]:
-        lines += [
-            "",
-            f"{'NAMESPACE':<40} {'BLOCKS':>9} {'USED':>10} {'BLOCK':>9} {'LOOKUP HIT':>10}",
-        ]
-        for n in d["namespaces"]:
-            lines.append(
-                f"{n['name'][:40]:<40} {n['blocks']:>9} {format_size(n['used_bytes']):>10} "
-                f"{format_size(n['block_bytes']):>9} {_pct(n['hit_rate']):>10}"
-            )
-    return "\n".join(lines)
 
 
 def cmd_stat(args: argparse.Namespace) -> int:

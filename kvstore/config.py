@@ -41,7 +41,9 @@ class CpuTierConfig:
             raise ValueError(f"cpu high_watermark must be in (0, 1], got {self.high_watermark}")
 
 
-CODECS = ("none", "lz4")
+CODECS = ("none", "lz4", "fp8", "fp8+lz4")
+"""Codecs of the tiers below the CPU tier (``kvstore.tiers.codecs``); the fp8 ones are lossy."""
+LOSSY_CODECS = ("fp8", "fp8+lz4")
 
 
 @dataclass(frozen=True)
@@ -86,12 +88,40 @@ class RedisTierConfig:
     ttl_s: float = 0.0  # 0: no expiry
     max_bytes_per_namespace: int = 0  # 0: no per-namespace bound (use Redis's maxmemory)
     key_prefix: str = "kvs"
+    codec: str = "none"  # of the values this host writes; [[codecs]] overrides per namespace
 
     def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ValueError(f"redis codec {self.codec!r} unknown; choose one of {CODECS}")
         if self.timeout_s <= 0:
             raise ValueError(f"redis timeout_s must be positive, got {self.timeout_s}")
         if self.ttl_s < 0 or self.max_bytes_per_namespace < 0:
             raise ValueError("redis ttl_s and max_bytes_per_namespace must be >= 0")
+
+
+@dataclass(frozen=True)
+class CodecRule:
+    """``[[codecs]]``: the codecs of the namespaces whose model and tenant match (an empty
+    ``model`` or ``tenant`` matches any) in the NVMe and Redis tiers; an empty codec keeps that
+    tier's default (``nvme.codec``, ``redis.codec``). The first matching rule applies. A lossy
+    codec (fp8) applies only where an operator names it here or as a tier's default."""
+
+    model: str = ""
+    tenant: str = ""
+    nvme: str = ""
+    redis: str = ""
+
+    def __post_init__(self) -> None:
+        for tier in ("nvme", "redis"):
+            codec = getattr(self, tier)
+            if codec and codec not in CODECS:
+                raise ValueError(
+                    f"codecs rule (model {self.model!r}, tenant {self.tenant!r}): {tier} codec "
+                    f"{codec!r} unknown; choose one of {CODECS}"
+                )
+
+    def matches(self, model: str, tenant: str) -> bool:
+        return self.model in ("", model) and self.tenant in ("", tenant)
 
 
 GPU_MODES = ("auto", "on", "off")
@@ -163,13 +193,83 @@ class LimitsConfig:
     write_wait_s: float = 5.0
     # Largest data field of one bytes-path message: a block travels as chunks of this size.
     chunk_bytes: int = 1 << 20
+    # The share of the CPU tier one tenant may pin (leased, reserved and quarantined blocks),
+    # unless its [tenants.NAME] max_pinned says otherwise: the rest stays evictable, so one
+    # tenant's leases or reservations can never stop everyone else's puts. 0: 0.5 with a
+    # tenant policy or [tenants] tables, no bound on a single-user daemon.
+    max_pinned_share: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) <= 0:
+            if getattr(self, f.name) <= 0 and f.name != "max_pinned_share":
                 raise ValueError(f"limits.{f.name} must be positive, got {getattr(self, f.name)}")
         if self.chunk_bytes > 16 << 20:
             raise ValueError(f"limits.chunk_bytes must be at most 16MiB, got {self.chunk_bytes}")
+        if not 0.0 <= self.max_pinned_share <= 1.0:
+            raise ValueError(
+                f"limits.max_pinned_share is a share of the CPU tier, in (0, 1]; got "
+                f"{self.max_pinned_share}"
+            )
+
+
+@dataclass(frozen=True)
+class Quota:
+    """Bounds on what one tenant (or each namespace of it) may hold; 0 is "no bound". A call
+    past one is refused with RESOURCE_EXHAUSTED and a message naming it; a put past a byte
+    quota first evicts the tenant's (or namespace's) own coldest blocks."""
+
+    cpu_bytes: int = 0  # bytes in the CPU tier (committed, being written, quarantined)
+    nvme_bytes: int = 0  # block bytes in the NVMe tier (before its codec compresses them)
+    redis_bytes: int = 0  # bytes this daemon writes to Redis (per namespace only)
+    pinned_bytes: int = 0  # leased + reserved CPU bytes (0: limits.max_pinned_share)
+    leases: int = 0  # read leases outstanding
+    reservations: int = 0  # write reservations outstanding
+    keys_per_s: float = 0.0  # keys touched by lookup, acquire and reserve (a token bucket)
+    keys_burst: int = 0  # the bucket's size (0: one second's worth, keys_per_s)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 0:
+                raise ValueError(f"{f.name} must be >= 0, got {getattr(self, f.name)}")
+        if self.keys_burst and not self.keys_per_s:
+            raise ValueError("keys_burst needs keys_per_s")
+
+    @property
+    def burst(self) -> int:
+        return self.keys_burst or max(1, int(self.keys_per_s))
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    """``[tenants.NAME]``: tenant NAME's quotas (``tenant``), the quotas each of its namespaces
+    gets (``namespace``, from ``[tenants.NAME.namespace]``), and its guaranteed shares: bytes
+    of a tier that other tenants' puts can never push it below (eviction spares them), and
+    that other tenants' quotas and pins leave room for."""
+
+    name: str
+    tenant: Quota = field(default_factory=Quota)
+    namespace: Quota = field(default_factory=Quota)
+    guaranteed_cpu_bytes: int = 0
+    guaranteed_nvme_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.namespace.keys_burst and not self.namespace.keys_per_s:
+            raise ValueError(f"tenants.{self.name}.namespace: keys_burst needs keys_per_s")
+        if self.tenant.redis_bytes:
+            raise ValueError(
+                f"tenants.{self.name}: quota_redis bounds each namespace (Redis keeps an age "
+                f"index per namespace): write it under [tenants.{self.name}.namespace]"
+            )
+        guarantees = (("cpu", self.guaranteed_cpu_bytes), ("nvme", self.guaranteed_nvme_bytes))
+        for tier, guaranteed in guarantees:
+            if guaranteed < 0:
+                raise ValueError(f"tenants.{self.name}: guaranteed_{tier} must be >= 0")
+            quota = getattr(self.tenant, f"{tier}_bytes")
+            if quota and guaranteed > quota:
+                raise ValueError(
+                    f"tenants.{self.name}: guaranteed_{tier} ({guaranteed}) is above its "
+                    f"quota_{tier} ({quota})"
+                )
 
 
 ROLES = ("user", "operator")
@@ -290,11 +390,21 @@ class DaemonConfig:
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     nvme: NvmeTierConfig = field(default_factory=NvmeTierConfig)
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
+    codecs: tuple[CodecRule, ...] = ()  # per-namespace codecs of the tiers below the CPU tier
     # Seconds a graceful stop may spend writing dirty CPU blocks down so a restart finds them.
     drain_timeout_s: float = 30.0
     # host:port of the Prometheus endpoint (GET /metrics, /healthz). Empty: no HTTP listener,
     # so tests, the demo and a default install open no port.
     metrics_address: str = ""
+    tenants: tuple[TenantQuota, ...] = ()  # [tenants.NAME]: quotas and guaranteed shares
+
+    @property
+    def pinned_share(self) -> float:
+        """The share of the CPU tier a tenant may pin by default (``limits.max_pinned_share``;
+        its default: half with tenants to keep apart, the whole tier for a single user)."""
+        if self.limits.max_pinned_share:
+            return self.limits.max_pinned_share
+        return 0.5 if self.auth.has_policy or self.tenants else 1.0
 
     def __post_init__(self) -> None:
         for name in ("lease_ttl_s", "reservation_ttl_s", "reaper_interval_s"):
@@ -311,6 +421,26 @@ class DaemonConfig:
                 split_host_port(self.metrics_address)
             except ValueError as exc:
                 raise ValueError(f"metrics_address: {exc}") from None
+        self._check_tenants()
+
+    def _check_tenants(self) -> None:
+        """Guarantees must fit their tier together, and a bound must be one the tier can
+        hold: a config that promises what it cannot keep is refused at start."""
+        tiers = (("cpu", self.cpu.capacity_bytes), ("nvme", self.nvme.capacity_bytes))
+        for tier, capacity in tiers:
+            total = sum(getattr(t, f"guaranteed_{tier}_bytes") for t in self.tenants)
+            if total > capacity:
+                raise ValueError(
+                    f"the tenants' guaranteed_{tier} add up to {total} bytes, more than the "
+                    f"{tier} tier's capacity ({capacity})"
+                )
+        for t in self.tenants:
+            for level, quota in (("", t.tenant), (".namespace", t.namespace)):
+                if quota.pinned_bytes > self.cpu.capacity_bytes:
+                    raise ValueError(
+                        f"tenants.{t.name}{level}: max_pinned ({quota.pinned_bytes}) is more "
+                        f"than the cpu tier ({self.cpu.capacity_bytes})"
+                    )
 
 
 def _gpu_mode(value: Any) -> str:
@@ -348,6 +478,7 @@ _KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "max_stats_namespaces": ("max_stats_namespaces", int),
         "write_wait_s": ("write_wait_s", float),
         "chunk": ("chunk_bytes", parse_size),
+        "max_pinned_share": ("max_pinned_share", float),
     },
     "auth": {
         "tls_cert": ("tls_cert", str),
@@ -399,6 +530,7 @@ _KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "ttl_s": ("ttl_s", float),
         "max_bytes_per_namespace": ("max_bytes_per_namespace", parse_size),
         "key_prefix": ("key_prefix", str),
+        "codec": ("codec", str),
     },
 }
 
@@ -432,6 +564,23 @@ def _access(value: Any, source: str) -> tuple[AccessRule, ...]:
     return tuple(rules)
 
 
+_CODEC_RULE_KEYS = {f.name for f in dataclasses.fields(CodecRule)}
+
+
+def _codec_rules(value: Any, source: str) -> tuple[CodecRule, ...]:
+    """``[[codecs]]``: a list of tables (see ``CodecRule``)."""
+    if not isinstance(value, list):
+        raise ValueError(f"{source}: [[codecs]] must be an array of tables")
+    rules = []
+    for i, entry in enumerate(value):
+        entry = _table(entry, f"{source}: codecs[{i}]")
+        unknown = set(entry) - _CODEC_RULE_KEYS
+        if unknown:
+            raise ValueError(f"{source}: unknown keys in codecs[{i}]: {sorted(unknown)}")
+        rules.append(CodecRule(**{k: str(v) for k, v in entry.items()}))
+    return tuple(rules)
+
+
 def _shared(value: Any, source: str) -> tuple[tuple[str, SharedTenant], ...]:
     out = []
     for name, entry in sorted(_table(value, f"{source}: [shared]").items()):
@@ -451,6 +600,77 @@ def _shared(value: Any, source: str) -> tuple[tuple[str, SharedTenant], ...]:
     return tuple(out)
 
 
+# [tenants.NAME] and [tenants.NAME.namespace] keys -> Quota fields.
+_QUOTA_KEYS: dict[str, tuple[str, Any]] = {
+    "quota_cpu": ("cpu_bytes", parse_size),
+    "quota_nvme": ("nvme_bytes", parse_size),
+    "quota_redis": ("redis_bytes", parse_size),
+    "max_pinned": ("pinned_bytes", parse_size),
+    "max_leases": ("leases", int),
+    "max_reservations": ("reservations", int),
+    "keys_per_s": ("keys_per_s", float),
+    "keys_burst": ("keys_burst", int),
+}
+_GUARANTEE_KEYS = {
+    "guaranteed_cpu": "guaranteed_cpu_bytes",
+    "guaranteed_nvme": "guaranteed_nvme_bytes",
+}
+
+
+def _quota(entry: dict[str, Any], where: str) -> Quota:
+    kwargs = {}
+    for key, value in entry.items():
+        name, convert = _QUOTA_KEYS[key]
+        try:
+            kwargs[name] = convert(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}.{key}: {exc}") from None
+    try:
+        return Quota(**kwargs)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _tenants(value: Any, source: str) -> tuple[TenantQuota, ...]:
+    """``[tenants.NAME]`` tables (see ``TenantQuota``)."""
+    out = []
+    for name, entry in sorted(_table(value, f"{source}: [tenants]").items()):
+        where = f"{source}: tenants.{name}"
+        entry = dict(_table(entry, where))
+        namespace = _table(entry.pop("namespace", {}), f"{where}.namespace")
+        known = set(_QUOTA_KEYS) | set(_GUARANTEE_KEYS)
+        unknown = set(entry) - known
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown keys {sorted(unknown)} (known: {sorted(known)} and a "
+                "[namespace] table)"
+            )
+        unknown = set(namespace) - set(_QUOTA_KEYS)
+        if unknown:
+            raise ValueError(
+                f"{where}.namespace: unknown keys {sorted(unknown)} (known: {sorted(_QUOTA_KEYS)})"
+            )
+        guarantees = {}
+        for key, field_name in _GUARANTEE_KEYS.items():
+            if key in entry:
+                try:
+                    guarantees[field_name] = parse_size(entry.pop(key))
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"{where}.{key}: {exc}") from None
+        try:
+            out.append(
+                TenantQuota(
+                    name=str(name),
+                    tenant=_quota(entry, where),
+                    namespace=_quota(namespace, f"{where}.namespace"),
+                    **guarantees,
+                )
+            )
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+    return tuple(out)
+
+
 def _fields(data: dict[str, Any], section: str, source: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in _section(data, section).items():
@@ -462,7 +682,7 @@ def _fields(data: dict[str, Any], section: str, source: str) -> dict[str, Any]:
 
 
 def _apply(base: DaemonConfig, data: dict[str, Any], source: str) -> DaemonConfig:
-    unknown = set(data) - set(_KEYS) - {"access", "shared"}
+    unknown = set(data) - set(_KEYS) - {"access", "shared", "codecs", "tenants"}
     if unknown:
         raise ValueError(f"{source}: unknown config sections {sorted(unknown)}")
     auth = dataclasses.replace(base.auth, **_fields(data, "auth", source))
@@ -470,9 +690,13 @@ def _apply(base: DaemonConfig, data: dict[str, Any], source: str) -> DaemonConfi
         auth = dataclasses.replace(auth, access=_access(data["access"], source))
     if "shared" in data:
         auth = dataclasses.replace(auth, shared=_shared(data["shared"], source))
+    if "codecs" in data:
+        base = dataclasses.replace(base, codecs=_codec_rules(data["codecs"], source))
+    tenants = _tenants(data["tenants"], source) if "tenants" in data else base.tenants
     return dataclasses.replace(
         base,
         auth=auth,
+        tenants=tenants,
         connections=dataclasses.replace(base.connections, **_fields(data, "connections", source)),
         gpu=dataclasses.replace(base.gpu, **_fields(data, "gpu", source)),
         cpu=dataclasses.replace(base.cpu, **_fields(data, "cpu", source)),

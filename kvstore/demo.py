@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.cli import render_stats, stats_to_dict
 from kvstore.client import KVStoreClient
 from kvstore.client._common import wait_for_daemon
 from kvstore.layout import KVLayout
+from kvstore.stats_table import render_stats, stats_to_dict
 from kvstore.units import format_size
 
 LLAMA3_8B = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)

@@ -5,8 +5,11 @@ Encoding (hash version 1), pinned by known-answer tests in tests/test_keys.py:
 * The namespace seed ``h0 = SHA-256(b"kvstore.ns.v1" || field_1 || ... || field_n)`` where each
   field is its UTF-8 text prefixed by its byte length as a little-endian uint32, in the order
   model, revision, tenant, dtype, num_layers, num_kv_heads, head_dim, block_size, tp_rank,
-  tp_size, hash_version (integers written in decimal). Length prefixes make the encoding
-  unambiguous; no field can run into the next.
+  tp_size, hash_version (integers written in decimal), then, for a scaled layout only (FP8 KV,
+  ``KVLayout.scale_format != "none"``), its scale format. Length prefixes make the encoding
+  unambiguous; no field can run into the next. Unscaled layouts keep the eleven fields, so
+  their keys are those of every earlier build; FP8 blocks with and without scales (and bf16
+  blocks) never share a key or a fingerprint.
 * ``h_i = SHA-256(h_{i-1} || token ids of block i as little-endian int64 || extra_i)``, where
   ``extra_i`` are optional bytes that must also match for reuse (a LoRA id, an image hash).
 * Only full blocks get keys. A key names the whole prefix up to its block: a hit on key i means
@@ -90,7 +93,7 @@ class Namespace:
             self.tp_rank,
             self.tp_size,
             self.hash_version,
-        )
+        ) + ((lay.scale_format,) if lay.scaled else ())
         return hashlib.sha256(b"kvstore.ns.v1" + b"".join(_field(f) for f in fields)).digest()
 
     @property

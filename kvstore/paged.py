@@ -16,6 +16,13 @@ Life of a sequence::
     ...
     cache.free(seq)                               # blocks go back, tail of the chain first
 
+FP8 (``KVLayout.fp8(layout)``, scale format ``block_head_f32``): blocks hold e4m3 values and
+one float32 scale per (block, layer, K|V, KV head) in a row after the block's tokens
+(``kvstore.kernels.reference``). ``write_kv`` and ``write_tail`` take K/V in any float dtype
+and quantize them in the kernel (``write_kv_fp8``), growing a block's scales as tokens arrive;
+``sequence_kv`` dequantizes; ``decode_attention`` runs ``paged_attention_fp8``, which
+dequantizes as it reads. Copy-on-write, gather and the store move the scales with their block.
+
 Concurrency: not thread-safe. One scheduler thread owns a cache, as in engines; kernels it
 launches run on the tensors' device (CUDA: torch's current stream).
 """
@@ -28,8 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvstore import kernels
 from kvstore.errors import CapacityError
-from kvstore.kernels import copy_blocks, gather_blocks
+from kvstore.kernels import copy_blocks, gather_blocks, reference
 from kvstore.keys import KEY_BYTES, BlockKey, block_hashes
 from kvstore.layout import KVLayout
 
@@ -307,6 +315,17 @@ class BlockTable:
 
 
 @dataclass(frozen=True)
+class TailSlots:
+    """Where the last token of each of ``n`` sequences goes (``PagedKVCache.tail_slots``):
+    flat slots ``block * block_size + row``, and the blocks and rows themselves."""
+
+    slots: torch.Tensor
+    blocks: torch.Tensor
+    rows: torch.Tensor
+    n: int
+
+
+@dataclass(frozen=True)
 class PagedCacheStats:
     """A snapshot of a PagedKVCache: block states and counters since creation."""
 
@@ -357,7 +376,7 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.block_size = layout.block_size
         self.seed = seed
-        shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        shape = (2, num_blocks, layout.block_rows, layout.num_kv_heads, layout.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=layout.dtype, device=self.device)
             for _ in range(layout.num_layers)
@@ -447,13 +466,26 @@ class PagedKVCache:
             table.token_ids += new_ids
             self._extend_keys(table)
 
-    def fork(self, parent: SeqId, child: SeqId) -> None:
+    def fork(self, parent: SeqId, child: SeqId, *, share: bool = True) -> None:
         """Start ``child`` as a copy of ``parent`` sharing every block (refcount + 1 each).
-        Whichever of them next writes a shared block copies it first."""
+        Whichever of them next writes a shared block copies it first.
+
+        ``share=False`` gives the child private copies of every block instead (what an engine
+        without copy-on-write does; kept to measure against). All or nothing: CapacityError."""
         if child in self._tables:
             raise ValueError(f"sequence {child!r} already exists")
         table = self._table(parent).copy()
-        self.allocator.touch(table.block_ids)
+        if share:
+            self.allocator.touch(table.block_ids)
+        else:
+            if len(table.block_ids) > self.allocator.num_allocatable:
+                raise CapacityError(
+                    f"copying {parent!r} needs {len(table.block_ids)} blocks, "
+                    f"{self.allocator.num_allocatable} free or cached"
+                )
+            copies = self.allocator.allocate(len(table.block_ids))
+            copy_blocks(self.kv_caches, table.block_ids, copies)
+            table.block_ids = copies  # keyless copies: only the originals are findable
         self._tables[child] = table
 
     def free(self, seq_id: SeqId) -> None:
@@ -498,18 +530,13 @@ class PagedKVCache:
     ) -> None:
         """Write K and V (each ``[n, num_kv_heads, head_dim]``) of tokens ``[start, start + n)``
         into ``layer``. Shared blocks in the range are copied first (copy-on-write); writing a
-        committed block raises ValueError, since committed content is immutable."""
+        committed block raises ValueError, since committed content is immutable. An FP8 cache
+        takes K/V in fp16, bf16 or fp32 and quantizes them; other caches take their dtype."""
         table = self._table(seq_id)
         lay = self.layout
         if not 0 <= layer < lay.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {lay.num_layers})")
-        want = (lay.num_kv_heads, lay.head_dim)
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[1:]) != want:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name} must be [n, {want[0]}, {want[1]}], got {got}")
-            if t.dtype != lay.dtype:
-                raise ValueError(f"{name} has dtype {t.dtype}, cache {lay.dtype}")
+        self._check_kv(k, v)
         if k.shape[0] != v.shape[0]:
             raise ValueError(f"k has {k.shape[0]} tokens, v {v.shape[0]}")
         end = start + k.shape[0]
@@ -531,21 +558,101 @@ class PagedKVCache:
             raise CapacityError(f"copy-on-write of {len(shared)} blocks, not enough free blocks")
         for i in shared:
             self._copy_on_write(table, i)
+        if lay.scaled:
+            # Each touched block gets its rows of the range; a range ending before the
+            # sequence does keeps the block's later tokens (valid rows).
+            blocks = list(touched)
+            lo = [max(start, i * bs) - i * bs for i in blocks]
+            hi = [min(end, (i + 1) * bs) - i * bs for i in blocks]
+            valid = [min(table.num_tokens, (i + 1) * bs) - i * bs for i in blocks]
+            ids = [table.block_ids[i] for i in blocks]
+            kernels.write_kv_fp8(
+                self.kv_caches[layer], k.to(self.device), v.to(self.device), ids, lo, hi, valid
+            )
+            return
         slots = self.slot_mapping(seq_id, start, end)
         cache = _raw(self.kv_caches[layer]).view(2, -1, lay.num_kv_heads, lay.head_dim)
         cache[0].index_copy_(0, slots, _raw(k).to(self.device))
         cache[1].index_copy_(0, slots, _raw(v).to(self.device))
 
-    def sequence_kv(self, seq_id: SeqId, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of a sequence's tokens in ``layer``, each ``[num_tokens, H, D]`` (a copy)."""
+    def tail_slots(self, seq_ids: Sequence[SeqId]) -> TailSlots:
+        """Where each sequence's last token goes, for ``write_tail`` in every layer of a decode
+        step. Each last block must be private and uncommitted (``append_tokens`` copied it if
+        it was shared), so the writes need no copy-on-write and no check per layer."""
+        bs = self.block_size
+        blocks, rows = [], []
+        for s in seq_ids:
+            t = self._table(s)
+            if t.num_tokens == 0:
+                raise ValueError(f"sequence {s!r} has no tokens")
+            b = t.block_ids[-1]
+            if self.allocator.refcount(b) != 1 or self.allocator.key_of(b) is not None:
+                raise ValueError(f"last block of {s!r} is shared or committed; append first")
+            blocks.append(b)
+            rows.append((t.num_tokens - 1) % bs)
+        if len(set(blocks)) != len(blocks):
+            raise ValueError("two sequences end in the same block")
+        bt = torch.tensor(blocks, dtype=torch.int64)
+        rt = torch.tensor(rows, dtype=torch.int64)
+        return TailSlots(
+            (bt * bs + rt).to(self.device), bt.to(self.device), rt.to(self.device), len(blocks)
+        )
+
+    def write_tail(self, slots: TailSlots, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K and V (``[len(seq_ids), H, D]``) of the last token of the sequences that
+        ``tail_slots`` planned, in ``layer``: one indexed copy, or one FP8 kernel launch."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.layout.num_layers})")
+        self._check_kv(k, v)
+        if k.shape[0] != slots.n or v.shape[0] != slots.n:
+            raise ValueError(f"k/v have {k.shape[0]}/{v.shape[0]} tokens, {slots.n} sequences")
+        if slots.n == 0:
+            return
+        lay = self.layout
+        if lay.scaled:
+            end = slots.rows + 1
+            kernels.write_kv_fp8(
+                self.kv_caches[layer], k, v, slots.blocks, slots.rows, end, end, check=False
+            )
+            return
+        cache = _raw(self.kv_caches[layer]).view(2, -1, lay.num_kv_heads, lay.head_dim)
+        cache[0].index_copy_(0, slots.slots, _raw(k))
+        cache[1].index_copy_(0, slots.slots, _raw(v))
+
+    def decode_attention(
+        self,
+        query: torch.Tensor,
+        layer: int,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Decode attention of ``query`` ``[S, Hq, D]`` over ``layer`` (``paged_attention``, or
+        ``paged_attention_fp8`` for an FP8 cache, which dequantizes as it reads)."""
+        attend = kernels.paged_attention_fp8 if self.layout.scaled else kernels.paged_attention
+        return attend(query, self.kv_caches[layer], block_tables, seq_lens, scale)
+
+    def sequence_kv(
+        self, seq_id: SeqId, layer: int, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a sequence's tokens in ``layer``, each ``[num_tokens, H, D]`` (a copy), in
+        the cache's dtype, or cast to ``dtype``. An FP8 cache's are dequantized (float32 unless
+        ``dtype`` says otherwise)."""
         table = self._table(seq_id)
-        slots = self.slot_mapping(seq_id, 0, table.num_tokens)
         lay = self.layout
         if not 0 <= layer < lay.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {lay.num_layers})")
+        if lay.scaled:
+            ids = torch.tensor(table.block_ids, dtype=torch.int64)
+            kv = reference.fp8_dequantize_blocks(self.kv_caches[layer], ids)
+            kv = kv.reshape(2, -1, lay.num_kv_heads, lay.head_dim)[:, : table.num_tokens]
+            out = kv if dtype is None else kv.to(dtype)
+            return out[0], out[1]
+        slots = self.slot_mapping(seq_id, 0, table.num_tokens)
         cache = _raw(self.kv_caches[layer]).view(2, -1, lay.num_kv_heads, lay.head_dim)
         k, v = cache[0].index_select(0, slots), cache[1].index_select(0, slots)
-        return k.view(lay.dtype), v.view(lay.dtype)
+        k, v = k.view(lay.dtype), v.view(lay.dtype)
+        return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
 
     def gather_sequence_blocks(self, seq_id: SeqId) -> torch.Tensor:
         """A sequence's blocks in store layout, ``[num_blocks, *layout.block_shape]`` (a copy)."""
@@ -621,6 +728,19 @@ class PagedKVCache:
                 )
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        lay = self.layout
+        want = (lay.num_kv_heads, lay.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[1:]) != want:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be [n, {want[0]}, {want[1]}], got {got}")
+            if lay.scaled:
+                if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                    raise ValueError(f"{name} has dtype {t.dtype}; an FP8 cache quantizes floats")
+            elif t.dtype != lay.dtype:
+                raise ValueError(f"{name} has dtype {t.dtype}, cache {lay.dtype}")
 
     def _table(self, seq_id: SeqId) -> BlockTable:
         try:

@@ -17,7 +17,7 @@ mkdir -p "$dest"
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any \
   "grpcio>=1.85,<2" "grpcio-health-checking>=1.85,<2" "grpcio-reflection>=1.85,<2" \
-  "protobuf>=7.35.1,<8" "redis>=5.0" "lz4>=4.3" "aiofiles>=23.2" "xxhash>=3.4" \
+  "protobuf>=7.35.1,<8" "redis>=5.0" "lz4>=4.3" "xxhash>=3.4" \
   "pytest-asyncio>=0.23" "pytest-timeout>=2.3"
 ls -la "$dest"
 du -sh "$dest"

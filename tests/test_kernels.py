@@ -10,6 +10,7 @@ import importlib.util
 import math
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -720,3 +721,239 @@ def test_cuda_checksums_run_on_the_current_stream() -> None:
 def test_cuda_checksums_refuse_mixed_devices() -> None:
     with pytest.raises(ValueError, match="is on"):
         kernels.device_checksums([torch.zeros(16, device="cuda"), torch.zeros(16)])
+
+
+# -- FP8 (scaled e4m3 cache: write_kv_fp8, paged_attention_fp8) --------------------------------
+
+FP8 = torch.float8_e4m3fn
+
+
+def kv_values(n: int, heads: int, head_dim: int, seed: int) -> torch.Tensor:
+    """K/V-like values: unit normal, with one head ten times larger (an outlier head) and a few
+    outlier elements, so per-head scales matter."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, heads, head_dim, generator=gen)
+    x[:, -1] *= 10.0
+    x[torch.rand(x.shape, generator=gen) < 0.01] *= 8.0
+    return x
+
+
+def fp8_layer(num_blocks: int, block_size: int, heads: int, head_dim: int) -> torch.Tensor:
+    return torch.zeros(2, num_blocks, block_size + reference.FP8_SCALE_ROWS, heads, head_dim).to(
+        FP8
+    )
+
+
+def test_fp8_quantize_error_is_within_the_format_bound() -> None:
+    x = kv_values(64, 3, 64, seed=1)
+    scale = reference.fp8_scale(x.abs().amax(dim=(0, 2)))[None, :, None]  # one per head
+    back = reference.dequantize_fp8(reference.quantize_fp8(x, scale), scale)
+    err = (back - x).abs()
+    # Per element: half an ulp of e4m3 (relative 2^-4, absolute 2^-10 * scale for subnormals).
+    assert bool((err <= reference.fp8_error_bound(x, scale) * (1 + 1e-6)).all())
+    # Per scale group: the largest element maps to 448 and back to itself (float32 rounding
+    # aside), no error exceeds amax / 16, and the outlier head does not coarsen the others.
+    amax = x.abs().amax(dim=(0, 2))
+    assert torch.allclose(back.abs().amax(dim=(0, 2)), amax, rtol=1e-6, atol=0)
+    assert bool((err.amax(dim=(0, 2)) <= amax / 16 * (1 + 1e-6)).all())
+    assert float(err[:, 0].max()) < float(err[:, -1].max()) / 4
+    # Zero groups stay zero; values over 448 * scale saturate rather than become NaN.
+    zero = reference.quantize_fp8(torch.zeros(4), torch.zeros(()))
+    assert torch.equal(reference.dequantize_fp8(zero, torch.zeros(())), torch.zeros(4))
+    big = reference.quantize_fp8(torch.tensor([500.0, -470.0, 1e9]), torch.ones(()))
+    assert big.float().tolist() == [448.0, -448.0, 448.0]
+
+
+def _e4m3_bits_as_the_cuda_source_computes(x: np.ndarray) -> np.ndarray:
+    """FP8::store of paged_attention.cu, step for step in numpy (x already clamped to 448)."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    sign = (u >> 24) & 0x80
+    u &= 0x7FFFFFFF
+    a = u.astype(np.uint32).view(np.float32)
+    sub = np.rint(a * np.float32(512.0)).astype(np.uint64)
+    keep, rest = u >> 20, u & 0xFFFFF
+    up = (rest > 0x80000) | ((rest == 0x80000) & (keep & 1 == 1))
+    normal = keep + up - (120 << 3)
+    out = np.where(a < np.float32(2.0**-6), sub, normal)
+    return (sign | np.where(u > 0x7F800000, 0x7F, out)).astype(np.uint8)
+
+
+def test_fp8_conversion_of_the_cuda_source_matches_torch() -> None:
+    # Every finite e4m3 value, every midpoint between neighbours and the floats either side of
+    # it (where round-to-nearest-even decides), and normal samples at several magnitudes.
+    values = torch.arange(256, dtype=torch.uint8).view(FP8).float().numpy()
+    finite = np.unique(values[np.isfinite(values)])
+    mids = ((finite[1:].astype(np.float64) + finite[:-1]) / 2).astype(np.float32)
+    rng = np.random.default_rng(0)
+    samples = [rng.standard_normal(20000).astype(np.float32) * s for s in (1e-3, 1.0, 100.0)]
+    near = [np.nextafter(mids, np.float32(0)), np.nextafter(mids, np.float32(999))]
+    x = np.concatenate([finite, mids, *near, *samples])
+    x = np.clip(x, -448, 448).astype(np.float32)
+    want = torch.from_numpy(x).to(FP8).view(torch.uint8).numpy()
+    assert np.array_equal(_e4m3_bits_as_the_cuda_source_computes(x), want)
+    source = (pathlib.Path(kernels.__file__).parent / "paged_attention.cu").read_text()
+    assert "0.001953125f" in source and "(120u << 3)" in source and "448.0f" in source
+
+
+def test_write_kv_fp8_full_blocks_equal_quantize_per_group() -> None:
+    bs, h, d = 8, 3, 16
+    cache = fp8_layer(6, bs, h, d)
+    k, v = kv_values(20, h, d, seed=2), kv_values(20, h, d, seed=3)
+    # 20 tokens into blocks 4, 0, 2 (8 + 8 + 4), as a prefill writes them.
+    kernels.write_kv_fp8(cache, k, v, [4, 0, 2], [0, 0, 0], [8, 8, 4], [8, 8, 4])
+    scales = reference.fp8_scales(cache)
+    for i, (b, n) in enumerate([(4, 8), (0, 8), (2, 4)]):
+        for kv, x in enumerate((k, v)):
+            part = x[8 * i : 8 * i + n]
+            want_scale = reference.fp8_scale(part.abs().amax(dim=(0, 2)))
+            assert torch.equal(scales[kv, b], want_scale)
+            want = reference.quantize_fp8(part, want_scale[None, :, None])
+            assert torch.equal(cache[kv, b, :n].view(torch.uint8), want.view(torch.uint8))
+            assert not bool(cache[kv, b, n:bs].view(torch.uint8).any())  # rows past valid: 0
+    # Untouched blocks stay zero; the padding of the scale row stays zero.
+    assert not bool(cache[:, [1, 3, 5]].view(torch.uint8).any())
+    assert not bool(cache[:, :, bs].view(torch.uint8).flatten(2)[:, :, 4 * h :].any())
+
+
+def test_write_kv_fp8_decode_keeps_or_requantizes_earlier_tokens() -> None:
+    bs, h, d = 8, 2, 8
+    cache = fp8_layer(3, bs, h, d)
+    k = kv_values(4, h, d, seed=4)
+    kernels.write_kv_fp8(cache, k, k, [1], [0], [4], [4])
+    before = cache[:, 1].clone()
+    scale_before = reference.fp8_scales(cache)[:, 1].clone()
+    # A smaller token: the scale and the earlier tokens' bytes stay as they were.
+    small = k[:1] * 0.01
+    kernels.write_kv_fp8(cache, small, small, [1], [4], [5], [5])
+    assert torch.equal(reference.fp8_scales(cache)[:, 1], scale_before)
+    assert torch.equal(cache[:, 1, :4].view(torch.uint8), before[:, :4].view(torch.uint8))
+    # A larger one: the scale grows to cover it and earlier tokens are requantized to it,
+    # each within one rounding at the old scale plus one at the new.
+    big = k[:1] * 5.0
+    kernels.write_kv_fp8(cache, big, big, [1], [5], [6], [6])
+    new_scale = reference.fp8_scales(cache)[0, 1]
+    assert torch.equal(new_scale, reference.fp8_scale(big.abs().amax(dim=(0, 2))))
+    got = reference.fp8_dequantize_blocks(cache, torch.tensor([1]))[0, 0]
+    bound = reference.fp8_error_bound(
+        k, scale_before[0][None, :, None]
+    ) + reference.fp8_error_bound(k, new_scale[None, :, None])
+    assert bool(((got[:4] - k).abs() <= bound * (1 + 1e-6)).all())
+    # Overwriting from row 0 keeps nothing: the scale follows the new tokens alone.
+    kernels.write_kv_fp8(cache, small, small, [1], [0], [1], [1])
+    assert torch.equal(
+        reference.fp8_scales(cache)[0, 1], reference.fp8_scale(small.abs().amax(dim=(0, 2)))
+    )
+
+
+def build_paged_fp8(
+    seq_lens: list[int], heads_kv: int, head_dim: int, block_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A scaled FP8 layer filled through write_kv_fp8 (whole sequences, shuffled blocks), and
+    each sequence's K/V dequantized from it by plain indexing (no kernel involved)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block_size) for n in seq_lens]
+    nb = sum(per_seq) + 2
+    cache = fp8_layer(nb, block_size, heads_kv, head_dim)
+    perm = torch.randperm(nb, generator=gen).tolist()
+    tables = torch.full((len(seq_lens), max(per_seq) + 1), perm[-1], dtype=torch.int32)
+    dense = []
+    for i, n in enumerate(seq_lens):
+        k = kv_values(n, heads_kv, head_dim, seed=seed + 2 * i)
+        v = kv_values(n, heads_kv, head_dim, seed=seed + 2 * i + 1)
+        ids = [perm.pop(0) for _ in range(per_seq[i])]
+        tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        if not n:
+            dense.append((k, v))
+            continue
+        ends = [min(block_size, n - j * block_size) for j in range(len(ids))]
+        kernels.write_kv_fp8(cache, k, v, ids, [0] * len(ids), ends, ends)
+        s = reference.fp8_scales(cache)
+        kd = torch.cat([cache[0, b, :block_size].float() * s[0, b][None, :, None] for b in ids])
+        vd = torch.cat([cache[1, b, :block_size].float() * s[1, b][None, :, None] for b in ids])
+        dense.append((kd[:n], vd[:n]))
+    return cache, tables, torch.tensor(seq_lens, dtype=torch.int32), dense
+
+
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize(
+    ("heads", "heads_kv", "head_dim", "block_size"), [(4, 4, 16, 4), (9, 3, 64, 16)]
+)
+def test_paged_attention_fp8_equals_dequantize_then_attend(
+    dtype: torch.dtype, heads: int, heads_kv: int, head_dim: int, block_size: int
+) -> None:
+    seq_lens = [1, block_size - 1, block_size, 3 * block_size + 5, 0]
+    cache, tables, lens, dense = build_paged_fp8(seq_lens, heads_kv, head_dim, block_size, 11)
+    query = torch.randn(len(seq_lens), heads, head_dim, generator=torch.Generator().manual_seed(5))
+    query = query.to(dtype)
+    scale = head_dim**-0.5
+    got = kernels.paged_attention_fp8(query, cache, tables, lens, scale)
+    assert got.shape == query.shape and got.dtype == dtype
+    want = dense_attention(query, dense, scale)
+    torch.testing.assert_close(got.float(), want, atol=ATTN_TOL[dtype], rtol=ATTN_TOL[dtype])
+    assert torch.equal(got[-1].float(), torch.zeros(heads, head_dim))
+
+
+def _bad_fp8_calls() -> list[tuple[str, object, str]]:
+    cache, tables, lens, _ = build_paged_fp8([5, 9], 2, 8, 4, 1)
+    q = torch.randn(2, 4, 8)
+    k = torch.randn(3, 2, 8)
+    pa, w = kernels.paged_attention_fp8, kernels.write_kv_fp8
+    plain = torch.zeros(2, 4, 5, 2, 8)
+    odd = torch.zeros(2, 4, 5, 2, 6).to(FP8)
+    return [
+        ("plain cache", lambda: pa(q, plain, tables, lens, 1.0), "float8_e4m3fn"),
+        ("head_dim % 4", lambda: w(odd, k[..., :6], k[..., :6], [0], [0], [3], [3]), "multiple"),
+        ("seq_len past blocks", lambda: pa(q, cache, tables, lens * 9, 1.0), r"seq_lens\[0\]"),
+        ("rows past block", lambda: w(cache, k, k, [0], [2], [5], [5]), "row_start"),
+        ("empty range", lambda: w(cache, k[:0], k[:0], [0], [2], [2], [2]), "row_start"),
+        ("valid < end", lambda: w(cache, k, k, [0], [0], [3], [2]), "valid_rows"),
+        ("token count", lambda: w(cache, k, k, [0], [0], [2], [2]), "tokens"),
+        ("repeated block", lambda: w(cache, k, k, [1, 1], [0, 2], [2, 3], [2, 3]), "duplicate"),
+        ("k shape", lambda: w(cache, k[:, :1], k[:, :1], [0], [0], [3], [3]), "k must be"),
+        ("k dtype", lambda: w(cache, k.to(FP8), k.to(FP8), [0], [0], [3], [3]), "dtype"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("case", "call", "match"), _bad_fp8_calls(), ids=lambda x: x if isinstance(x, str) else ""
+)
+def test_bad_fp8_inputs_raise_value_error(case: str, call: object, match: str) -> None:
+    assert callable(call)
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+def test_cuda_write_kv_fp8_matches_reference_bit_for_bit(dtype: torch.dtype) -> None:
+    bs, h, d = 16, 8, 128
+    host = fp8_layer(12, bs, h, d)
+    kv = [kv_values(40, h, d, seed=s).to(dtype) for s in (6, 7)]
+    steps = [  # prefill of 40 tokens, then decode tokens that keep, grow and overwrite
+        ([3, 7, 1], [0, 0, 0], [16, 16, 8], [16, 16, 8], slice(0, 40)),
+        ([1], [8], [9], [9], slice(0, 1)),
+        ([1, 5], [9, 0], [10, 1], [10, 1], slice(1, 3)),
+    ]
+    dev = host.cuda()
+    for ids, lo, hi, valid, rows in steps:
+        k, v = (x[rows] * (1 + 4 * (len(ids) == 2)) for x in kv)
+        reference.write_kv_fp8(host, k, v, *(torch.tensor(t) for t in (ids, lo, hi, valid)))
+        kernels.write_kv_fp8(dev, k.cuda(), v.cuda(), ids, lo, hi, valid)
+        torch.cuda.synchronize()
+        assert same_bytes(dev.cpu(), host)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+def test_cuda_paged_attention_fp8_matches_reference(dtype: torch.dtype) -> None:
+    seq_lens = [1, 15, 16, 17, 0, 300]
+    cache, tables, lens, _ = build_paged_fp8(seq_lens, 8, 128, 16, 21)
+    query = torch.randn(len(seq_lens), 32, 128).to(dtype)
+    want = reference.paged_attention_fp8(query, cache, tables, lens, 128**-0.5)
+    got = kernels.paged_attention_fp8(
+        query.cuda(), cache.cuda(), tables.cuda(), lens.cuda(), 128**-0.5
+    )
+    tol = ATTN_TOL[dtype]
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)

@@ -27,3 +27,15 @@ def test_the_daemon_imports_no_client_code() -> None:
 
 def test_the_client_imports_no_daemon_code() -> None:
     assert loaded_by("kvstore.client", ("kvstore.daemon",)) == []
+
+
+def test_the_faces_import_no_circle() -> None:
+    # The demos show the stats table without importing the CLI, which starts them.
+    faces = {"kvstore.cli", "kvstore.demo", "kvstore.chat_demo"}
+
+    def faces_loaded_by(module: str) -> set[str]:
+        return set(loaded_by(module, tuple(faces))) & (faces - {module})
+
+    assert faces_loaded_by("kvstore.stats_table") == set()
+    assert faces_loaded_by("kvstore.demo") == set()
+    assert faces_loaded_by("kvstore.chat_demo") == set()

@@ -15,6 +15,8 @@ import torch
 from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tiers, tokens, wait_for
 
 from kvstore import AsyncKVStoreClient, KVStoreClient
+from kvstore.tiers import codecs
+from kvstore.tiers.codecs import block_format_of
 
 BLOCK = SMALL_LAYOUT.block_bytes  # 8 KiB
 
@@ -310,3 +312,94 @@ def test_stat_shows_the_nvme_tier_and_check_verifies_it(daemon_factory, nvme_dir
     check = [*cli, "check", "--nvme-path", str(nvme_dir), "--nvme-capacity", "2MiB"]
     ok = subprocess.run(check, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+FP8_RULE = """
+[[codecs]]
+model = "test-model"
+nvme = "fp8"
+"""
+
+
+def fp8_form(blocks: torch.Tensor) -> torch.Tensor:
+    """What the fp8 codec gives back for each block: its deterministic decoded form."""
+    fmt = block_format_of(SMALL_LAYOUT)
+    out = [
+        torch.frombuffer(
+            bytearray(
+                codecs.round_trip(
+                    codecs.CODEC_FP8, memoryview(b.view(torch.uint8).numpy().reshape(-1)), fmt
+                )
+            ),
+            dtype=SMALL_LAYOUT.dtype,
+        ).view(SMALL_LAYOUT.block_shape)
+        for b in blocks
+    ]
+    return torch.stack(out)
+
+
+def test_records_written_under_one_codec_are_read_after_the_codec_changes(
+    daemon_factory, nvme_dir
+) -> None:
+    d = daemon_factory(
+        cpu_capacity="256KiB",
+        slab="64KiB",
+        nvme_path=nvme_dir,
+        nvme_capacity="4MiB",
+        extra=FP8_RULE,
+    )
+    n = 24
+    with client(d) as kv:
+        lossy_keys = kv.hash_tokens(tokens(n))
+        lossy = random_blocks(SMALL_LAYOUT, n, seed=21)
+        put_in_batches(kv, lossy_keys, lossy)
+        # Served from the CPU tier: the committed bytes, exactly.
+        assert same_bytes(kv.get(lossy_keys[:8]), lossy[:8])
+    assert d.stop(signal.SIGTERM) == 0  # written down with fp8
+    # Restarted with no codec rule and lz4 by default: the fp8 records still decode.
+    d.config_text = d.config_text.replace(FP8_RULE, "").replace('codec = "none"', 'codec = "lz4"')
+    d.start()
+    with client(d) as kv:
+        assert kv.lookup(lossy_keys) == n
+        got = kv.get(lossy_keys)  # the client verifies each block against its checksum
+        assert same_bytes(got, fp8_form(lossy)) and not same_bytes(got, lossy)
+        assert (got.float() - lossy.float()).norm() <= lossy.float().norm() / 16
+        exact_keys = kv.hash_tokens(tokens(n, offset=50_000))
+        exact = random_blocks(SMALL_LAYOUT, n, seed=22)
+        exact[..., 4:] = 0  # compressible by more than a page: lz4 stores it
+        put_in_batches(kv, exact_keys, exact)
+        nv = tiers(kv)["nvme"]
+        assert nv.checksum_failures == 0
+    assert d.stop(signal.SIGTERM) == 0
+    # Again with codec none: the tier holds fp8 and lz4 records, each read as its codec says.
+    d.config_text = d.config_text.replace('codec = "lz4"', 'codec = "none"')
+    d.start()
+    with client(d) as kv:
+        assert same_bytes(kv.get(exact_keys), exact)
+        assert same_bytes(kv.get(lossy_keys), fp8_form(lossy))
+        nv = tiers(kv)["nvme"]
+        assert nv.extra["records_fp8"] == n and nv.extra["records_lz4"] == n
+        assert nv.checksum_failures == 0
+
+
+def test_a_lossy_block_promoted_within_one_run_is_its_decoded_form(
+    daemon_factory, nvme_dir
+) -> None:
+    d = daemon_factory(
+        cpu_capacity="256KiB",
+        slab="64KiB",
+        nvme_path=nvme_dir,
+        nvme_capacity="4MiB",
+        extra=FP8_RULE,
+    )
+    n = 96  # three times the CPU tier: most blocks leave it for the disk
+    with client(d) as kv:
+        keys = kv.hash_tokens(tokens(n))
+        blocks = random_blocks(SMALL_LAYOUT, n, seed=23)
+        put_in_batches(kv, keys, blocks)
+        for i in range(0, 8, 8):
+            got = kv.get(keys[i : i + 8])
+            assert same_bytes(got, fp8_form(blocks[i : i + 8]))
+        t = tiers(kv)
+        assert t["nvme"].promotions > 0 and t["nvme"].checksum_failures == 0
+        assert t["cpu"].checksum_failures == 0

@@ -274,6 +274,26 @@ def test_fork_shares_blocks_and_append_copies_the_shared_tail() -> None:
     cache.check_invariants()
 
 
+def test_fork_without_sharing_copies_every_block() -> None:
+    cache = PagedKVCache(LAYOUT, 5, seed=SEED)
+    tokens = [1, 2, 3, 4, 5, 6]
+    cache.add_sequence("p", tokens)
+    write_all(cache, "p", tokens, 0)
+    cache.commit("p", 6)
+    cache.fork("p", "c", share=False)
+    p_blocks, c_blocks = cache.block_ids("p"), cache.block_ids("c")
+    assert not set(p_blocks) & set(c_blocks)
+    assert [cache.allocator.refcount(b) for b in p_blocks + c_blocks] == [1, 1, 1, 1]
+    assert torch.equal(visible_kv(cache, "c"), visible_kv(cache, "p"))
+    assert cache.allocator.key_of(c_blocks[0]) is None  # only the original is findable
+    cache.append_tokens("c", [7])  # its tail is private: nothing to copy
+    assert cache.stats().cow_copies == 0
+    with pytest.raises(CapacityError):  # 1 block free, 2 needed: nothing changes
+        cache.fork("c", "d", share=False)
+    assert "d" not in cache and cache.stats().num_free == 1
+    cache.check_invariants()
+
+
 def test_write_into_a_shared_block_copies_it_first() -> None:
     cache = PagedKVCache(LAYOUT, 8)
     tokens = [1, 2, 3]

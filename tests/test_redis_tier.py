@@ -27,8 +27,11 @@ from typing import Any
 
 import pytest
 import redis as redis_py
+import torch
 
 from kvstore.checksum import block_checksum
+from kvstore.tiers import codecs
+from kvstore.tiers.codecs import CODEC_FP8, BlockFormat
 from kvstore.tiers.redis import HEADER_BYTES, RedisTier, RedisTierUnavailable
 from kvstore.tiers.redis_tier import value as fmt
 
@@ -182,7 +185,8 @@ async def test_round_trip_bit_exact(server: RedisProc, drv: str) -> None:
         assert outs2 == outs
         stats = tier.stats()
         assert stats["hits"] == 2 * len(sizes) and stats["checksum_failures"] == 0
-        assert stats["puts"] == len(sizes) and stats["bytes_written"] == sum(sizes)
+        assert stats["puts"] == len(sizes) and stats["logical_bytes_written"] == sum(sizes)
+        assert stats["bytes_written"] == sum(sizes) + len(sizes) * HEADER_BYTES  # as stored
         assert stats["bytes_read"] == 2 * sum(sizes)
     # What Redis holds is header + raw bytes under the documented name.
     raw = server.client().get(redis_name(blocks[1][0]))
@@ -753,3 +757,83 @@ def test_urls_in_logs_and_stats_never_carry_a_password(url: str, shown: str) -> 
     from kvstore.tiers.redis_tier.tier import _redacted
 
     assert _redacted(url) == shown
+
+
+# ---------------------------------------------------------------------------- codecs
+def kv_value(i: int) -> tuple[bytes, bytes, int]:
+    """A bf16 KV-like block of shape CODEC_FMT (half its head dims zero: lz4 has work), its key
+    and checksum."""
+    g = torch.Generator().manual_seed(i)
+    x = torch.randn(CODEC_FMT.shape, generator=g) * torch.logspace(-2, 1, 2 * 2 * 3).view(
+        2, 2, 1, 3, 1
+    )
+    x[..., 32:] = 0
+    data = x.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    return key(i), data, block_checksum(data, NS, key(i))
+
+
+CODEC_FMT = BlockFormat("bfloat16", (2, 2, 16, 3, 64))
+
+
+@pytest.mark.parametrize("drv", DRIVERS)
+async def test_values_of_every_codec_are_read_whatever_the_writer_is_configured_with(
+    server: RedisProc, drv: str
+) -> None:
+    written = {}
+    async with opened(server.url, driver=drv) as tier:
+        for i, name in enumerate(("none", "lz4", "fp8", "fp8+lz4")):
+            k, data, c = kv_value(i)
+            assert await tier.put(
+                NS, [(k, data, c)], codec=codecs.NAMES[name], block_format=CODEC_FMT
+            )
+            written[k] = (name, data, c)
+        s = tier.stats()
+        assert s["bytes_written"] < s["logical_bytes_written"]  # what Redis holds is smaller
+    raw = server.client()
+    for k, (name, data, _) in written.items():
+        value = raw.get(redis_name(k))
+        assert value[5] == codecs.NAMES[name]  # the value names the codec that wrote it
+        if name.startswith("fp8"):
+            assert len(value) < HEADER_BYTES + len(data) // 2 + 1024
+    async with opened(server.url, driver=drv) as reader:  # a reader with no codec configured
+        for k, (name, data, c) in written.items():
+            out = bytearray(len(data))
+            (got,) = await reader.get_into_checked(NS, [(k, None, memoryview(out))])
+            assert got is not None and got == block_checksum(out, NS, k)
+            if name in ("none", "lz4"):
+                assert bytes(out) == data and got == c
+            else:  # the deterministic decoded form, whose checksum the writer stated
+                assert bytes(out) == codecs.round_trip(CODEC_FP8, memoryview(data), CODEC_FMT)
+        assert reader.stats()["checksum_failures"] == 0
+
+
+@pytest.mark.parametrize("drv", DRIVERS)
+async def test_a_corrupt_encoded_value_is_a_miss(server: RedisProc, drv: str) -> None:
+    async with opened(server.url, driver=drv) as tier:
+        items = [kv_value(i) for i in range(3)]
+        for (k, data, c), name in zip(items, ("lz4", "fp8", "fp8+lz4"), strict=True):
+            await tier.put(NS, [(k, data, c)], codec=codecs.NAMES[name], block_format=CODEC_FMT)
+        raw = server.client()
+        for k, data, _ in items:
+            value = bytearray(raw.get(redis_name(k)))
+            value[HEADER_BYTES + 700] ^= 0x08  # inside the payload; the header is intact
+            raw.set(redis_name(k), bytes(value))
+            out = bytearray(len(data))
+            assert await tier.get_into_checked(NS, [(k, None, memoryview(out))]) == [None]
+        assert tier.stats()["checksum_failures"] == 3
+
+
+@pytest.mark.parametrize("drv", DRIVERS)
+async def test_version_2_values_are_still_read(server: RedisProc, drv: str) -> None:
+    k, data, c = kv_value(7)
+    raw = server.client()
+    raw.set(redis_name(k), fmt.pack_header_v2(k, NS, len(data), c) + data)
+    async with opened(server.url, driver=drv) as tier:
+        out = bytearray(len(data))
+        assert await tier.get_into_checked(NS, [(k, c, memoryview(out))]) == [c]
+        assert bytes(out) == data
+        # A version 2 header re-stamped to claim another codec is refused.
+        bad = bytearray(fmt.pack_header_v2(k, NS, len(data), c))
+        bad[5] = codecs.CODEC_LZ4
+        raw.set(redis_name(k), bytes(bad) + data)
+        assert await tier.get_into_checked(NS, [(k, None, memoryview(out))]) == [None]

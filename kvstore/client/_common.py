@@ -111,6 +111,7 @@ def open_request(namespace: Namespace, priority: int) -> pb.OpenNamespaceRequest
             head_dim=lay.head_dim,
             block_size=lay.block_size,
             dtype=lay.dtype_name,
+            scale_format=lay.scale_format,
             tp_rank=namespace.tp_rank,
             tp_size=namespace.tp_size,
             hash_version=namespace.hash_version,

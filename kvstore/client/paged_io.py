@@ -37,7 +37,7 @@ def check_paged(
     """Validate an offload/load against the layout; returns the block ids as ints."""
     if len(kv_caches) != layout.num_layers:
         raise ValueError(f"kv_caches has {len(kv_caches)} layers, layout has {layout.num_layers}")
-    expected = (2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    expected = (2, layout.block_rows, layout.num_kv_heads, layout.head_dim)
     for i, cache in enumerate(kv_caches):
         if not isinstance(cache, torch.Tensor):
             raise ValueError(f"kv_caches[{i}] must be a torch.Tensor")
@@ -49,7 +49,7 @@ def check_paged(
         if len(shape) != 5 or (shape[0], *shape[2:]) != expected:
             raise ValueError(
                 f"kv_caches[{i}] has shape {shape}, expected [2, num_blocks, "
-                f"{layout.block_size}, {layout.num_kv_heads}, {layout.head_dim}]"
+                f"{layout.block_rows}, {layout.num_kv_heads}, {layout.head_dim}]"
             )
     ids = [
         int(b) for b in (block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids)

@@ -108,3 +108,53 @@ def check_store(store: BlockStore, io_idle: bool = True) -> None:
                 for e in range(index.capacity)
                 if index.state[e] == State.ORPHAN and index.tier[e] & IN_NVME
             ), "nvme block count"
+    _check_quotas(store)
+
+
+def _check_quotas(store: BlockStore) -> None:
+    """The quotas' books match the index: each namespace's and tenant's CPU and NVMe bytes
+    are those of its entries (plus its quarantined slots), its pins those of its live leases,
+    reservations and quarantined slots."""
+    index, quotas = store.index, store.quotas
+    cpu: dict[int, int] = {}
+    nvme: dict[int, int] = {}
+    pinned: dict[int, int] = {}
+    for eid in range(index.capacity):
+        if index.state[eid] == State.FREE:
+            continue
+        record = store.names[index.ns[eid]]
+        for books in (record.usage, record.owner):
+            if index.tier[eid] & IN_CPU:
+                cpu[id(books)] = cpu.get(id(books), 0) + record.block_bytes
+            if index.tier[eid] & IN_NVME:
+                nvme[id(books)] = nvme.get(id(books), 0) + record.block_bytes
+    pins = [r.pin for h in store.names.handles() for r in h.reservations.values()]
+    pins += [lease.pin for h in store.names.handles() for lease in h.leases.values()]
+    quarantined = [q[4] for q in store._quarantine if q[4] is not None]
+    for pin in pins:
+        for books in pin.books:
+            pinned[id(books)] = pinned.get(id(books), 0) + pin.nbytes
+    for pin in dict.fromkeys(quarantined):
+        for books in pin.books:
+            pinned[id(books)] = pinned.get(id(books), 0) + pin.nbytes
+    for q in store._quarantine:
+        if q[4] is not None:
+            for books in q[4].books:
+                cpu[id(books)] = cpu.get(id(books), 0) + q[3]
+    owners: dict[int, int] = {}
+    for record in store.names.records():
+        assert record.owner is not None, f"namespace {record.name} has no tenant books"
+        owners[id(record.owner)] = owners.get(id(record.owner), 0) + 1
+    for books in [*quotas.tenants(), quotas.unowned]:
+        assert books.records == owners.get(id(books), 0), f"tenant {books.name}: record count"
+    books_all = [r.usage for r in store.names.records()] + quotas.tenants() + [quotas.unowned]
+    for books in books_all:
+        assert books.cpu_bytes == cpu.get(id(books), 0), (
+            f"quota books of {books.name}: {books.cpu_bytes} cpu bytes counted, "
+            f"{cpu.get(id(books), 0)} held"
+        )
+        assert books.nvme_bytes == nvme.get(id(books), 0), f"quota books of {books.name}: nvme"
+        assert books.pinned_bytes == pinned.get(id(books), 0), f"quota books of {books.name}: pins"
+    assert quotas.total_pinned == sum(p.nbytes for p in pins) + sum(
+        p.nbytes for p in dict.fromkeys(quarantined)
+    ), "total pinned bytes"

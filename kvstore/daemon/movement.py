@@ -24,6 +24,8 @@ from kvstore.errors import CapacityError
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, State
 
 if TYPE_CHECKING:
+    from kvstore.daemon.namespaces import NamespaceRecord
+    from kvstore.daemon.quotas import Usage
     from kvstore.daemon.store import BlockStore
 
 log = logging.getLogger(__name__)
@@ -151,9 +153,17 @@ class Mover:
         partial: bool = False,
         keep_gpu_copies: bool = False,
         domain: int = 0,
+        record: NamespaceRecord | None = None,
+        held_bytes: int = 0,
     ) -> list[int]:
         """Allocate ``n`` CPU slots, making room as needed: drop clean victims' CPU copies,
         write dirty ones down first (or drop them when there is no tier below).
+
+        ``record``: the namespace the slots are for. Past its namespace's or its tenant's
+        ``quota_cpu`` (counting ``held_bytes`` it already got for the same call), that
+        namespace's or tenant's own coldest blocks go first; when they cannot, CapacityError
+        names the quota (``partial``: fewer slots). Another tenant's blocks are victims only
+        while that tenant stays at or above its ``guaranteed_cpu``.
 
         One caller makes room at a time, so room made by one caller is not taken by another.
         All or nothing (CapacityError when not enough blocks can go: leased or being written),
@@ -180,6 +190,16 @@ class Mover:
             # the other hosts would lose.
             return protected(eid) or shared.must_reach_redis(eid)
 
+        quotas = store.quotas
+        requester = record.owner if record is not None else None
+        guard = quotas.guard(requester, "cpu", self._owner_books, store.block_bytes_of)
+        busy = "leased or being written"
+        if guard is not None:
+            busy += ", or within another tenant's guaranteed_cpu share"
+
+        def evict(victims: list[int]) -> Awaitable[None]:
+            return self._evict_cpu(victims, requester)
+
         def room(spare: Callable[[int], bool], all_or_nothing: bool) -> Awaitable[list[int]]:
             return make_room(
                 self._slots,
@@ -188,12 +208,17 @@ class Mover:
                 partial=partial and not all_or_nothing,
                 policy=store.policy,
                 protected=spare,
-                evict=self._evict_cpu,
-                busy="leased or being written",
+                evict=evict,
+                busy=busy,
                 domain=domain,
+                budget=guard,
             )
 
         async with self._room:
+            if record is not None:
+                n = await self._quota_room(record, block_bytes, n, held_bytes, partial, protected)
+                if not n:
+                    return []
             if shared.enabled and shared.down:
                 try:
                     return await room(spare_unshared, all_or_nothing=True)
@@ -201,10 +226,55 @@ class Mover:
                     pass  # then they go too (counted in dropped_while_down)
             return await room(protected, all_or_nothing=False)
 
-    async def _evict_cpu(self, victims: list[int]) -> None:
+    def _owner_books(self, eid: int) -> Usage:
+        return self.store.names[self.store.index.ns[eid]].owner  # type: ignore[no-any-return]
+
+    async def _quota_room(
+        self,
+        record: NamespaceRecord,
+        block_bytes: int,
+        n: int,
+        held_bytes: int,
+        partial: bool,
+        protected: Callable[[int], bool],
+    ) -> int:
+        """Bring ``record``'s namespace and tenant within their ``quota_cpu`` for ``n`` more
+        blocks by evicting their own coldest blocks; returns how many of the ``n`` may be
+        allocated (``n``, or fewer when ``partial``; CapacityError otherwise)."""
+        store, index, quotas = self.store, self.store.index, self.store.quotas
+        for books, where in ((record.usage, "namespace"), (record.owner, "tenant")):
+            for _ in range(4):  # victims may change while dirty ones are written down
+                need = block_bytes * n + held_bytes
+                excess = quotas.over(books, "cpu", need)
+                if not excess:
+                    break
+                victims, freed = [], 0
+                for eid in store.policy.order():  # coldest first
+                    if freed >= excess:
+                        break
+                    if where == "namespace":
+                        mine = index.ns[eid] == record.ns_id
+                    else:
+                        mine = store.names[index.ns[eid]].owner is books
+                    if mine and not protected(eid):
+                        victims.append(eid)
+                        freed += store.block_bytes_of(eid)
+                if not victims:
+                    break
+                await self._evict_cpu(victims, record.owner)  # its own: no guarantee spares them
+            excess = quotas.over(books, "cpu", block_bytes * n + held_bytes)
+            if excess:
+                if not partial:
+                    raise quotas.quota_error(books, where, "cpu", block_bytes * n)
+                n = max(0, n - -(-excess // block_bytes))
+        return n
+
+    async def _evict_cpu(self, victims: list[int], requester: Usage | None = None) -> None:
         """Drop victims' CPU copies, writing dirty ones down first (or dropping them when
-        there is no tier below)."""
+        there is no tier below). A victim whose tenant would now fall below its guaranteed
+        share (it changed while the writes ran) stays, unless it is ``requester``'s own."""
         store, index = self.store, self.store.index
+        quotas = store.quotas
         dirty = [v for v in victims if not index.tier[v] & IN_NVME]
         if dirty and store.nvme is not None:
             await asyncio.gather(*(self.flush(v) for v in dirty))
@@ -216,6 +286,12 @@ class Mover:
                 or index.leases[v]
                 or v in self._flushing
                 or not index.tier[v] & IN_CPU
+                or (
+                    quotas.guaranteed_cpu
+                    and quotas.spared(
+                        requester, "cpu", self._owner_books(v), store.block_bytes_of(v)
+                    )
+                )
             ):
                 continue  # changed while the writes ran; the next round picks again
             if index.tier[v] & (IN_NVME | IN_GPU):
@@ -251,7 +327,13 @@ class Mover:
         if not index.tier[eid] & IN_CPU:
             return False
         block_bytes = store.block_bytes_of(eid)
-        slot = self._disk_slot(block_bytes)
+        record = store.namespace_record(index.ns[eid])
+        if not self._nvme_quota_room(record, block_bytes):
+            return False  # at its quota_nvme, its own disk blocks all busy: stays in memory
+        codec, block_format = store.codec_of(record, "nvme")
+        slot = self._disk_slot(
+            tier.payload_bytes_for(block_bytes, codec, block_format), record.owner
+        )
         if slot is None:
             return False
         key, fingerprint = index.key(eid), store.fingerprint_of(eid)
@@ -269,7 +351,9 @@ class Mover:
             from kvstore.tiers.nvme import NvmeIOError
 
             try:
-                await tier.write(slot, key, fingerprint, data, checksum)
+                await tier.write(
+                    slot, key, fingerprint, data, checksum, codec=codec, block_format=block_format
+                )
             except NvmeIOError as exc:
                 store.nvme_counters.io_errors += 1
                 log.warning("nvme write failed: %s", exc)
@@ -291,14 +375,42 @@ class Mover:
         finally:
             store.unpin(eid)
 
-    def _disk_slot(self, block_bytes: int) -> int | None:
-        """A free disk slot, making room when the tier is full: the coldest unprotected disk
-        block goes, and when it is of another size, its whole slab goes (the slab then returns
-        to the pool, where this size takes it), as in the CPU tier. A disk-only victim is gone;
-        a victim with a copy above just loses its disk copy (it becomes dirty again)."""
+    def _nvme_quota_room(self, record: NamespaceRecord, block_bytes: int) -> bool:
+        """Bring ``record``'s namespace and tenant within their ``quota_nvme`` for one more
+        block by evicting their own coldest disk blocks; False when they cannot."""
+        store, index, quotas = self.store, self.store.index, self.store.quotas
+        for books, where in ((record.usage, "namespace"), (record.owner, "tenant")):
+            excess = quotas.over(books, "nvme", block_bytes)
+            if not excess:
+                continue
+            victims, freed = [], 0
+            for eid in store.nvme_policy.order():  # coldest first
+                if freed >= excess:
+                    break
+                if where == "namespace":
+                    mine = index.ns[eid] == record.ns_id
+                else:
+                    mine = store.names[index.ns[eid]].owner is books
+                if mine and not index.leases[eid] and eid not in self._promoting:
+                    victims.append(eid)
+                    freed += store.block_bytes_of(eid)
+            if freed < excess:
+                return False
+            self._evict_disk(victims)
+        return True
+
+    def _disk_slot(self, payload_bytes: int, requester: Usage | None = None) -> int | None:
+        """A free disk slot for a payload of ``payload_bytes`` (its codec's bound), making room
+        when the tier is full: the coldest unprotected disk block goes, and when its slot is of
+        another size, its whole slab goes (the slab then returns to the pool, where this size
+        takes it), as in the CPU tier. A disk-only victim is gone; a victim with a copy above
+        just loses its disk copy (it becomes dirty again). A block of another tenant than
+        ``requester`` goes only while that tenant keeps its ``guaranteed_nvme``."""
         store, index, tier = self.store, self.store.index, self.store.nvme
         assert tier is not None
-        slot_size = tier.slot_bytes_for(block_bytes)
+        quotas = store.quotas
+        slot_size = tier.slot_bytes_for(payload_bytes)
+        block_bytes = payload_bytes
         stuck: set[int] = set()
         for _ in range(4):  # a few slabs at most per call: the caller may try again later
             slot: int | None = tier.allocate(block_bytes)
@@ -306,19 +418,28 @@ class Mover:
                 return slot
 
             def protected(eid: int) -> bool:
-                return bool(index.leases[eid]) or eid in self._promoting
+                return (
+                    bool(index.leases[eid])
+                    or eid in self._promoting
+                    or (
+                        bool(quotas.guaranteed_nvme)
+                        and quotas.spared(
+                            requester, "nvme", self._owner_books(eid), store.block_bytes_of(eid)
+                        )
+                    )
+                )
 
             victim = None
             for eid in store.nvme_policy.order():  # coldest first
                 if protected(eid):
                     continue
-                same = tier.slot_bytes_for(store.block_bytes_of(eid)) == slot_size
+                same = tier.slot_size(index.disk[eid]) == slot_size
                 if same or tier.slab_of(index.disk[eid]) not in stuck:
                     victim = eid
                     break
             if victim is None:
                 return None
-            if tier.slot_bytes_for(store.block_bytes_of(victim)) == slot_size:
+            if tier.slot_size(index.disk[victim]) == slot_size:
                 self._evict_disk([victim])
                 continue
             slab = tier.slab_of(index.disk[victim])
@@ -329,6 +450,12 @@ class Mover:
                 # slab from each other on every write-back would churn without end.
                 stuck.add(slab)
                 continue
+            guard = quotas.guard(requester, "nvme", self._owner_books, store.block_bytes_of)
+            if guard is not None:
+                take = guard()  # the whole slab goes: its tenants' guarantees, together
+                if not all(take(e) for e in owners if e is not None):
+                    stuck.add(slab)
+                    continue
             self._evict_disk([e for e in owners if e is not None])
         return tier.allocate(block_bytes)
 
@@ -448,8 +575,9 @@ class Mover:
             ]
             if todo and tier is not None:
                 block_bytes = store.block_bytes_of(eids[todo[0]])
+                first = store.namespace_record(index.ns[eids[todo[0]]])
                 offsets = await self.alloc_cpu(
-                    block_bytes, len(todo), partial=True, domain=store.domain_of(eids[todo[0]])
+                    block_bytes, len(todo), partial=True, domain=first.domain, record=first
                 )
                 # Re-checked after the await: deleted meanwhile (an orphan now), or given a CPU
                 # copy another way, is no longer this promotion's to read.
@@ -467,7 +595,9 @@ class Mover:
                 reads = []
                 for (disk, key, fp), offset, i in zip(idents, offsets, todo, strict=False):
                     view = store.arena.view[offset : offset + block_bytes]
-                    reads.append(tier.read_into(disk, key, fp, index.checksum[eids[i]], view))
+                    reads.append(
+                        tier.read_into_checked(disk, key, fp, index.checksum[eids[i]], view)
+                    )
                 oks = await asyncio.gather(*reads, return_exceptions=True)
                 for j, (i, (_, key, _), ok) in enumerate(zip(todo, idents, oks, strict=True)):
                     e = eids[i]
@@ -475,11 +605,15 @@ class Mover:
                         continue  # deleted while reading: the slot goes back below
                     if index.tier[e] & IN_CPU:
                         continue
-                    if ok is not True:
+                    if ok is None or isinstance(ok, BaseException):
                         # Corrupt, torn or unreadable on disk: a miss, counted.
                         store.nvme_counters.checksum_failures += 1
                         store.forget(e)
                         continue
+                    if ok != index.checksum[e]:
+                        # A lossy record: the CPU copy is its decoded form, verified against the
+                        # checksum taken of that form when it was encoded.
+                        store.set_host_checksum(e, ok)
                     store.mark_in_cpu(e, offsets[j])
                     offsets[j] = -1  # taken by the entry
                     store.nvme_counters.promotions += 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.config import LimitsConfig
 from kvstore.errors import CapacityError, NamespaceMismatchError, UnknownNamespaceError
@@ -47,6 +48,10 @@ class NamespaceRecord:
     handles: int = 0
     lookup_hits: int = 0
     lookup_misses: int = 0
+    # Its books and its tenant's (``kvstore.daemon.quotas.Usage``), given by the store's
+    # quotas when the record is made.
+    usage: Any = None
+    owner: Any = None
 
     @property
     def name(self) -> str:
@@ -60,6 +65,7 @@ class Reservation:
     eids: list[int]
     expires_at: float
     gpu: bool = False  # the slots are in the GPU pool (the commit carries device checksums)
+    pin: Any = None  # its charge in the quotas' books (``kvstore.daemon.quotas.Pin``)
 
 
 @dataclass
@@ -69,6 +75,7 @@ class Lease:
     eids: list[int]
     keys: list[bytes]
     expires_at: float
+    pin: Any = None  # its charge in the quotas' books (``kvstore.daemon.quotas.Pin``)
 
 
 @dataclass(eq=False)
@@ -103,6 +110,7 @@ def describe(layout: KVLayout) -> str:
     return (
         f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim} "
         f"block {layout.block_size} {layout.dtype_name}"
+        + (f" scales {layout.scale_format}" if layout.scaled else "")
     )
 
 

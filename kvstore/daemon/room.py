@@ -58,11 +58,16 @@ async def make_room(
     evict: Callable[[list[int]], Awaitable[None]],
     busy: str,
     domain: int = 0,
+    budget: Callable[[], Callable[[int], bool]] | None = None,
 ) -> list[int]:
     """``n`` slots of ``block_bytes`` in memory ``domain`` (offsets), evicting as needed; a
     block of another domain is like one of another size (its slab is drained). All or nothing:
     CapacityError when not enough blocks can go (``busy`` says why the rest cannot), unless
-    ``partial``, which returns as many slots as could be had."""
+    ``partial``, which returns as many slots as could be had.
+
+    ``budget`` (tenants' guaranteed shares): makes, for each round, a check that is True for
+    a victim that may go together with those it granted before (a block it refuses is spared
+    like a protected one; a slab is drained only if every block in it is granted)."""
     allocator = tier.allocator
     slot_size = allocator.slot_bytes_for(block_bytes)
     slots: list[int] = []
@@ -79,10 +84,13 @@ async def make_room(
             short = n - len(slots)
             victims: list[int] = []
             other: int | None = None
+            take = budget() if budget is not None else None
             for eid in policy.order():  # coldest first
                 if protected(eid):
                     continue
                 if tier.slot_bytes_of(eid) == slot_size and tier.domain_of(eid) == domain:
+                    if take is not None and not take(eid):
+                        continue
                     victims.append(eid)
                     if len(victims) == short:
                         break
@@ -96,7 +104,7 @@ async def make_room(
                 continue
             if other is not None:
                 slab = allocator.slab_of(tier.slot_of(other))
-                if not await _drain(tier, slab, other, protected, evict):
+                if not await _drain(tier, slab, other, protected, evict, budget):
                     stuck.add(slab)
                 continue
             if partial:
@@ -119,6 +127,7 @@ async def _drain(
     victim: int,
     protected: Callable[[int], bool],
     evict: Callable[[list[int]], Awaitable[None]],
+    budget: Callable[[], Callable[[int], bool]] | None = None,
 ) -> bool:
     """Empty one slab of another size class so it returns to the pool: the policy's
     ``victim`` is evicted, its neighbours moved where their class has room, else evicted.
@@ -127,6 +136,10 @@ async def _drain(
     owners = [tier.owner_of(offset) for offset in allocator.used_offsets(slab)]
     if any(e is None or protected(e) for e in owners):
         return False
+    if budget is not None:
+        take = budget()
+        if not all(take(e) for e in owners if e is not None):
+            return False
     allocator.begin_drain(slab)
     try:
         rest = [e for e in owners if e is not None and (e == victim or not _moved(tier, e, slab))]

@@ -38,7 +38,7 @@ from kvstore.errors import (
     UnknownNamespaceError,
 )
 from kvstore.keys import HASH_VERSION, KEY_BYTES, Namespace, unpack_keys
-from kvstore.layout import KVLayout, dtype_from_name
+from kvstore.layout import SCALE_NONE, KVLayout, dtype_from_name
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -173,14 +173,15 @@ def namespace_from_request(request: pb.OpenNamespaceRequest, max_name_bytes: int
                 f"{what} is {size} bytes, more than limits.max_name_bytes ({max_name_bytes})"
             )
     lay = request.layout
-    if len(lay.dtype) > 64:
-        raise ValueError("layout dtype name is too long")
+    if len(lay.dtype) > 64 or len(lay.scale_format) > 64:
+        raise ValueError("layout dtype or scale format name is too long")
     layout = KVLayout(
         num_layers=lay.num_layers,
         num_kv_heads=lay.num_kv_heads,
         head_dim=lay.head_dim,
         block_size=lay.block_size,
         dtype=dtype_from_name(lay.dtype),
+        scale_format=lay.scale_format or SCALE_NONE,  # "": a client from before scale formats
     )
     return Namespace(
         model=request.model,
@@ -511,6 +512,25 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 block_bytes=ns.block_bytes,
             )
         reply.namespaces_omitted = max(0, len(records) - limit)
+        quotas = self.store.quotas
+        for books in quotas.tenants():
+            if caller.operator or caller.may_read(books.name):
+                q = books.quota
+                reply.tenants.add(
+                    name=books.name,
+                    cpu_bytes=books.cpu_bytes,
+                    nvme_bytes=books.nvme_bytes,
+                    pinned_bytes=books.pinned_bytes,
+                    leases=books.leases,
+                    reservations=books.reservations,
+                    quota_cpu_bytes=q.cpu_bytes,
+                    quota_nvme_bytes=q.nvme_bytes,
+                    guaranteed_cpu_bytes=books.guaranteed_cpu_bytes,
+                    guaranteed_nvme_bytes=books.guaranteed_nvme_bytes,
+                    max_pinned_bytes=quotas.pinned_cap(books),
+                    keys_per_s=q.keys_per_s,
+                    refused_keys=books.refused_keys,
+                )
         return reply
 
 

@@ -130,7 +130,9 @@ class SharedTier:
         if not claim:
             return []
         bb = record.block_bytes
-        slots = await store.mover.alloc_cpu(bb, len(claim), partial=True, domain=record.domain)
+        slots = await store.mover.alloc_cpu(
+            bb, len(claim), partial=True, domain=record.domain, record=record
+        )
         # Claim entries (RESERVED: invisible, and a concurrent fetch of a key skips it) before
         # the next await; stop at a key someone indexed while room was being made.
         eids: list[int] = []
@@ -252,10 +254,19 @@ class SharedTier:
                     )
                     for e, key in group
                 ]
-                calls.append((record.fingerprint, ns_id, group, blocks))
-            for fingerprint, ns_id, group, blocks in calls:
+                # A tenant's per-namespace quota_redis, else the tier's own bound.
+                bound = record.usage.quota.redis_bytes if record.usage is not None else 0
+                how = store.codec_of(record, "redis")
+                calls.append((record.fingerprint, ns_id, group, blocks, how, bound or None))
+            for fingerprint, ns_id, group, blocks, (codec, block_format), bound in calls:
                 try:
-                    await self.tier.put(fingerprint, blocks)
+                    await self.tier.put(
+                        fingerprint,
+                        blocks,
+                        codec=codec,
+                        block_format=block_format,
+                        max_bytes=bound,
+                    )
                 except RedisTierUnavailable:
                     self.skipped += 1
                     return False

@@ -68,6 +68,7 @@ from kvstore.daemon.namespaces import (
     NamespaceTable,
     Reservation,
 )
+from kvstore.daemon.quotas import Pin, Quotas
 from kvstore.daemon.tierstats import TierCounters, TierSnapshot
 from kvstore.errors import (
     CapacityError,
@@ -78,6 +79,7 @@ from kvstore.errors import (
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, IN_REDIS, BlockIndex, State
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.policy import EvictionPolicy, make_policy
+from kvstore.tiers.codecs import BlockFormat, block_format_of, codec_id
 from kvstore.tiers.cpu import SharedMemoryArena, SlabAllocator
 
 if TYPE_CHECKING:
@@ -145,8 +147,16 @@ class BlockStore:
         self.redis_counters = TierCounters()
         self.disk = DiskSlots()  # its NvmeTier is opened by the Mover's start()
         self.names = NamespaceTable(config.limits, tenant_domains=config.auth.has_policy)
-        # (until, in the GPU pool, offset, block bytes) of slots of expired reservations.
-        self._quarantine: deque[tuple[float, bool, int, int]] = deque()
+        self.quotas = Quotas(
+            config,
+            slab_of=self.allocator.slab_of,
+            slab_bytes=self.allocator.slab_bytes,
+            clock=clock,
+            domains=config.auth.has_policy,
+        )
+        # (until, in the GPU pool, offset, block bytes, its reservation's pin) of slots of
+        # expired reservations: charged to their tenant until they are reusable.
+        self._quarantine: deque[tuple[float, bool, int, int, Pin | None]] = deque()
         # Waiters for the commit (or the end) of RESERVED entries, by entry id.
         self._written: dict[int, asyncio.Future[None]] = {}
         self._reserved_blocks = 0
@@ -202,10 +212,18 @@ class BlockStore:
     def open_namespace(self, namespace: Namespace, priority: int = 0) -> Handle:
         """Register or join a namespace and hand out a new handle to it (``NamespaceTable``)."""
         self.allocator.check_fits(namespace.layout.block_bytes)
-        return self.names.open(namespace, priority)
+        handle = self.names.open(namespace, priority)
+        if handle.record.usage is None:
+            self.quotas.new_books(handle.record)
+        else:
+            self.quotas.bind(handle.record)
+        return handle
 
     def recovered_namespace(self, fingerprint: bytes, block_bytes: int) -> NamespaceRecord:
-        return self.names.recovered(fingerprint, block_bytes)
+        record = self.names.recovered(fingerprint, block_bytes)
+        if record.usage is None:
+            self.quotas.new_books(record)
+        return record
 
     def namespace_record(self, ns_id: int) -> NamespaceRecord:
         """The record of an entry's namespace (recovered ones included)."""
@@ -230,10 +248,13 @@ class BlockStore:
             # of a closed stream that did would fail its readers' checksums, never pass them).
             for eid in reservation.eids:
                 self._free_entry(eid)
+            self._unpin(reservation.pin)
         for lease in leases:
             for eid in lease.eids:
                 self._drop_one_lease(eid)
+            self._unpin(lease.pin)
         self.names.release(handle)
+        self._maybe_forget_books(handle.record)
         return len(reservations), len(leases)
 
     def block_bytes_of(self, eid: int) -> int:
@@ -245,6 +266,21 @@ class BlockStore:
 
     def fingerprint_of(self, eid: int) -> bytes:
         return self.names[self.index.ns[eid]].fingerprint
+
+    def codec_of(self, record: NamespaceRecord, tier: str) -> tuple[int, BlockFormat | None]:
+        """The codec a block of ``record`` is written with in ``tier`` ("nvme" or "redis"), as
+        the configuration chooses it (``[[codecs]]``, then the tier's default), and the block
+        format a lossy codec needs (None: unknown, so only the codec's lossless part applies;
+        e.g. a namespace recovered from disk that no client has opened since)."""
+        default = self.config.nvme.codec if tier == "nvme" else self.config.redis.codec
+        ns = record.namespace
+        name = default
+        if ns is not None:
+            for rule in self.config.codecs:
+                if rule.matches(ns.model, ns.tenant):
+                    name = getattr(rule, tier) or default
+                    break
+        return codec_id(name), None if ns is None else block_format_of(ns.layout)
 
     def check_keys(self, keys: Sequence[bytes], what: str) -> None:
         """The per-request bounds every call with keys obeys (ValueError names the bound)."""
@@ -302,6 +338,7 @@ class BlockStore:
     async def lookup(self, handle: Handle, keys: Sequence[bytes]) -> int:
         self.check_keys(keys, "lookup")
         record = handle.record
+        self.quotas.take_keys(record, len(keys))
         ns_id = record.ns_id
         run = self.leading_run(ns_id, keys)
         local = len(run)
@@ -355,6 +392,8 @@ class BlockStore:
                 "(limits.max_leases_per_handle): release some first"
             )
         record = handle.record
+        self.quotas.take_keys(record, len(keys))
+        self.quotas.check_pin(record, "leases", 0)
         ns_id = record.ns_id
         wait = self.limits.write_wait_s if wait_s is None else wait_s
         eids = self.leading_run(ns_id, keys)
@@ -408,6 +447,17 @@ class BlockStore:
             raise UnknownNamespaceError("the namespace handle was closed during the call")
         if not eids:
             return AcquireResult(0, [], [], [], pending)
+        on_gpu = [bool(gpu and tiers[e] & IN_GPU) for e in eids]
+        in_arena = [self.index.offset[e] for e, g in zip(eids, on_gpu, strict=True) if not g]
+        slabs = self.quotas.slabs_of(in_arena)
+        try:
+            # One tenant may pin only its share: the rest of the tier stays evictable.
+            self.quotas.check_pin(record, "leases", len(in_arena) * record.block_bytes, slabs)
+        except CapacityError:
+            for eid in held:
+                self._drop_one_lease(eid)
+            raise
+        pin = self.quotas.pin(record, "leases", len(in_arena) * record.block_bytes, slabs)
         self.mover.note_read(eids)
         # Committed only: an entry deleted during an await above is an orphan, out of policies.
         self.policy.touch(
@@ -416,9 +466,8 @@ class BlockStore:
         self.device.note_read(eids)
         lease_id = handle.new_id(handle.leases)
         handle.leases[lease_id] = Lease(
-            eids, list(keys[: len(eids)]), self._clock() + self.config.lease_ttl_s
+            eids, list(keys[: len(eids)]), self._clock() + self.config.lease_ttl_s, pin
         )
-        on_gpu = [bool(gpu and tiers[e] & IN_GPU) for e in eids]
         offsets = [
             self.device.offset[e] if g else self.index.offset[e]
             for e, g in zip(eids, on_gpu, strict=True)
@@ -435,6 +484,15 @@ class BlockStore:
             raise LeaseExpiredError(f"lease {lease_id} is unknown to this handle or expired")
         for eid in lease.eids:
             self._drop_one_lease(eid)
+        self._unpin(lease.pin)
+
+    def _maybe_forget_books(self, record: NamespaceRecord) -> None:
+        if not record.handles and not record.entries:  # the table forgot the record
+            self.quotas.forget(record)
+
+    def _unpin(self, pin: Pin | None) -> None:
+        if pin is not None:
+            self.quotas.unpin(pin)
 
     def _drop_one_lease(self, eid: int) -> None:
         if self.index.drop_lease(eid) == 0 and self.index.state[eid] == State.ORPHAN:
@@ -497,6 +555,8 @@ class BlockStore:
                 f"this handle holds {len(handle.reservations)} reservations "
                 "(limits.max_reservations_per_handle): commit or abort some first"
             )
+        self.quotas.take_keys(record, len(keys))
+        self.quotas.check_pin(record, "reservations", 0)
         wait = self.limits.write_wait_s if wait_s is None else wait_s
         pending = await self._wait_for_writers(record.ns_id, keys, wait)
         if handle.closed:
@@ -513,10 +573,16 @@ class BlockStore:
                 todo = self._new_positions(record.ns_id, keys)
                 if len(slots) >= len(todo):
                     break
+                # Refused before any room is made for it: past its pinned share.
+                self.quotas.check_pin(record, "reservations", len(todo) * bb)
                 # Making room may wait for dirty victims to reach the disk; other calls run
                 # meanwhile and may reserve some of these keys, hence the loop.
                 slots += await self.mover.alloc_cpu(
-                    bb, len(todo) - len(slots), domain=record.domain
+                    bb,
+                    len(todo) - len(slots),
+                    domain=record.domain,
+                    record=record,
+                    held_bytes=len(slots) * bb,
                 )
             else:
                 raise CapacityError("cpu tier full: the keys to reserve kept changing")
@@ -529,8 +595,17 @@ class BlockStore:
         # No await from here on.
         for offset in slots[len(todo) :]:
             self.cpu_unalloc(offset, bb)
+        del slots[len(todo) :]
         if not todo:
             return ReserveResult(0, offsets, False, pending)
+        try:
+            # Now the slabs are known: with memory domains a pin counts whole slabs.
+            slabs = self.quotas.slabs_of(slots)
+            self.quotas.check_pin(record, "reservations", len(todo) * bb, slabs)
+        except CapacityError:
+            for offset in slots:
+                self.cpu_unalloc(offset, bb)
+            raise
         rid = self._add_reservation(handle, keys, todo, slots, priority, offsets)
         return ReserveResult(rid, offsets, False, pending)
 
@@ -557,8 +632,15 @@ class BlockStore:
             eids.append(eid)
             offsets[i] = offset
         reservation_id = handle.new_id(handle.reservations)
+        arena_slots = [] if gpu else list(slots[: len(eids)])
+        pin = self.quotas.pin(
+            handle.record,
+            "reservations",
+            len(arena_slots) * handle.record.block_bytes,
+            self.quotas.slabs_of(arena_slots),
+        )
         handle.reservations[reservation_id] = Reservation(
-            eids, self._clock() + self.config.reservation_ttl_s, gpu=gpu
+            eids, self._clock() + self.config.reservation_ttl_s, gpu=gpu, pin=pin
         )
         return reservation_id
 
@@ -567,6 +649,7 @@ class BlockStore:
         eid = self.index.add(key, ns_id, tier, offset, priority)
         if tier & IN_CPU:
             self.cpu_slots.place(eid, offset, self.names[ns_id].block_bytes, clean=False)
+            self.quotas.charge_cpu(self.names[ns_id], self.names[ns_id].block_bytes)
         self.names[ns_id].entries += 1
         self._reserved_blocks += 1
         return eid
@@ -632,6 +715,7 @@ class BlockStore:
                 "per block and none of the other"
             )
         del handle.reservations[reservation_id]
+        self._unpin(reservation.pin)
         eids = reservation.eids
         for eid, checksum in zip(eids, given, strict=True):
             self._commit_entry(eid, 0 if reservation.gpu else checksum)
@@ -714,6 +798,7 @@ class BlockStore:
             )
         for eid in reservation.eids:
             self._free_entry(eid)
+        self._unpin(reservation.pin)
 
     async def put_block(
         self,
@@ -776,7 +861,9 @@ class BlockStore:
 
     def _free_cpu_slot(self, eid: int) -> None:
         clean = bool(self.index.tier[eid] & IN_NVME)
-        self.cpu_slots.vacate(self.index.offset[eid], self.block_bytes_of(eid), clean)
+        record = self.names[self.index.ns[eid]]
+        self.cpu_slots.vacate(self.index.offset[eid], record.block_bytes, clean)
+        self.quotas.charge_cpu(record, -record.block_bytes)
         self.index.offset[eid] = -1
         self.index.tier[eid] &= ~IN_CPU
 
@@ -786,6 +873,8 @@ class BlockStore:
 
     def _free_disk_slot(self, eid: int) -> None:
         self.disk.vacate(self.index.disk[eid])
+        record = self.names[self.index.ns[eid]]
+        self.quotas.charge_nvme(record, -record.block_bytes)
         if self.index.tier[eid] & IN_CPU:
             self.cpu_slots.note_clean(self.block_bytes_of(eid), clean=False)
         self.index.disk[eid] = -1
@@ -793,6 +882,8 @@ class BlockStore:
 
     def mark_on_disk(self, eid: int, slot: int) -> None:
         self.disk.place(eid, slot)
+        record = self.names[self.index.ns[eid]]
+        self.quotas.charge_nvme(record, record.block_bytes)
         self.index.disk[eid] = slot
         self.index.tier[eid] |= IN_NVME
         if self.index.tier[eid] & IN_CPU:
@@ -844,7 +935,9 @@ class BlockStore:
 
     def mark_in_cpu(self, eid: int, offset: int) -> None:
         clean = bool(self.index.tier[eid] & IN_NVME)
-        self.cpu_slots.place(eid, offset, self.block_bytes_of(eid), clean)
+        record = self.names[self.index.ns[eid]]
+        self.cpu_slots.place(eid, offset, record.block_bytes, clean)
+        self.quotas.charge_cpu(record, record.block_bytes)
         self.index.offset[eid] = offset
         self.index.tier[eid] |= IN_CPU
         self.policy.insert(eid, self.index.priority[eid])
@@ -878,17 +971,17 @@ class BlockStore:
                 deleted += 1
         return deleted
 
-    def _quarantine_slots(self, eid: int, until: float) -> None:
+    def _quarantine_slots(self, eid: int, until: float, pin: Pin | None) -> None:
         """Take a reserved entry's slots away from it without freeing them (see ``reap``); they
-        stay counted as used until ``until``."""
+        stay counted as used, and as pinned by its tenant (``pin``), until ``until``."""
         index, bb = self.index, self.block_bytes_of(eid)
         if index.tier[eid] & IN_CPU:
-            self._quarantine.append((until, False, index.offset[eid], bb))
+            self._quarantine.append((until, False, index.offset[eid], bb, pin))
             self.cpu_slots.quarantine(index.offset[eid], bb)
             index.offset[eid] = -1
             index.tier[eid] &= ~IN_CPU
         if index.tier[eid] & IN_GPU:
-            self._quarantine.append((until, True, self.device.take_slot_away(eid), bb))
+            self._quarantine.append((until, True, self.device.take_slot_away(eid), bb, None))
             index.tier[eid] &= ~IN_GPU
 
     def _free_entry(self, eid: int) -> None:
@@ -908,6 +1001,7 @@ class BlockStore:
             self._note_written(eid)  # waiters see the key free and may write it themselves
         record.entries -= 1
         self.names.maybe_free(record)
+        self._maybe_forget_books(record)
 
     def reap(self) -> tuple[int, int]:
         """Reclaim expired reservations and leases: (reservations, leases) reclaimed.
@@ -919,22 +1013,31 @@ class BlockStore:
         block into a miss; the quarantine keeps such late copies harmless."""
         now = self._clock()
         while self._quarantine and self._quarantine[0][0] <= now:
-            _, gpu, offset, block_bytes = self._quarantine.popleft()
+            _, gpu, offset, block_bytes, pin = self._quarantine.popleft()
             if gpu:
                 self.device.unalloc(offset, block_bytes)
             else:
                 self.cpu_slots.release_quarantined(offset, block_bytes)
+                if pin is not None:
+                    self.quotas.unpin(pin, block_bytes, self.quotas.slabs_of([offset]))
+                    for books in pin.books:
+                        books.cpu_bytes -= block_bytes
         until = now + self.config.reservation_ttl_s
         reservations = leases = 0
         for handle in self.names.handles():
             for rid in [r for r, v in handle.reservations.items() if v.expires_at <= now]:
-                for eid in handle.reservations.pop(rid).eids:
-                    self._quarantine_slots(eid, until)
+                reservation = handle.reservations.pop(rid)
+                if reservation.pin is not None:
+                    self.quotas.uncount(reservation.pin)  # its slots stay pinned, quarantined
+                for eid in reservation.eids:
+                    self._quarantine_slots(eid, until, reservation.pin)
                     self._free_entry(eid)
                 reservations += 1
             for lid in [lid for lid, v in handle.leases.items() if v.expires_at <= now]:
-                for eid in handle.leases.pop(lid).eids:
+                lease = handle.leases.pop(lid)
+                for eid in lease.eids:
                     self._drop_one_lease(eid)
+                self._unpin(lease.pin)
                 leases += 1
         return reservations, leases
 

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Layout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_rank", "tp_size", "hash_version")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_rank", "tp_size", "hash_version", "scale_format")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class Layout(_message.Message):
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -24,7 +25,8 @@ class Layout(_message.Message):
     tp_rank: int
     tp_size: int
     hash_version: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., hash_version: _Optional[int] = ...) -> None: ...
+    scale_format: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., hash_version: _Optional[int] = ..., scale_format: _Optional[str] = ...) -> None: ...
 
 class OpenNamespaceRequest(_message.Message):
     __slots__ = ("model", "revision", "tenant", "layout", "priority")
@@ -315,8 +317,38 @@ class NamespaceStats(_message.Message):
     block_bytes: int
     def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
+class TenantStats(_message.Message):
+    __slots__ = ("name", "cpu_bytes", "nvme_bytes", "pinned_bytes", "leases", "reservations", "quota_cpu_bytes", "quota_nvme_bytes", "guaranteed_cpu_bytes", "guaranteed_nvme_bytes", "max_pinned_bytes", "keys_per_s", "refused_keys")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CPU_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NVME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_CPU_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_NVME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEED_CPU_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEED_NVME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    cpu_bytes: int
+    nvme_bytes: int
+    pinned_bytes: int
+    leases: int
+    reservations: int
+    quota_cpu_bytes: int
+    quota_nvme_bytes: int
+    guaranteed_cpu_bytes: int
+    guaranteed_nvme_bytes: int
+    max_pinned_bytes: int
+    keys_per_s: float
+    refused_keys: int
+    def __init__(self, name: _Optional[str] = ..., cpu_bytes: _Optional[int] = ..., nvme_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., quota_cpu_bytes: _Optional[int] = ..., quota_nvme_bytes: _Optional[int] = ..., guaranteed_cpu_bytes: _Optional[int] = ..., guaranteed_nvme_bytes: _Optional[int] = ..., max_pinned_bytes: _Optional[int] = ..., keys_per_s: _Optional[float] = ..., refused_keys: _Optional[int] = ...) -> None: ...
+
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "version", "uptime_s", "active_leases", "active_reservations", "open_handles", "namespaces_omitted")
+    __slots__ = ("tiers", "namespaces", "version", "uptime_s", "active_leases", "active_reservations", "open_handles", "namespaces_omitted", "tenants")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +357,7 @@ class StatsResponse(_message.Message):
     ACTIVE_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     OPEN_HANDLES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_OMITTED_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     version: str
@@ -333,4 +366,5 @@ class StatsResponse(_message.Message):
     active_reservations: int
     open_handles: int
     namespaces_omitted: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., open_handles: _Optional[int] = ..., namespaces_omitted: _Optional[int] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., open_handles: _Optional[int] = ..., namespaces_omitted: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...

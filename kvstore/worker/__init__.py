@@ -30,13 +30,18 @@ forward pass (only the weights are taken from the transformers model):
   logged once per outage, the request recomputes, and the store is left alone for
   ``store_retry_s`` before it is tried again.
 
+Beam search (``Worker.beam_search``, ``kvstore.worker.beam``) forks each prompt's sequence into
+its beams over copy-on-write blocks, frees the losers at every step, and uses the store for the
+shared prompt as for any request.
+
 Memory is reserved at admission: a request is admitted only when the free and cached blocks,
 less what running sequences may still grow into, hold its prompt plus ``max_new_tokens``. So a
 running sequence never runs out of blocks and nothing is ever preempted (simple, and
 conservative: it may admit fewer requests than an engine that preempts).
 """
 
+from kvstore.worker.beam import Beam, BeamResult
 from kvstore.worker.engine import Result, Worker, WorkerStats
 from kvstore.worker.model import LlamaWeights, forward
 
-__all__ = ["LlamaWeights", "Result", "Worker", "WorkerStats", "forward"]
+__all__ = ["Beam", "BeamResult", "LlamaWeights", "Result", "Worker", "WorkerStats", "forward"]

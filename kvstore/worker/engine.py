@@ -19,6 +19,7 @@ from kvstore.keys import Namespace, block_hashes
 from kvstore.layout import KVLayout
 from kvstore.models import layout_for
 from kvstore.paged import PagedKVCache
+from kvstore.worker.beam import BeamResult, beam_search
 from kvstore.worker.model import LlamaWeights, forward
 from kvstore.worker.store import Offloader, StoreFailure, StoreHealth, clone_client
 
@@ -58,6 +59,7 @@ class WorkerStats:
     store_errors: int = 0
     offloaded_blocks: int = 0
     offload_errors: int = 0
+    peak_running: int = 0  # most sequences decoding at once (what the cache admitted)
 
     @property
     def cached_tokens(self) -> int:
@@ -94,9 +96,11 @@ class Worker:
     """A serving engine for one Llama-architecture model. See the package docstring.
 
     Owns: the model's weights (``LlamaWeights``, read-only views of the transformers model), one
-    ``PagedKVCache`` of ``num_blocks`` blocks (``self.cache``), the request queues, and, with a
-    ``client``, a background offload thread with its own client (``offload_client_factory``,
-    default: a client of the same address and namespace as ``client``). ``client`` stays the
+    ``PagedKVCache`` of ``num_blocks`` blocks (``self.cache``; FP8 with
+    ``kv_cache_dtype=torch.float8_e4m3fn``, whose layout a ``client`` must then share), the
+    request queues, and, with a ``client``, a background offload thread with its own client
+    (``offload_client_factory``, default: a client of the same address and namespace as
+    ``client``). ``client`` stays the
     caller's: the worker uses it from the scheduler thread and never closes it.
 
     Threading contract: ``submit`` may be called from any thread. Everything else (``step``,
@@ -120,6 +124,7 @@ class Worker:
         model_id: str | None = None,
         store_retry_s: float = 5.0,
         offload_client_factory: Callable[[], KVStoreClient] | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         if max_batch < 1 or max_prefill_tokens < 1:
             raise ValueError("max_batch and max_prefill_tokens must be positive")
@@ -127,6 +132,14 @@ class Worker:
         w = self.weights
         self.tokenizer = tokenizer
         self.layout: KVLayout = layout_for(w.config, w.dtype, block_size)
+        if kv_cache_dtype == torch.float8_e4m3fn:
+            # FP8 KV: e4m3 blocks with per-(block, layer, K|V, head) scales (kvstore.paged).
+            self.layout = KVLayout.fp8(self.layout)
+        elif kv_cache_dtype not in (None, w.dtype):
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype}: the cache holds the model's dtype "
+                f"({w.dtype}) or float8_e4m3fn"
+            )
         if client is not None:
             if client.layout != self.layout:
                 raise ValueError(f"client layout {client.layout} != model layout {self.layout}")
@@ -208,6 +221,7 @@ class Worker:
         if not admitted and not self._running:
             return []
         decoding = self._running
+        self.stats.peak_running = max(self.stats.peak_running, len(admitted) + len(decoding))
         prefills = [(r.rid, r.resident_tokens + r.store_tokens, r.prompt) for r in admitted]
         decodes = [(r.rid, r.generated[-1]) for r in decoding]
         with torch.no_grad():
@@ -236,6 +250,35 @@ class Worker:
         self.stats.store_errors = self._health.errors
         self.stats.busy_s += time.monotonic() - start
         return finished
+
+    def beam_search(
+        self,
+        prompts: Sequence[Sequence[int]],
+        beam_width: int,
+        max_new_tokens: int,
+        *,
+        share: bool = True,
+        length_penalty: float = 1.0,
+    ) -> list[BeamResult]:
+        """Beam search for each prompt, all in one batch, on an idle worker (see
+        ``kvstore.worker.beam``): beams share their prompt's blocks by copy-on-write
+        (``share=False`` copies them instead, for comparison); the prompt's stored prefix is
+        loaded from the store and the rest offloaded to it, once per prompt."""
+        return beam_search(
+            self, prompts, beam_width, max_new_tokens, share=share, length_penalty=length_penalty
+        )
+
+    @property
+    def busy(self) -> bool:
+        """Requests are submitted, waiting or running."""
+        return bool(self._inbox or self._waiting or self._running)
+
+    def _begin(self, prompt: list[int]) -> _Request:
+        """A sequence for ``prompt`` outside the request queues (beam search's shared prompt):
+        blocks allocated, resident and stored prefix reused, as ``_start`` does for requests."""
+        r = _Request(next(self._ids), prompt, 1, time.monotonic())
+        self._start(r)
+        return r
 
     def flush(self) -> None:
         """Wait for the offload thread to finish every queued offload and unpin its blocks."""

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvstore import kernels
 from kvstore.paged import PagedKVCache, SeqId
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -184,9 +183,12 @@ def forward(
     cache: PagedKVCache,
     prefills: Sequence[tuple[SeqId, int, Sequence[int]]],
     decodes: Sequence[tuple[SeqId, int]],
+    *,
+    every_prefill_token: bool = False,
 ) -> torch.Tensor:
     """Logits ``[len(prefills) + len(decodes), vocab]``: of each prefill's last prompt token
-    and of each decode token, in that order.
+    and of each decode token, in that order. With ``every_prefill_token``, of every computed
+    prefill token instead of only the last (for perplexity), then the decode tokens'.
 
     ``prefills``: (sequence, first token to compute, prompt); tokens before ``start`` have
     their K/V in the cache already. ``decodes``: (sequence, its last token), whose slot
@@ -224,9 +226,7 @@ def forward(
         for _, start, _, m in segments
     ]
     if decodes:
-        slots = torch.cat(
-            [cache.slot_mapping(s, cache.num_tokens(s) - 1, cache.num_tokens(s)) for s in dec_seqs]
-        )
+        tail = cache.tail_slots(dec_seqs)
         tables = cache.block_table_tensor(dec_seqs)
         lens = cache.seq_lens_tensor(dec_seqs)
     scale = d**-0.5
@@ -240,7 +240,9 @@ def forward(
         attn = torch.empty_like(q)
         for (seq, start, off, m), mask in zip(segments, masks, strict=True):
             cache.write_kv(seq, li, start, k[off : off + m], v[off : off + m])
-            keys, values = cache.sequence_kv(seq, li)
+            # Attend over what the cache holds (an FP8 cache's values dequantized), so a prompt
+            # computed here and one whose prefix came from the store see the same K/V.
+            keys, values = cache.sequence_kv(seq, li, dtype)
             if group > 1:
                 # SDPA's enable_gqa needs torch 2.5; the project supports 2.4.
                 keys = keys.repeat_interleave(group, dim=1)
@@ -257,17 +259,16 @@ def forward(
         if decodes:
             # Every decode token's slot is in its sequence's private, uncommitted tail
             # block (append_tokens copied it if it was shared), so all of them are written
-            # with one indexed copy instead of a write_kv per sequence.
-            layer = cache.kv_caches[li].view(2, -1, hkv, d)
-            layer[0].index_copy_(0, slots, k[n_pre:])
-            layer[1].index_copy_(0, slots, v[n_pre:])
-            attn[n_pre:] = kernels.paged_attention(
-                q[n_pre:].contiguous(), cache.kv_caches[li], tables, lens, scale
-            )
+            # at once instead of a write_kv per sequence.
+            cache.write_tail(tail, li, k[n_pre:], v[n_pre:])
+            attn[n_pre:] = cache.decode_attention(q[n_pre:].contiguous(), li, tables, lens, scale)
         x = x + F.linear(attn.view(n, hq * d), lw.o, lw.o_bias)
         h = rms_norm(x, lw.post_norm, w.rms_eps)
         gated = w.act(F.linear(h, lw.gate, lw.gate_bias)) * F.linear(h, lw.up, lw.up_bias)
         x = x + F.linear(gated, lw.down, lw.down_bias)
-    last = [off + m - 1 for _, _, off, m in segments] + list(range(n_pre, n))
+    if every_prefill_token:
+        last = list(range(n))
+    else:
+        last = [off + m - 1 for _, _, off, m in segments] + list(range(n_pre, n))
     out_rows = rms_norm(x[last], w.norm, w.rms_eps)
     return F.linear(out_rows, w.lm_head)

@@ -1,20 +1,22 @@
 """Thread-side IO helpers of the NVMe tier: full preadv/pwritev, aligned scratch buffers, the
-lz4 block codec between caller buffers, and the group-commit flush barrier."""
+group-commit flush barrier. (The lz4 helpers live in ``kvstore.tiers.codecs``; they are
+re-exported here for older callers.)"""
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import errno
 import mmap
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvstore.tiers.codecs import lz4_compress, lz4_decompress
 from kvstore.tiers.nvme.ondisk import PAGE, round_up
+
+__all__ = ["FlushBarrier", "ScratchBuffers", "address", "lz4_compress", "lz4_decompress"]
 
 
 def address(view: memoryview) -> int:
@@ -73,55 +75,6 @@ class ScratchBuffers(threading.local):
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
             view = self.view = memoryview(mmap.mmap(-1, size, flags=flags))
         return view
-
-
-def _load_lz4() -> tuple[Callable[..., int], Callable[..., int]] | None:
-    """LZ4_compress_default and LZ4_decompress_safe from the lz4 package's own extension: they
-    work between caller buffers (no per-call allocation of a block-sized result, whose page
-    faults cost more than the codec here) and ctypes releases the GIL around them."""
-    try:
-        import lz4.block._block as ext
-
-        lib = ctypes.CDLL(ext.__file__)
-        fns = (lib.LZ4_compress_default, lib.LZ4_decompress_safe)
-    except (ImportError, OSError, AttributeError):
-        return None
-    for fn in fns:
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    return fns
-
-
-_LZ4 = _load_lz4()
-
-
-def lz4_compress(src: memoryview, dst: memoryview) -> int:
-    """Compress into ``dst`` (lz4 block format); 0 when the result does not fit."""
-    if _LZ4 is not None:
-        return max(0, _LZ4[0](address(src), address(dst), src.nbytes, dst.nbytes))
-    import lz4.block
-
-    out = lz4.block.compress(src, store_size=False)
-    if len(out) > dst.nbytes:
-        return 0
-    dst[: len(out)] = out
-    return len(out)
-
-
-def lz4_decompress(src: memoryview, dst: memoryview) -> bool:
-    """Fill all of ``dst`` from ``src``; False for corrupt input or a wrong length."""
-    if _LZ4 is not None:
-        return bool(_LZ4[1](address(src), address(dst), src.nbytes, dst.nbytes) == dst.nbytes)
-    import lz4.block
-
-    try:
-        out = lz4.block.decompress(src, uncompressed_size=dst.nbytes)
-    except Exception:  # lz4.block.LZ4BlockError and friends: corrupt input is a miss
-        return False
-    if len(out) != dst.nbytes:
-        return False
-    dst[:] = out
-    return True
 
 
 class FlushBarrier:

@@ -18,13 +18,19 @@ and preallocated, so the bytes the tier counts are the bytes it holds.
   and the descriptors rebuild the metadata when both copies are lost.
 * After the descriptor, the slab is carved into slots of one size,
   ``4096 + round_up(block_bytes, 4096)``: a header page, then the payload.
-* A record header: magic, version, kind (record or tombstone), codec, slot size in pages, the
+* A record header (record version 4): magic, version, kind (record or tombstone), codec (the
+  id, ``kvstore.tiers.codecs``, of the codec that wrote the payload), slot size in pages, the
   slot's own offset, sequence number, format id, key (32 bytes), namespace fingerprint (16), raw
-  length, stored length, the block's checksum (``kvstore.checksum.block_checksum``: bound to key
-  and namespace), then xxh3-64 of all those fields (within the first 512-byte sector, so a torn
-  header page is never half-valid). A header counts for a slot only if its checksum, format id,
-  offset and slot size all match (``header_fits``): stale headers of an earlier format or carving,
-  or written to the wrong place, are never taken for records.
+  length, stored length, the checksum of the block a read yields (``block_checksum``: bound to
+  key and namespace; for a lossy codec, of the *decoded* block, taken when it was encoded), the
+  checksum of the stored payload (bound the same way), then xxh3-64 of all those fields
+  (within the first 512-byte sector, so a torn header page is never half-valid). A header
+  counts for a slot only if its checksum, format id, offset and slot size all match
+  (``header_fits``): stale headers of an earlier format or carving, or written to the wrong
+  place, are never taken for records. Record version 3 headers (no payload checksum; codecs
+  none and lz4 only) are still read; records are only ever written as version 4. A slot's
+  payload room is sized by its codec's bound (``codecs.plan``): an fp8 record's slot is about
+  half a bf16 block's.
 
 Versions 1 and 2 began with a superblock (``old_superblock_version`` recognises it): 1 stored
 unbound checksums, 2 had no slab descriptors and one superblock. Neither is read as version 3.
@@ -40,6 +46,8 @@ from typing import Any, NamedTuple
 
 import xxhash
 
+from kvstore.tiers import codecs
+
 PAGE = 4096
 """Alignment of every IO and region, and the size of a record header (O_DIRECT needs both)."""
 FILE_NAME = "kvstore-nvme.slab"
@@ -47,9 +55,15 @@ FORMAT_VERSION = 3
 """2: block checksums bound to key and namespace. 3: two self-describing metadata copies and a
 descriptor page per slab."""
 
+RECORD_VERSION = 4
+"""4: the codec may be lossy (fp8) and the header carries the payload's own checksum. Record
+headers of version 3 are still read."""
+
 KIND_RECORD, KIND_TOMBSTONE = 1, 2
-CODEC_NONE, CODEC_LZ4 = 0, 1
-CODECS = {None: CODEC_NONE, "lz4": CODEC_LZ4}
+CODEC_NONE, CODEC_LZ4 = codecs.CODEC_NONE, codecs.CODEC_LZ4
+NO_STORED_CHECKSUM = -1
+"""``Header.stored_checksum`` of a version-3 record, which has none (its block checksum still
+verifies every read)."""
 
 _META_MAGIC = b"KVNVMETA"
 _SLAB_MAGIC = b"KVNVSLAB"
@@ -61,8 +75,10 @@ _META = struct.Struct("<8sIIQQQQQQII")
 # magic, version, slot pages, format id, capacity, slab bytes, slab index, sequence number
 _SLAB = struct.Struct("<8sIIQQQQQ")
 # magic, version, kind, codec, slot pages, slot, seq, format id, key, namespace, length,
-# stored length, checksum of the raw bytes
-_HEADER = struct.Struct("<8sHBBIQQQ32s16sQQQ")
+# stored length, checksum of the block a read yields, checksum of the stored payload
+_HEADER = struct.Struct("<8sHBBIQQQ32s16sQQQQ")
+# record version 3: the same without the payload's checksum
+_HEADER_V3 = struct.Struct("<8sHBBIQQQ32s16sQQQ")
 # versions 1-2: magic, version, ... then xxh3-64 of the 48-byte struct
 _OLD_SUPER = struct.Struct("<8sIIQQQQ")
 _U64 = struct.Struct("<Q")
@@ -91,24 +107,43 @@ class Header(NamedTuple):
     length: int
     stored_length: int
     checksum: int
+    stored_checksum: int = NO_STORED_CHECKSUM
 
 
 def pack_header(h: Header) -> bytearray:
-    """A whole header page (the rest zero), ready for one aligned write."""
+    """A whole header page (the rest zero), ready for one aligned write (record version 4)."""
     page = bytearray(PAGE)
-    _HEADER.pack_into(page, 0, _RECORD_MAGIC, FORMAT_VERSION, *h)
+    stored = h.stored_checksum if h.stored_checksum != NO_STORED_CHECKSUM else h.checksum
+    _HEADER.pack_into(page, 0, _RECORD_MAGIC, RECORD_VERSION, *h[:-1], stored)
     _U64.pack_into(page, _HEADER.size, _sum(page, _HEADER.size))
     return page
 
 
+def pack_header_v3(h: Header) -> bytearray:
+    """A header page as record version 3 wrote it (tests: old records must stay readable)."""
+    page = bytearray(PAGE)
+    _HEADER_V3.pack_into(page, 0, _RECORD_MAGIC, 3, *h[:-1])
+    _U64.pack_into(page, _HEADER_V3.size, _sum(page, _HEADER_V3.size))
+    return page
+
+
 def parse_header(page: Any) -> Header | None:
-    """The header in ``page`` if its magic, version and checksum hold, else None."""
-    magic, version, *fields = _HEADER.unpack_from(page)
-    if magic != _RECORD_MAGIC or version != FORMAT_VERSION:
+    """The header in ``page`` if its magic, version (4, or 3) and checksum hold, else None."""
+    magic, version = struct.unpack_from("<8sH", page)
+    if magic != _RECORD_MAGIC:
         return None
-    if _U64.unpack_from(page, _HEADER.size)[0] != _sum(page, _HEADER.size):
-        return None
-    return Header(*fields)
+    if version == RECORD_VERSION:
+        _, _, *fields = _HEADER.unpack_from(page)
+        if _U64.unpack_from(page, _HEADER.size)[0] != _sum(page, _HEADER.size):
+            return None
+        return Header(*fields)
+    if version == 3:
+        _, _, *fields = _HEADER_V3.unpack_from(page)
+        if _U64.unpack_from(page, _HEADER_V3.size)[0] != _sum(page, _HEADER_V3.size):
+            return None
+        h = Header(*fields)
+        return h if h.codec in (CODEC_NONE, CODEC_LZ4) else None
+    return None
 
 
 def header_fits(h: Header, slot: int, slot_bytes: int, format_id: int) -> bool:
@@ -118,9 +153,8 @@ def header_fits(h: Header, slot: int, slot_bytes: int, format_id: int) -> bool:
         and h.format_id == format_id
         and h.slot == slot
         and h.slot_pages * PAGE == slot_bytes
-        and h.codec in CODECS.values()
-        and 0 < h.length <= slot_bytes - PAGE
-        and 0 < h.stored_length <= h.length
+        and h.codec in codecs.NAME_OF
+        and 0 < h.stored_length <= min(h.length, slot_bytes - PAGE)
     )
 
 

@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 from kvstore.checksum import block_checksum
+from kvstore.tiers import codecs
+from kvstore.tiers.codecs import BlockFormat, lz4_compress
 from kvstore.tiers.nvme import ondisk as fmt
-from kvstore.tiers.nvme.diskio import (
-    ScratchBuffers,
-    address,
-    lz4_compress,
-    lz4_decompress,
-    pread_full,
-    pwrite_all,
-)
+from kvstore.tiers.nvme.diskio import ScratchBuffers, address, pread_full, pwrite_all
 from kvstore.tiers.nvme.ondisk import CODEC_LZ4, CODEC_NONE, KIND_RECORD, PAGE, ZERO_PAGE, Header
 from kvstore.tiers.nvme.records import Ident
 
@@ -22,15 +17,14 @@ class RecordIO:
     """Reads and writes of records, headers and metadata pages in one open slab file.
 
     Holds only what is fixed while the file is open (the IO descriptor, whether it is O_DIRECT,
-    the codec, the format id) and one scratch buffer per thread, and changes nothing else: every
+    the format id) and one scratch buffer per thread, and changes nothing else: every
     counter and map of the tier is touched on its event loop only. Every method blocks; the tier
     runs them on its pool threads (``check`` and open on the calling thread).
     """
 
-    def __init__(self, fd: int, direct_io: bool, codec: int, format_id: int = 0) -> None:
+    def __init__(self, fd: int, direct_io: bool, format_id: int = 0) -> None:
         self.fd = fd
         self.direct_io = direct_io
-        self.codec = codec
         self.format_id = format_id
         self._scratch = ScratchBuffers()
 
@@ -41,25 +35,52 @@ class RecordIO:
         pwrite_all(self.fd, [scratch[: len(data)]], offset)
 
     def write_payload(
-        self, slot: int, key: bytes, namespace: bytes, data: memoryview, checksum: int
-    ) -> tuple[int, int]:
-        """Verify ``data`` against its checksum and write it after the slot's header page,
-        compressed if the codec is lz4 and that saves a page: (bytes stored, codec)."""
+        self,
+        slot: int,
+        key: bytes,
+        namespace: bytes,
+        data: memoryview,
+        checksum: int,
+        codec: int,
+        block_format: BlockFormat | None,
+    ) -> tuple[int, int, int, int]:
+        """Verify ``data`` against its checksum, encode it with ``codec`` (as ``codecs.plan``
+        returned it) and write the payload after the slot's header page: (bytes stored, the
+        codec that wrote them, the checksum of the block a read will yield, the payload's
+        checksum). A lossless codec yields ``data`` itself (``checksum``); a lossy one its
+        decoded form, decoded here once to take that checksum. lz4 results that save no page
+        are stored raw."""
         n = data.nbytes
         # Verified here, while moving down a tier: the checksum on disk must describe these bytes
         # as this key's block of this namespace.
         if block_checksum(data, namespace, key) != checksum:
             raise ValueError(f"data for slot {slot} does not match its checksum")
         span = fmt.round_up(n)
-        if self.codec == CODEC_LZ4 and span > PAGE and self._worth_compressing(data):
-            scratch = self._scratch.get(span)
-            # Room for one page less than raw: a result that saves no page is stored raw.
-            stored = lz4_compress(data, scratch[: span - PAGE])
-            if stored:
+        if codec == CODEC_LZ4 and (span <= PAGE or not self._worth_compressing(data)):
+            codec = CODEC_NONE
+        if codec != CODEC_NONE:
+            room = fmt.round_up(codecs.scratch_bytes(n))
+            scratch = self._scratch.get(room + (n if codec in codecs.LOSSY else 0))
+            used, payload = codecs.encode(codec, data, block_format, scratch[:room])
+            stored = payload.nbytes
+            if used == CODEC_LZ4 and fmt.round_up(stored) >= span:
+                used = CODEC_NONE  # saves no page: raw
+            if used != CODEC_NONE:
+                decoded = checksum
+                if used in codecs.LOSSY:
+                    assert block_format is not None
+                    frame = scratch[: codecs.fp8_payload_bytes(block_format)]
+                    out = scratch[room : room + n]
+                    if not codecs.fp8_decode(frame, out):
+                        raise AssertionError("a fresh fp8 payload failed to decode")
+                    decoded = block_checksum(out, namespace, key)
+                if address(payload) != address(scratch):  # fp8+lz4: after the frame
+                    scratch[:stored] = payload
                 pad = fmt.round_up(stored)
                 scratch[stored:pad] = ZERO_PAGE[: pad - stored]
+                stored_sum = block_checksum(scratch[:stored], namespace, key)
                 pwrite_all(self.fd, [scratch[:pad]], slot + PAGE)
-                return stored, CODEC_LZ4
+                return stored, used, decoded, stored_sum
         if not self.direct_io or (n % PAGE == 0 and address(data) % PAGE == 0):
             pwrite_all(self.fd, [data], slot + PAGE)  # zero copy: a CPU-tier slot is aligned
         else:
@@ -67,7 +88,7 @@ class RecordIO:
             scratch[:n] = data
             scratch[n:span] = ZERO_PAGE[: span - n]
             pwrite_all(self.fd, [scratch[:span]], slot + PAGE)
-        return n, CODEC_NONE
+        return n, CODEC_NONE, checksum, checksum
 
     def _worth_compressing(self, data: memoryview) -> bool:
         """Whether the block's first 64 KiB compress by 1/16 or more. bf16 KV data compresses
@@ -80,8 +101,9 @@ class RecordIO:
         return lz4_compress(probe, scratch[: LZ4_PROBE_BYTES - LZ4_PROBE_BYTES // 16]) > 0
 
     def read_record(self, slot: int, want: Ident, out: memoryview) -> str | None:
-        """Read and verify one record into ``out``: None, or why it is a miss ("short",
-        "torn", "mismatch", "corrupt")."""
+        """Read, verify and decode one record into ``out``: None, or why it is a miss ("short",
+        "torn", "mismatch", "corrupt"). The payload is checked against its own checksum before
+        it is decoded, and the decoded block against the record's block checksum."""
         length, stored, span = want.length, want.stored_length, fmt.round_up(want.stored_length)
         direct = want.codec == CODEC_NONE and (
             not self.direct_io or (length % PAGE == 0 and address(out) % PAGE == 0)
@@ -91,7 +113,8 @@ class RecordIO:
             if pread_full(self.fd, [scratch[:PAGE], out[:length]], slot) < PAGE + length:
                 return "short"
         else:
-            scratch = self._scratch.get(PAGE + span)
+            extra = codecs.scratch_bytes(length) if want.codec == codecs.CODEC_FP8_LZ4 else 0
+            scratch = self._scratch.get(PAGE + span + extra)
             if pread_full(self.fd, [scratch[: PAGE + span]], slot) < PAGE + stored:
                 return "short"
         h = fmt.parse_header(scratch)
@@ -100,8 +123,14 @@ class RecordIO:
         got = Ident(h.key, h.namespace, h.length, h.stored_length, h.codec, h.checksum, h.seq)
         if (h.kind, h.slot, h.format_id) != (KIND_RECORD, slot, self.format_id) or got != want:
             return "mismatch"
-        if want.codec == CODEC_LZ4:
-            if not lz4_decompress(scratch[PAGE : PAGE + stored], out[:length]):
+        if want.codec != CODEC_NONE:
+            payload = scratch[PAGE : PAGE + stored]
+            if h.stored_checksum != fmt.NO_STORED_CHECKSUM and (
+                block_checksum(payload, want.namespace, want.key) != h.stored_checksum
+            ):
+                return "corrupt"
+            rest = scratch[PAGE + span :]
+            if not codecs.decode(want.codec, payload, out[:length], rest):
                 return "corrupt"
         elif not direct:
             out[:length] = scratch[PAGE : PAGE + length]

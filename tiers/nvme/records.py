@@ -20,7 +20,8 @@ class NvmeFormatError(KVStoreError, ValueError):
 @dataclass(frozen=True)
 class NvmeRecord:
     """A committed block on disk. ``slot`` is the byte offset of its header in the slab file;
-    ``length`` is the raw block size, ``stored_length`` the bytes stored (compressed or not)."""
+    ``length`` is the raw block size, ``stored_length`` the bytes stored (encoded or not);
+    ``checksum`` is that of the block a read yields (for a lossy codec, the decoded block)."""
 
     slot: int
     key: bytes
@@ -93,7 +94,7 @@ class NamespaceIds:
 class RecordTable:
     """State and committed-record identity of every slot of one carved slab, indexed by the
     slot's index in the slab; made when the slab is carved, dropped when it is uncarved.
-    Arrays, not an object per slot: ~62 bytes a slot where an object, its boxed ints and a dict
+    Arrays, not an object per slot: ~70 bytes a slot where an object, its boxed ints and a dict
     entry cost ~380, and the NVMe tier holds the most blocks of any tier. Snapshots (``ident``)
     go to IO threads; the arrays are touched on the loop only."""
 
@@ -104,6 +105,10 @@ class RecordTable:
         self.stored_length = array("I", bytes(4 * n))
         self.seq = array("Q", bytes(8 * n))
         self.checksum = array("Q", bytes(8 * n))
+        # The checksum the block was committed with: ``checksum`` (what a read yields) unless a
+        # lossy codec wrote the record. Kept in memory only; a record recovered at open has
+        # only its decoded form.
+        self.committed = array("Q", bytes(8 * n))
         self.ns = array("I", bytes(4 * n))
         self._keys = bytearray(n * KEY_BYTES)
         self._namespaces = namespaces
@@ -112,11 +117,12 @@ class RecordTable:
     def __len__(self) -> int:
         return len(self.state)
 
-    def set_record(self, i: int, ident: Ident) -> None:
+    def set_record(self, i: int, ident: Ident, committed: int | None = None) -> None:
         self._keys[i * KEY_BYTES : (i + 1) * KEY_BYTES] = ident.key
         self.ns[i] = self._namespaces.id(ident.namespace)
         self.length[i], self.stored_length[i] = ident.length, ident.stored_length
         self.codec[i], self.checksum[i], self.seq[i] = ident.codec, ident.checksum, ident.seq
+        self.committed[i] = ident.checksum if committed is None else committed
 
     def key(self, i: int) -> bytes:
         return bytes(self._keys[i * KEY_BYTES : (i + 1) * KEY_BYTES])

@@ -42,7 +42,6 @@ def open_slab_file(
     directory: str,
     path: str,
     geo: Geometry,
-    codec: int,
     *,
     read_only: bool,
     create: bool,
@@ -75,10 +74,10 @@ def open_slab_file(
                 )
             raise NvmeFormatError(f"{path} holds no NVMe tier metadata")
         if read_only:
-            return SlabFile(path, fd, RecordIO(fd, False, codec, found.format_id), False, found)
+            return SlabFile(path, fd, RecordIO(fd, False, found.format_id), False, found)
         preallocated = _resize(fd, path, geo, found)
         io_fd, direct = _open_io_fd(path, fd) if direct_io else (fd, False)
-        io = RecordIO(io_fd, direct, codec, found.format_id)
+        io = RecordIO(io_fd, direct, found.format_id)
         if found.format_id == 0:
             found = _format(io, geo)
         return SlabFile(path, fd, io, preallocated, found)

@@ -12,13 +12,14 @@ from typing import Any, TypeVar
 
 from kvstore.errors import KVStoreError
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
+from kvstore.tiers import codecs
+from kvstore.tiers.codecs import BlockFormat
 from kvstore.tiers.nvme import ondisk as fmt
 from kvstore.tiers.nvme import recovery
 from kvstore.tiers.nvme.alloc import SlotAllocator
 from kvstore.tiers.nvme.diskio import FlushBarrier
 from kvstore.tiers.nvme.ondisk import (
     CODEC_NONE,
-    CODECS,
     FILE_NAME,
     HEADER_BYTES,
     KIND_RECORD,
@@ -174,8 +175,7 @@ class NvmeTier:
         io_threads: int = 4,
         slab_bytes: int = DEFAULT_SLAB_BYTES,
     ) -> None:
-        if codec not in CODECS:
-            raise ValueError(f"codec {codec!r} unknown; choose None or 'lz4'")
+        default_codec = codecs.codec_id(codec or "none")
         if io_threads < 1:
             raise ValueError(f"io_threads must be positive, got {io_threads}")
         self.directory = os.fspath(directory)
@@ -185,7 +185,7 @@ class NvmeTier:
         self.codec = codec
         self.direct_io = False  # whether O_DIRECT is in use: known after open
         self.preallocated = False  # whether fallocate reserved the whole file: after open
-        self._codec = CODECS[codec]
+        self._codec = default_codec
         self._want_direct = direct_io
         self._alloc = SlotAllocator(self.geometry)
         self._namespaces = NamespaceIds()
@@ -200,7 +200,7 @@ class NvmeTier:
         self._unsettled: dict[int, set[int]] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
         self._file: SlabFile | None = None
-        self._io = RecordIO(-1, False, self._codec)  # the open file's, once open
+        self._io = RecordIO(-1, False)  # the open file's, once open
         self._format_id = 0
         self._meta_gen = 0
         self._meta_copy = 0  # the copy (0: A, 1: B) that holds generation _meta_gen
@@ -217,10 +217,29 @@ class NvmeTier:
         counters = ("reads", "writes", "durable_writes", "syncs", "read_bytes", "write_bytes")
         self._counters = dict.fromkeys((*counters, "misses", *_MISS_COUNTER.values()), 0)
         self._live_blocks = self._used_bytes = self._raw_bytes = self._stored_bytes = 0
+        # Per namespace id (NamespaceIds): [blocks, raw bytes, slot bytes] of live records.
+        self._by_ns: dict[int, list[int]] = {}
+        self._by_codec = [0] * len(codecs.NAME_OF)  # live records by the codec that wrote them
 
     @staticmethod
-    def slot_bytes_for(block_bytes: int) -> int:
-        return PAGE + round_up(block_bytes)
+    def slot_bytes_for(payload_bytes: int) -> int:
+        """The slot a record whose payload is at most ``payload_bytes`` takes."""
+        return PAGE + round_up(payload_bytes)
+
+    def payload_bytes_for(
+        self,
+        block_bytes: int,
+        codec: int | str | None = None,
+        block_format: BlockFormat | None = None,
+    ) -> int:
+        """What to ``allocate`` for a block of ``block_bytes`` written with ``codec`` (the tier's
+        default when None): the codec's bound on its payload (``codecs.plan``). Capacity is
+        counted in the slots that gives, so an fp8 record takes about half a bf16 block's."""
+        return codecs.plan(self._codec if codec is None else codec, block_format, block_bytes)[1]
+
+    def slot_size(self, slot: int) -> int:
+        """Bytes of the slot ``slot`` (of its slab's carving)."""
+        return self._alloc.slot_bytes_at(slot)
 
     # ------------------------------------------------------------------ life cycle
     async def open(self, *, read_only: bool = False, create: bool = True) -> list[NvmeRecord]:
@@ -277,7 +296,6 @@ class NvmeTier:
             self.directory,
             self.path,
             self.geometry,
-            self._codec,
             read_only=self._read_only,
             create=create,
             direct_io=self._want_direct,
@@ -334,9 +352,10 @@ class NvmeTier:
 
     # ------------------------------------------------------------------ slots
     def allocate(self, block_bytes: int) -> int | None:
-        """A free slot for a block of ``block_bytes``, or None when no slab carved for that
-        slot size has a free slot and no slab is left in the pool: evict a block of that size
-        and ask again, or empty a slab of another size (``live_slots``) and ask again."""
+        """A free slot for a payload of ``block_bytes`` (a block's size for lossless codecs,
+        ``payload_bytes_for`` for any), or None when no slab carved for that slot size has a
+        free slot and no slab is left in the pool: evict a block of that size and ask again,
+        or empty a slab of another size (``live_slots``) and ask again."""
         self._require_writable()
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
@@ -401,10 +420,18 @@ class NvmeTier:
         return table, i
 
     def _account(self, slot: int, table: RecordTable, i: int, sign: int) -> None:
+        slot_bytes = self._alloc.slot_bytes_at(slot)
         self._live_blocks += sign
-        self._used_bytes += sign * self._alloc.slot_bytes_at(slot)
+        self._used_bytes += sign * slot_bytes
         self._raw_bytes += sign * table.length[i]
         self._stored_bytes += sign * round_up(table.stored_length[i])
+        self._by_codec[table.codec[i]] += sign
+        per = self._by_ns.setdefault(table.ns[i], [0, 0, 0])
+        per[0] += sign
+        per[1] += sign * table.length[i]
+        per[2] += sign * slot_bytes
+        if not per[0]:
+            del self._by_ns[table.ns[i]]
 
     def _release(self, slot: int, table: RecordTable, i: int, *, tombstone: bool) -> None:
         table.state[i] = FREE
@@ -456,12 +483,17 @@ class NvmeTier:
         checksum: int,
         *,
         durable: bool = True,
+        codec: int | str | None = None,
+        block_format: BlockFormat | None = None,
     ) -> None:
         """Store a block in an allocated slot: on stable storage when it returns if ``durable``,
         else held by the kernel (see the class docstring's write modes). ``checksum`` is the
         block's checksum bound to its key and namespace, ``block_checksum(data, namespace,
-        key)``. Raises NvmeIOError on an IO failure and ValueError if ``data`` does not match
-        ``checksum``; after either the slot is free again."""
+        key)``. ``codec`` (the tier's default when None) encodes it, on an IO thread; a lossy
+        codec is applied only with the block's ``block_format`` (else its lossless part is, see
+        ``codecs.plan``), and the slot must be of ``payload_bytes_for`` the same arguments.
+        Raises NvmeIOError on an IO failure and ValueError if ``data`` does not match
+        ``checksum`` or its payload cannot fit the slot; after either the slot is free again."""
         self._require_writable()
         table, i = self._record_table(slot)
         if table.state[i] != ALLOCATED:
@@ -470,12 +502,26 @@ class NvmeTier:
             raise ValueError(f"key must be {KEY_BYTES} bytes and namespace {FINGERPRINT_BYTES}")
         view = memoryview(data).cast("B")
         slot_bytes = self._alloc.slot_bytes_at(slot)
-        if not 0 < view.nbytes <= slot_bytes - PAGE:
-            raise ValueError(f"{view.nbytes}-byte block does not fit a {slot_bytes}-byte slot")
+        planned, bound = codecs.plan(
+            self._codec if codec is None else codec, block_format, view.nbytes
+        )
+        if view.nbytes == 0 or bound > slot_bytes - PAGE:
+            raise ValueError(
+                f"{view.nbytes}-byte block ({codecs.NAME_OF[planned]}: up to {bound} bytes) "
+                f"does not fit a {slot_bytes}-byte slot"
+            )
         table.state[i] = WRITING
         task = asyncio.ensure_future(
             self._write_record(
-                slot, table, i, bytes(key), bytes(namespace), view, checksum, durable
+                slot,
+                table,
+                i,
+                bytes(key),
+                bytes(namespace),
+                view,
+                checksum,
+                durable,
+                (planned, block_format),
             )
         )
         self._track(task)
@@ -499,6 +545,7 @@ class NvmeTier:
         view: memoryview,
         checksum: int,
         durable: bool,
+        coding: tuple[int, BlockFormat | None],
     ) -> bool:
         """The write itself; True if a ``free`` that arrived during it has been applied."""
         seq = self._take_seq()
@@ -506,8 +553,15 @@ class NvmeTier:
         try:
             await self._settle_slab(self.geometry.slab_of(slot))
             await self._settle_tombstone(slot)
-            stored, codec = await self._run(
-                self._write_pool, self._io.write_payload, slot, key, namespace, view, checksum
+            stored, codec, decoded, stored_sum = await self._run(
+                self._write_pool,
+                self._io.write_payload,
+                slot,
+                key,
+                namespace,
+                view,
+                checksum,
+                *coding,
             )
             # Recovery looks for headers only where the slab map on disk says slots are.
             await self._persist_carving(self.geometry.slab_of(slot))
@@ -515,7 +569,7 @@ class NvmeTier:
                 await self._flush.barrier()
             pages = self._alloc.slot_bytes_at(slot) // PAGE
             fields = (pages, slot, seq, self._format_id, key, namespace, view.nbytes, stored)
-            header = fmt.pack_header(Header(KIND_RECORD, codec, *fields, checksum))
+            header = fmt.pack_header(Header(KIND_RECORD, codec, *fields, decoded, stored_sum))
             header_tried = True
             await self._run(self._write_pool, self._io.write_at, slot, header)
             if durable:
@@ -532,7 +586,8 @@ class NvmeTier:
                 ) from exc
             raise
         free_now = table.state[i] & FREE_AFTER_WRITE
-        table.set_record(i, Ident(key, namespace, view.nbytes, stored, codec, checksum, seq))
+        ident = Ident(key, namespace, view.nbytes, stored, codec, decoded, seq)
+        table.set_record(i, ident, committed=checksum)
         table.state[i] = LIVE
         self._reserved -= 1
         self._account(slot, table, i, +1)
@@ -652,7 +707,17 @@ class NvmeTier:
     ) -> bool:
         """Read the block in ``slot`` into ``out`` (exactly its length). False, a miss, when the
         record on disk is not this block intact: short read, header mismatch, checksum or
-        decompression failure, IO error. ``out`` holds undefined bytes after a miss."""
+        decoding failure, IO error. ``out`` holds undefined bytes after a miss."""
+        return await self.read_into_checked(slot, key, namespace, checksum, out) is not None
+
+    async def read_into_checked(
+        self, slot: int, key: bytes, namespace: bytes, checksum: int, out: Any
+    ) -> int | None:
+        """``read_into``, returning the checksum ``out``'s bytes were verified against (None: a
+        miss). ``checksum`` is the block's committed checksum or the record's own; they differ
+        only for a record a lossy codec wrote, whose read yields its decoded form, verified
+        against (and returning) the checksum of that form taken when it was encoded. Test ``is
+        None``: a checksum may be 0."""
         self._require_open()
         try:
             table, i = self._record_table(slot)
@@ -666,11 +731,14 @@ class NvmeTier:
         c = self._counters
         c["reads"] += 1
         want = table.ident(i)  # a snapshot: the slot may be freed while the IO runs
-        asked = (key, namespace, view.nbytes, checksum)
-        if asked != (want.key, want.namespace, want.length, want.checksum):
+        asked = (key, namespace, view.nbytes)
+        if asked != (want.key, want.namespace, want.length) or checksum not in (
+            want.checksum,
+            table.committed[i],
+        ):
             c["misses"] += 1
             c["header_mismatches"] += 1
-            return False
+            return None
         try:
             reason = await self._run(self._read_pool, self._io.read_record, slot, want, view)
         except OSError as exc:
@@ -678,10 +746,10 @@ class NvmeTier:
             reason = "io_error"
         if reason is None:
             c["read_bytes"] += PAGE + round_up(want.stored_length)
-            return True
+            return want.checksum
         c["misses"] += 1
         c[_MISS_COUNTER[reason]] += 1
-        return False
+        return None
 
     async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -738,11 +806,8 @@ class NvmeTier:
             ident = Ident(h.key, h.namespace, h.length, h.stored_length, h.codec, h.checksum, h.seq)
             table.set_record(i, ident)
             table.state[i] = LIVE
-            self._used_bytes += h.slot_pages * PAGE
-            self._raw_bytes += h.length
-            self._stored_bytes += round_up(h.stored_length)
+            self._account(h.slot, table, i, +1)
             records.append(NvmeRecord(h.slot, *ident[:4], h.checksum, h.seq))
-        self._live_blocks = len(records)
         for slot in stale:  # older copies of a key: free already, invalidated before reuse
             if self._read_only:  # left as they are: the next read-write open's job
                 self._tomb_failed[slot] = self._alloc.slot_bytes_at(slot) // PAGE
@@ -822,14 +887,27 @@ class NvmeTier:
                 if table.state[i] == LIVE:
                     self.free(p.slot)  # tombstoned in the background, like any free
 
+    def namespace_bytes(self) -> dict[bytes, tuple[int, int, int]]:
+        """(blocks, logical bytes, slot bytes) of the live records, by namespace fingerprint."""
+        names = self._namespaces.names
+        return {names[ns]: (b, raw, used) for ns, (b, raw, used) in self._by_ns.items()}
+
     def stats(self) -> dict[str, int | float | bool]:
         """Occupancy and counters. ``used_bytes``: slot bytes of the committed records (a record
-        holds its whole slot); ``stored_bytes``: the pages they fill; ``compression_ratio``: raw
-        bytes / stored payload pages over the live records."""
+        holds its whole slot: what capacity counts); ``logical_bytes``: the raw blocks they
+        hold; ``stored_bytes``: the pages they fill; ``compression_ratio``: raw bytes / stored
+        payload pages over the live records; ``records_<codec>``: live records by the codec that
+        wrote them."""
         stored = self._stored_bytes
+        by_codec = {
+            f"records_{codecs.NAME_OF[c].replace('+', '_')}": n
+            for c, n in enumerate(self._by_codec)
+        }
         return {
             "capacity_bytes": self.capacity_bytes,
             "used_bytes": self._used_bytes,
+            "logical_bytes": self._raw_bytes,
+            **by_codec,
             "stored_bytes": stored + PAGE * self._live_blocks,
             "blocks": self._live_blocks,
             "reserved_slots": self._reserved,

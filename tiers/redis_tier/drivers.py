@@ -68,9 +68,10 @@ class Driver(Protocol):
     async def get_into(
         self, names: Sequence[bytes], heads: Sequence[memoryview], outs: Sequence[memoryview]
     ) -> list[Any]:
-        """GET each name: True if its value was exactly ``len(head) + len(out)`` bytes and now
-        fills ``head`` then ``out`` (unverified), None if absent, False if of another length,
-        or the error reply. Nothing is written to the buffers after this returns or raises."""
+        """GET each name: its length ``n`` if its value was ``len(head)`` to ``len(head) +
+        len(out)`` bytes and now fills ``head`` then ``out[: n - len(head)]`` (unverified), None
+        if absent, False if of another length, or the error reply. Nothing is written to the
+        buffers after this returns or raises."""
         ...
 
     async def reset(self) -> None:
@@ -205,13 +206,13 @@ class RedisPyDriver:
                 head, out = heads[k], outs[k]
                 if value is None or isinstance(value, Exception):
                     results.append(value)
-                elif len(value) != len(head) + len(out):
+                elif not len(head) <= len(value) <= len(head) + len(out):
                     results.append(False)
                 else:
                     view = memoryview(value)
                     head[:] = view[: len(head)]
-                    out[:] = view[len(head) :]
-                    results.append(True)
+                    out[: len(value) - len(head)] = view[len(head) :]
+                    results.append(len(value))
             i = j
         return results
 

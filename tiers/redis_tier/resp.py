@@ -272,9 +272,10 @@ class RespConnection:
         raise RespConnectionError(f"unexpected reply line {line[:40]!r}")
 
     async def read_value_into(self, head: memoryview, out: memoryview) -> Any:
-        """Read a GET reply: True if the value was exactly ``len(head) + len(out)`` bytes and
-        now fills them, None if there was no value, False if it had another length (skipped),
-        or the error reply. Any bytes written to ``head``/``out`` are unverified."""
+        """Read a GET reply: its length ``n`` if the value was ``len(head)`` to ``len(head) +
+        len(out)`` bytes and now fills ``head`` then ``out[: n - len(head)]``, None if there was
+        no value, False if it had another length (skipped), or the error reply. Any bytes
+        written to ``head``/``out`` are unverified."""
         line = await self._readline()
         if line[:1] == b"$":
             try:
@@ -283,13 +284,14 @@ class RespConnection:
                 raise RespConnectionError(f"bad bulk length {line[:40]!r}") from None
             if n < 0:
                 return None
-            if n != len(head) + len(out):
+            if not len(head) <= n <= len(head) + len(out):
                 await self._skip(n + 2)
                 return False
             await self._readinto(head)
-            await self._readinto(out)
+            if n > len(head):
+                await self._readinto(out[: n - len(head)])
             await self._crlf()
-            return True
+            return n
         if line[:1] == b"-":
             return _error(line[1:])
         raise RespConnectionError(f"unexpected reply to GET {line[:40]!r}")

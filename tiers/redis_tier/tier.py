@@ -15,6 +15,8 @@ import redis.exceptions
 
 from kvstore.checksum import block_checksum
 from kvstore.errors import KVStoreError
+from kvstore.tiers import codecs
+from kvstore.tiers.codecs import CODEC_NONE, BlockFormat
 from kvstore.tiers.redis_tier import value as fmt
 from kvstore.tiers.redis_tier.drivers import Driver, make_driver
 from kvstore.tiers.redis_tier.resp import Command
@@ -141,6 +143,7 @@ class RedisTier:
                 "misses",
                 "puts",
                 "bytes_written",
+                "logical_bytes_written",
                 "bytes_read",
                 "checksum_failures",
                 "errors",
@@ -261,31 +264,54 @@ class RedisTier:
             found += 1
         return found
 
-    async def put(self, namespace: bytes, blocks: Sequence[tuple[bytes, Any, int]]) -> int:
+    async def put(
+        self,
+        namespace: bytes,
+        blocks: Sequence[tuple[bytes, Any, int]],
+        *,
+        codec: int = CODEC_NONE,
+        block_format: BlockFormat | None = None,
+        max_bytes: int | None = None,
+    ) -> int:
         """Store ``(key, block bytes, bound checksum)`` blocks; returns how many were newly
         stored (a present key is left as it is; a batch larger than the namespace's bound counts
         the tail blocks it stored and at once evicted). Raises ValueError, before sending
-        anything, if a block does not match its checksum."""
+        anything, if a block does not match its checksum. ``codec`` encodes the values (in a
+        thread, off the event loop); a lossy one applies only with the blocks' ``block_format``
+        (``codecs.plan``). The blocks must not change until it returns. ``max_bytes``: this
+        namespace's bound instead of ``max_bytes_per_namespace`` (a tenant's per-namespace
+        quota)."""
+        bound = self.max_bytes_per_namespace if max_bytes is None else max_bytes
         prefix = fmt.namespace_prefix(self.key_prefix, fmt.check_namespace(namespace))
         cmds: list[Command] = []
         keys: list[bytes] = []
         sizes: list[int] = []
+        views = []
         for key, data, checksum in blocks:
             fmt.check_key(key)
             view = _flat(data, writable=False)
             if block_checksum(view, namespace, key) != checksum:
                 self._counters["checksum_failures"] += 1
                 raise ValueError(f"block {key.hex()} does not match its checksum")
-            head = fmt.pack_header(key, namespace, len(view), checksum)
-            cmd: Command = ("SET", fmt.block_name(prefix, key), [head, view], "NX")
+            views.append((key, view, checksum))
+        planned = [codecs.plan(codec, block_format, len(v))[0] for _, v, _ in views]
+        if any(p != CODEC_NONE for p in planned):
+            values = await asyncio.to_thread(
+                _encode_values, namespace, views, planned, block_format
+            )
+        else:
+            values = [[fmt.pack_header(k, namespace, len(v), c), v] for k, v, c in views]
+        for (key, _, _), value in zip(views, values, strict=True):
+            cmd: Command = ("SET", fmt.block_name(prefix, key), value, "NX")
             cmds.append(cmd if self._ttl_ms is None else (*cmd, "PX", self._ttl_ms))
             keys.append(key)
-            sizes.append(len(view))
+            sizes.append(sum(len(part) for part in value))
+        logical = [len(view) for _, view, _ in views]
         if not cmds:
             return 0
         n_sets = len(cmds)
         index = fmt.index_name(prefix)
-        if self.max_bytes_per_namespace is not None:
+        if bound is not None:
             now_us = time.time_ns() // 1000
             if self._ttl_ms is not None:
                 # Entries older than the TTL name expired blocks: drop them so they are not
@@ -302,30 +328,33 @@ class RedisTier:
 
         async def run() -> list[Any]:
             replies = await self._run(cmds)
-            if self.max_bytes_per_namespace is not None:
+            if bound is not None:
                 count_at = n_sets + (2 if self._ttl_ms is not None else 1)
-                await self._enforce_bound(prefix, index, replies[count_at], max(sizes))
+                await self._enforce_bound(prefix, index, replies[count_at], max(sizes), bound)
             return replies
 
         replies = await self._call(run)
-        stored = written = 0
-        for size, reply in zip(sizes, replies[:n_sets], strict=True):
+        stored = written = raw = 0
+        for size, n, reply in zip(sizes, logical, replies[:n_sets], strict=True):
             if isinstance(reply, Exception):
                 self._counters["errors"] += 1
             elif reply is not None and reply is not False:
                 stored += 1
                 written += size
+                raw += n
         self._counters["puts"] += stored
         self._counters["bytes_written"] += written
+        self._counters["logical_bytes_written"] += raw
         return stored
 
-    async def _enforce_bound(self, prefix: bytes, index: bytes, count: Any, block: int) -> None:
-        assert self.max_bytes_per_namespace is not None
+    async def _enforce_bound(
+        self, prefix: bytes, index: bytes, count: Any, block: int, bound: int
+    ) -> None:
         if not isinstance(count, int):
             if isinstance(count, Exception):
                 self._counters["errors"] += 1
             return
-        excess = count - self.max_bytes_per_namespace // (fmt.HEADER_BYTES + block)
+        excess = count - bound // block
         if excess <= 0:
             return
         (popped,) = await self._run([("ZPOPMIN", index, excess)])
@@ -368,13 +397,29 @@ class RedisTier:
             return results
 
         results = await self._call(run)
+        stated: list[fmt.ValueHeader | None] = []
+        decode: list[tuple[int, fmt.ValueHeader]] = []
+        for i, ((key, expected, _), head, out, result) in enumerate(
+            zip(items, heads, outs, results, strict=True)
+        ):
+            h = None
+            if type(result) is int:  # the value's length
+                h = fmt.parse_header(head, key, namespace, len(out), expected)
+                if h is not None and result != h.header_bytes + h.stored_length:
+                    h = None
+                if h is not None and (h.codec != CODEC_NONE or h.header_bytes != len(head)):
+                    decode.append((i, h))
+            stated.append(h)
+        if decode:  # payloads that are not the block itself: decoded off the event loop
+            done = await asyncio.to_thread(_decode_values, namespace, items, heads, outs, decode)
+            for (i, _), ok in zip(decode, done, strict=True):
+                if not ok:
+                    stated[i] = None
         sums: list[int | None] = []
-        for (key, expected, _), head, out, result in zip(items, heads, outs, results, strict=True):
+        for (key, _, _), out, result, h in zip(items, outs, results, stated, strict=True):
             verified = None
-            if result is True:
-                stated = fmt.header_checksum(head, key, namespace, len(out), expected)
-                if stated is not None and block_checksum(out, namespace, key) == stated:
-                    verified = stated
+            if h is not None and block_checksum(out, namespace, key) == h.checksum:
+                verified = h.checksum
             if verified is not None:
                 self._counters["hits"] += 1
                 self._counters["bytes_read"] += len(out)
@@ -382,7 +427,7 @@ class RedisTier:
                 self._counters["misses"] += 1
                 if isinstance(result, Exception):
                     self._counters["errors"] += 1
-                elif result is not None:
+                elif result is not None:  # False: a value of a length no header can state
                     self._counters["checksum_failures"] += 1
                     log.warning("redis tier: block %s failed verification (a miss)", key.hex())
             sums.append(verified)
@@ -427,6 +472,68 @@ def _redacted(url: str) -> str:
             [(k, "***" if k.lower() in _SECRET_QUERY_KEYS else v) for k, v in pairs], safe="*/:"
         )
     return base + sep + query
+
+
+def _encode_values(
+    namespace: bytes,
+    views: list[tuple[bytes, memoryview, int]],
+    planned: list[int],
+    block_format: BlockFormat | None,
+) -> list[list[Any]]:
+    """Each block's value parts, [header, payload], encoded with its planned codec (on a
+    thread). A lossy payload is decoded once here, so its header states the checksum of the
+    block a read will yield."""
+    out: list[list[Any]] = []
+    for (key, view, checksum), codec in zip(views, planned, strict=True):
+        if codec == CODEC_NONE:
+            out.append([fmt.pack_header(key, namespace, len(view), checksum), view])
+            continue
+        scratch = memoryview(bytearray(codecs.scratch_bytes(len(view))))
+        used, payload = codecs.encode(codec, view, block_format, scratch)
+        if used == CODEC_NONE:
+            out.append([fmt.pack_header(key, namespace, len(view), checksum), view])
+            continue
+        decoded = checksum
+        if used in codecs.LOSSY:
+            assert block_format is not None
+            frame = scratch[: codecs.fp8_payload_bytes(block_format)]
+            back = memoryview(bytearray(len(view)))
+            if not codecs.fp8_decode(frame, back):
+                raise AssertionError("a fresh fp8 payload failed to decode")
+            decoded = block_checksum(back, namespace, key)
+        data = bytes(payload)
+        stored = block_checksum(data, namespace, key)
+        head = fmt.pack_header(key, namespace, len(view), decoded, used, len(data), stored)
+        out.append([head, data])
+    return out
+
+
+def _decode_values(
+    namespace: bytes,
+    items: Sequence[tuple[bytes, int | None, Any]],
+    heads: list[memoryview],
+    outs: list[memoryview],
+    todo: list[tuple[int, fmt.ValueHeader]],
+) -> list[bool]:
+    """Turn values whose payload is not the block itself into blocks, in place in ``outs``
+    (on a thread). The payload arrived at the tail of ``heads[i]`` and the head of
+    ``outs[i]``; it is checked against its checksum, then decoded. A version 2 value (an
+    80-byte header) is the raw block shifted by 16 bytes."""
+    done = []
+    for i, h in todo:
+        head, out, key = heads[i], outs[i], items[i][0]
+        spill = len(head) - h.header_bytes  # payload bytes that landed in ``head``
+        payload = bytes(head[h.header_bytes :]) + bytes(out[: h.stored_length - spill])
+        if h.codec == CODEC_NONE:
+            out[:] = payload
+            done.append(True)
+            continue
+        if block_checksum(payload, namespace, key) != h.stored_checksum:
+            done.append(False)
+            continue
+        scratch = memoryview(bytearray(codecs.scratch_bytes(len(out))))
+        done.append(codecs.decode(h.codec, memoryview(payload), out, scratch))
+    return done
 
 
 def _flat(buf: Any, *, writable: bool) -> memoryview:

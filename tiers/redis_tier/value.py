@@ -1,61 +1,115 @@
-"""The Redis tier's value format (version 1) and key names: pure functions, no IO.
+"""The Redis tier's value format (version 3) and key names: pure functions, no IO.
 
-A block is stored as one Redis string, an 80-byte header followed by the raw block bytes.
-Integers are little-endian:
+A block is stored as one Redis string, a 96-byte header followed by the payload its codec
+(``kvstore.tiers.codecs``) wrote. Integers are little-endian:
 
     magic "KVRB" | version u8 | codec u8 | flags u16 | length u64 | checksum u64 |
-    key (32 bytes) | namespace fingerprint (16 bytes) | xxh3-64 of the 72 bytes before
+    stored length u64 | stored checksum u64 | key (32 bytes) | namespace fingerprint (16 bytes) |
+    xxh3-64 of the 88 bytes before
 
-``length`` is the raw block size, ``checksum`` the xxh3-64 of the raw block (what every tier
-stores). Codec 0 (none) is the only one written; a reader rejects any other, so a later codec
-cannot be taken for raw bytes. The header names its key and namespace, so a value copied or
-renamed under another key is refused, and its own checksum makes every header byte count.
+``length`` is the raw block size; ``checksum`` the bound checksum (``kvstore.checksum``) of the
+block a read yields (for a lossy codec, of the decoded block, taken when it was encoded);
+``stored length`` and ``stored checksum`` describe the payload. The header names its codec, so
+a reader decodes a value whatever codec the writer was configured with; it names its key and
+namespace, so a value copied or renamed under another key is refused, and its own checksum makes
+every header byte count. Version 2 values (an 80-byte header without the stored fields, codec
+none) are still read.
 """
 
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 import xxhash
 
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
+from kvstore.tiers import codecs
 
 MAGIC = b"KVRB"
-VERSION = 2  # 2: the checksum is bound to namespace and key (kvstore.checksum)
-CODEC_NONE = 0
-_FIELDS = struct.Struct("<4sBBHQQ32s16s")
+VERSION = 3  # 3: codecs and the payload's own checksum. 2: checksums bound to namespace and key
+CODEC_NONE = codecs.CODEC_NONE
+_FIELDS = struct.Struct("<4sBBHQQQQ32s16s")
+_FIELDS_V2 = struct.Struct("<4sBBHQQ32s16s")
 _U64 = struct.Struct("<Q")
 HEADER_BYTES = _FIELDS.size + _U64.size
-assert HEADER_BYTES == 80
+V2_HEADER_BYTES = _FIELDS_V2.size + _U64.size
+assert HEADER_BYTES == 96 and V2_HEADER_BYTES == 80
 
 
-def pack_header(key: bytes, namespace: bytes, length: int, checksum: int) -> bytes:
-    fields = _FIELDS.pack(MAGIC, VERSION, CODEC_NONE, 0, length, checksum, key, namespace)
+class ValueHeader(NamedTuple):
+    """What a value's header states: its header's size (96, or 80 for version 2), the codec
+    of its payload, the payload's length and checksum, and the checksum of the block a read
+    yields."""
+
+    header_bytes: int
+    codec: int
+    stored_length: int
+    stored_checksum: int
+    checksum: int
+
+
+def pack_header(
+    key: bytes,
+    namespace: bytes,
+    length: int,
+    checksum: int,
+    codec: int = CODEC_NONE,
+    stored_length: int | None = None,
+    stored_checksum: int | None = None,
+) -> bytes:
+    stored_length = length if stored_length is None else stored_length
+    stored_checksum = checksum if stored_checksum is None else stored_checksum
+    fields = _FIELDS.pack(
+        MAGIC, VERSION, codec, 0, length, checksum, stored_length, stored_checksum, key, namespace
+    )
     return fields + _U64.pack(xxhash.xxh3_64_intdigest(fields))
 
 
-def header_checksum(
+def pack_header_v2(key: bytes, namespace: bytes, length: int, checksum: int) -> bytes:
+    """A header as version 2 wrote it (tests: such values must stay readable)."""
+    fields = _FIELDS_V2.pack(MAGIC, 2, CODEC_NONE, 0, length, checksum, key, namespace)
+    return fields + _U64.pack(xxhash.xxh3_64_intdigest(fields))
+
+
+def parse_header(
     head: bytes | bytearray | memoryview,
     key: bytes,
     namespace: bytes,
     length: int,
     expected: int | None,
-) -> int | None:
-    """The block checksum a header states if it is intact and describes exactly this block
-    (key, namespace, raw length, codec none and, when given, ``expected``); else None."""
+) -> ValueHeader | None:
+    """What the header at the start of ``head`` (``HEADER_BYTES`` long) states, if it is
+    intact (version 3, or 2) and describes exactly this block (key, namespace, raw length, a
+    known codec and, when given, ``expected`` as the checksum a read yields); else None."""
     if len(head) != HEADER_BYTES:
         return None
-    fields = memoryview(head)[: _FIELDS.size]
-    if _U64.unpack_from(head, _FIELDS.size)[0] != xxhash.xxh3_64_intdigest(fields):
-        return None
-    magic, version, codec, flags, h_length, h_checksum, h_key, h_ns = _FIELDS.unpack(fields)
-    if (magic, version, codec, flags) != (MAGIC, VERSION, CODEC_NONE, 0):
+    view = memoryview(head)
+    if bytes(view[4:5]) == b"\x02":
+        fields = view[: _FIELDS_V2.size]
+        if _U64.unpack_from(view, _FIELDS_V2.size)[0] != xxhash.xxh3_64_intdigest(fields):
+            return None
+        magic, version, codec, flags, h_length, h_checksum, h_key, h_ns = _FIELDS_V2.unpack(fields)
+        stated = ValueHeader(V2_HEADER_BYTES, codec, h_length, h_checksum, h_checksum)
+    else:
+        fields = view[: _FIELDS.size]
+        if _U64.unpack_from(view, _FIELDS.size)[0] != xxhash.xxh3_64_intdigest(fields):
+            return None
+        magic, version, codec, flags, h_length, h_checksum, s_len, s_sum, h_key, h_ns = (
+            _FIELDS.unpack(fields)
+        )
+        stated = ValueHeader(HEADER_BYTES, codec, s_len, s_sum, h_checksum)
+        if version != VERSION or codec not in codecs.NAME_OF or not 0 < s_len <= h_length:
+            return None
+        if codec == CODEC_NONE and (s_len, s_sum) != (h_length, h_checksum):
+            return None
+    if (magic, flags) != (MAGIC, 0) or (version == 2 and codec != CODEC_NONE):
         return None
     if h_key != key or h_ns != namespace or h_length != length:
         return None
     if expected is not None and h_checksum != expected:
         return None
-    return int(h_checksum)
+    return stated
 
 
 def check_key_prefix(prefix: str) -> str:
