@@ -1,6 +1,7 @@
 # The two commands a fresh machine needs:
 #   make demo   set up .venv, start the daemon on the embedded default config, run a workload
-#   make test   set up .venv, lint, type-check, check generated code, compile kernels, run tests
+#   make test   set up .venv, lint, type-check, check generated code, compile kernels, run tests,
+#               then the vLLM connector's tests against real engines in .venv-vllm
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -23,7 +24,7 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m kvstore demo
 
-test: setup lint pytest
+test: setup lint pytest test-vllm
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -457,9 +457,11 @@ async def test_killed_and_restarted_redis(server: RedisProc, drv: str) -> None:
         await asyncio.sleep(0.2)
         assert not task.done()
         server.kill()
+        # The bounds tell an answer from a hang, with room for a loaded machine; they do not
+        # measure speed (the deadline itself is timeout_s, 0.5 s).
         t0 = time.monotonic()
-        exc = await asyncio.wait_for(task, 5)
-        assert time.monotonic() - t0 < 2.0
+        exc = await asyncio.wait_for(task, 30)
+        assert time.monotonic() - t0 < 10.0
         assert isinstance(exc, RedisTierUnavailable)
         assert not tier.up
         for call in (
@@ -471,11 +473,11 @@ async def test_killed_and_restarted_redis(server: RedisProc, drv: str) -> None:
             t0 = time.monotonic()
             with pytest.raises(RedisTierUnavailable):
                 await call
-            assert time.monotonic() - t0 < 2.0
+            assert time.monotonic() - t0 < 10.0
         await asyncio.sleep(0.3)  # a few reconnection attempts fail meanwhile
         assert not tier.up
         server.start()  # same socket path
-        await wait_up(tier, 5.0)
+        await wait_up(tier, 30.0)
         assert tier.stats()["reconnects"] == 1
         # The restarted Redis kept nothing (no persistence); the tier works again.
         assert await tier.contains(NS, [key(0)]) == 0
@@ -496,12 +498,12 @@ async def test_a_frozen_redis_meets_the_deadline(server: RedisProc, drv: str) ->
         with pytest.raises(RedisTierUnavailable, match="timed out"):
             await tier.get_into(NS, [(k, c, memoryview(bytearray(1 << 20)))])
         elapsed = time.monotonic() - t0
-        assert 0.25 < elapsed < 2.0
+        assert 0.25 < elapsed < 10.0
         assert not tier.up
         await asyncio.sleep(0.5)
         assert not tier.up  # PINGs time out too while it is frozen
         server.signal(signal.SIGCONT)
-        await wait_up(tier, 5.0)
+        await wait_up(tier, 30.0)
         out = bytearray(1 << 20)
         assert await tier.get_into(NS, [(k, c, memoryview(out))]) == [True] and out == data
 
@@ -516,7 +518,7 @@ async def test_down_at_start_is_not_an_error(drv: str) -> None:
             with pytest.raises(RedisTierUnavailable):
                 await tier.contains(NS, [key(0)])
             srv.start()
-            await wait_up(tier, 5.0)
+            await wait_up(tier, 30.0)
             assert await tier.put(NS, [entry(0, 10)]) == 1
             assert await tier.contains(NS, [key(0)]) == 1
     finally:
