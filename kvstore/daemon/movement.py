@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvstore.checksum import block_checksum
@@ -241,24 +241,16 @@ class Mover:
         """Bring ``record``'s namespace and tenant within their ``quota_cpu`` for ``n`` more
         blocks by evicting their own coldest blocks; returns how many of the ``n`` may be
         allocated (``n``, or fewer when ``partial``; CapacityError otherwise)."""
-        store, index, quotas = self.store, self.store.index, self.store.quotas
+        store, quotas = self.store, self.store.quotas
         for books, where in ((record.usage, "namespace"), (record.owner, "tenant")):
             for _ in range(4):  # victims may change while dirty ones are written down
                 need = block_bytes * n + held_bytes
                 excess = quotas.over(books, "cpu", need)
                 if not excess:
                     break
-                victims, freed = [], 0
-                for eid in store.policy.order():  # coldest first
-                    if freed >= excess:
-                        break
-                    if where == "namespace":
-                        mine = index.ns[eid] == record.ns_id
-                    else:
-                        mine = store.names[index.ns[eid]].owner is books
-                    if mine and not protected(eid):
-                        victims.append(eid)
-                        freed += store.block_bytes_of(eid)
+                victims, _ = self._own_coldest(
+                    store.policy.order(), record, where, excess, lambda eid: not protected(eid)
+                )
                 if not victims:
                     break
                 await self._evict_cpu(victims, record.owner)  # its own: no guarantee spares them
@@ -375,6 +367,31 @@ class Mover:
         finally:
             store.unpin(eid)
 
+    def _own_coldest(
+        self,
+        order: Iterable[int],
+        record: NamespaceRecord,
+        where: str,
+        excess: int,
+        evictable: Callable[[int], bool],
+    ) -> tuple[list[int], int]:
+        """The coldest evictable blocks of ``record``'s namespace (``where == "namespace"``) or
+        tenant, in ``order`` (a policy's, coldest first), until they free ``excess`` bytes;
+        with the bytes they free."""
+        store, index = self.store, self.store.index
+        victims, freed = [], 0
+        for eid in order:
+            if freed >= excess:
+                break
+            if where == "namespace":
+                mine = index.ns[eid] == record.ns_id
+            else:
+                mine = store.names[index.ns[eid]].owner is record.owner
+            if mine and evictable(eid):
+                victims.append(eid)
+                freed += store.block_bytes_of(eid)
+        return victims, freed
+
     def _nvme_quota_room(self, record: NamespaceRecord, block_bytes: int) -> bool:
         """Bring ``record``'s namespace and tenant within their ``quota_nvme`` for one more
         block by evicting their own coldest disk blocks; False when they cannot."""
@@ -383,17 +400,13 @@ class Mover:
             excess = quotas.over(books, "nvme", block_bytes)
             if not excess:
                 continue
-            victims, freed = [], 0
-            for eid in store.nvme_policy.order():  # coldest first
-                if freed >= excess:
-                    break
-                if where == "namespace":
-                    mine = index.ns[eid] == record.ns_id
-                else:
-                    mine = store.names[index.ns[eid]].owner is books
-                if mine and not index.leases[eid] and eid not in self._promoting:
-                    victims.append(eid)
-                    freed += store.block_bytes_of(eid)
+            victims, freed = self._own_coldest(
+                store.nvme_policy.order(),
+                record,
+                where,
+                excess,
+                lambda eid: not index.leases[eid] and eid not in self._promoting,
+            )
             if freed < excess:
                 return False
             self._evict_disk(victims)
