@@ -587,8 +587,12 @@ class Mover:
                 and not index.tier[e] & IN_CPU
             ]
             if todo and tier is not None:
+                # One namespace per call: its block size and memory domain are the slots'. A
+                # block of another namespace here (an entry id reused) is not this call's.
+                ns_id = index.ns[eids[todo[0]]]
+                todo = [i for i in todo if index.ns[eids[i]] == ns_id]
                 block_bytes = store.block_bytes_of(eids[todo[0]])
-                first = store.namespace_record(index.ns[eids[todo[0]]])
+                first = store.namespace_record(ns_id)
                 offsets = await self.alloc_cpu(
                     block_bytes, len(todo), partial=True, domain=first.domain, record=first
                 )
@@ -649,23 +653,26 @@ class Mover:
         run = store.leading_run(ns_id, keys)
         # Blocks in the GPU pool are not read from disk: a CPU reader gets a copy from the pool.
         todo = [
-            e
+            (e, index.key(e))
             for e in dict.fromkeys(run)  # a key asked twice is one block
             if not index.tier[e] & (IN_CPU | IN_GPU) and e not in self._promoting
         ]
         if todo:
-            self._spawn(self._prefetch(todo))
+            self._spawn(self._prefetch(ns_id, todo))
         return len(todo)
 
-    async def _prefetch(self, eids: list[int]) -> None:
+    async def _prefetch(self, ns_id: int, run: list[tuple[int, bytes]]) -> None:
         # Windows in prefix order: the head of the prefix is ready first.
         window = 2 * self.config.io_threads
-        for i in range(0, len(eids), window):
+        for i in range(0, len(run), window):
             index = self.store.index
+            # Each entry is re-checked against the key it was queued for: one deleted during
+            # an earlier window may have passed its id to another namespace's block.
             batch = [
                 e
-                for e in eids[i : i + window]
-                if index.state[e] == State.COMMITTED
+                for e, key in run[i : i + window]
+                if index.has_key(e, ns_id, key)
+                and index.state[e] == State.COMMITTED
                 and not index.tier[e] & IN_CPU
                 and e not in self._promoting
             ]
