@@ -86,6 +86,8 @@ class DeviceTier:
         self.dsum: dict[int, int] = {}
         self.used_bytes = 0
         self._moving: dict[int, asyncio.Future[bool]] = {}
+        # Entries queued by a prefetch and not reached yet, with their (namespace, key).
+        self._queued: dict[int, tuple[int, bytes]] = {}
         self._eager: deque[int] = deque()
         self._wake = asyncio.Event()
         self._room = asyncio.Lock()
@@ -494,20 +496,46 @@ class DeviceTier:
 
     # ----------------------------------------------------------------- up
     def prefetch(self, ns_id: int, keys: list[bytes]) -> int:
-        """Start promoting the run's blocks into the pool in prefix order; returns how many."""
+        """Start promoting the run's blocks into the pool in prefix order; returns how many
+        were queued (blocks an earlier prefetch queued and has not reached are not queued
+        again). Spends the keys like a lookup (``keys_per_s``)."""
+        store = self.store
+        store.quotas.take_keys(store.names[ns_id], len(keys))
         if self.pool is None:
             return 0
-        index = self.store.index
-        run = self.store.leading_run(ns_id, keys)
-        todo = [e for e in run if not index.tier[e] & IN_GPU and e not in self._moving]
+        index = store.index
+        run = store.leading_run(ns_id, keys)
+        queued = self._queued
+        todo = [
+            (e, index.key(e))
+            for e in dict.fromkeys(run)
+            if not index.tier[e] & IN_GPU
+            and e not in self._moving
+            and queued.get(e) != (ns_id, index.key(e))
+        ]
         if todo:
-            self._spawn(self._prefetch(todo))
+            for e, key in todo:
+                queued[e] = (ns_id, key)
+            self._spawn(self._prefetch(ns_id, todo))
         return len(todo)
 
-    async def _prefetch(self, eids: list[int]) -> None:
-        for start in range(0, len(eids), _BATCH):
-            if not await self.to_gpu(eids[start : start + _BATCH]):
-                return  # past a block that could not come up, the prefix is of no use
+    def _unqueue(self, ns_id: int, part: list[tuple[int, bytes]]) -> None:
+        for e, key in part:
+            if self._queued.get(e) == (ns_id, key):
+                del self._queued[e]
+
+    async def _prefetch(self, ns_id: int, run: list[tuple[int, bytes]]) -> None:
+        start = 0
+        try:
+            for start in range(0, len(run), _BATCH):
+                part = run[start : start + _BATCH]
+                self._unqueue(ns_id, part)
+                # Still the blocks queued: an entry deleted meanwhile may hold another key.
+                eids = [e for e, key in part if self.store.index.has_key(e, ns_id, key)]
+                if not await self.to_gpu(eids):
+                    return  # past a block that could not come up, the prefix is of no use
+        finally:
+            self._unqueue(ns_id, run[start:])
 
     async def to_gpu(self, eids: list[int]) -> bool:
         """Promote blocks into the pool (from the CPU tier, bringing disk-only ones to the CPU
