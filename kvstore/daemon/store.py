@@ -423,7 +423,7 @@ class BlockStore:
                 held.append(eid)
             local_run = len(eids)
             tiers = self.index.tier
-            gpu = gpu and self.device.enabled
+            gpu = gpu and self._maps_pool(handle)
             if not gpu:
                 gpu_only = [e for e in eids if tiers[e] & IN_GPU and not tiers[e] & IN_CPU]
                 if gpu_only:
@@ -571,7 +571,7 @@ class BlockStore:
         if handle.closed:
             raise UnknownNamespaceError("the namespace handle was closed during the call")
         offsets = [-1] * len(keys)
-        if gpu and self.device.enabled:
+        if gpu and self._maps_pool(handle):
             reserved = await self._reserve_gpu(handle, keys, priority, offsets)
             if reserved is not None:
                 return ReserveResult(reserved, offsets, True, pending)
@@ -617,6 +617,13 @@ class BlockStore:
             raise
         rid = self._add_reservation(handle, keys, todo, slots, priority, offsets)
         return ReserveResult(rid, offsets, False, pending)
+
+    def _maps_pool(self, handle: Handle) -> bool:
+        """Whether ``handle``'s caller may be given GPU pool slots: the pool is one undivided
+        allocation, handed only to callers of every tenant (``OpenNamespace``); anyone else
+        could only hold its slots and blocks, never use them."""
+        principal = handle.principal
+        return self.device.enabled and getattr(principal, "all_tenants", True)
 
     def _add_reservation(
         self,
