@@ -253,9 +253,15 @@ class NamespaceTable:
         return self._tenants.get(domain)
 
     def _new(
-        self, namespace: Namespace | None, fingerprint: bytes, block_bytes: int, priority: int
+        self,
+        namespace: Namespace | None,
+        fingerprint: bytes,
+        block_bytes: int,
+        priority: int,
+        limit: int | None = None,
     ) -> NamespaceRecord:
-        if len(self._records) >= min(self.limits.max_namespaces, MAX_NAMESPACE_ID):
+        limit = min(self.limits.max_namespaces, MAX_NAMESPACE_ID) if limit is None else limit
+        if len(self._records) >= limit:
             raise CapacityError(
                 f"too many namespaces ({len(self._records)}, limits.max_namespaces)"
             )
@@ -266,10 +272,12 @@ class NamespaceTable:
         return record
 
     def recovered(self, fingerprint: bytes, block_bytes: int) -> NamespaceRecord:
-        """The record of blocks found on disk at start-up, by fingerprint."""
+        """The record of blocks found on disk at start-up, by fingerprint. ``max_namespaces``
+        bounds what clients open, not what the disk already holds (a limit lowered since must
+        not stop the daemon from starting): only the index's id range does (CapacityError)."""
         record = self._by_fingerprint.get(fingerprint)
         if record is None:
-            record = self._new(None, fingerprint, block_bytes, 0)
+            record = self._new(None, fingerprint, block_bytes, 0, limit=MAX_NAMESPACE_ID)
         return record
 
     def maybe_free(self, record: NamespaceRecord) -> None:
