@@ -167,8 +167,9 @@ class Authenticator:
         self._session_principal = session_principal
         config = policy.config
         # TCP with neither tokens nor client certificates: only a loopback bind (or an
-        # operator's --insecure) gets here; every caller is the anonymous owner.
-        self._open_tcp = not policy.tokens and not config.tls_client_ca
+        # operator's --insecure) gets here; every caller is the anonymous owner. Never with a
+        # tenant policy (the daemon refuses to start so): that caller would reach every tenant.
+        self._open_tcp = not policy.tokens and not config.tls_client_ca and not policy.enabled
 
     def principal(self, context: Any) -> Principal:
         metadata = {k: v for k, v in (context.invocation_metadata() or ())}

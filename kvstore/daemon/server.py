@@ -45,6 +45,12 @@ METHOD_NAMES = [m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].method
 def _check_tcp_bind(address: str, auth: AuthConfig) -> None:
     """A TCP address other than loopback needs TLS and a credential (tokens or client
     certificates), unless the operator says ``insecure`` (then a warning at every start)."""
+    if auth.has_policy and not (auth.tokens or auth.tls_client_ca):
+        raise RuntimeError(
+            f"refusing to serve {address} with a tenant policy ([[access]]) but neither "
+            "auth.tokens or auth.tls_client_ca: uids and gids are known only on a unix socket, "
+            "so every TCP caller would be anonymous and reach every tenant"
+        )
     host = address.rsplit(":", 1)[0].strip("[]")
     loopback = host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.")
     secured = auth.tls and (bool(auth.tokens) or bool(auth.tls_client_ca))
