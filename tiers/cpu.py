@@ -181,6 +181,9 @@ class SharedMemoryArena:
             self._retire(base, old)
         fd = os.memfd_create(f"kvstore-slab-{base}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
+            # Owner-only (a memfd is made 0777): a client of another uid handed a read-only
+            # descriptor could otherwise reopen it read-write through /proc/self/fd.
+            os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)
             try:
                 _check_memory(size)
