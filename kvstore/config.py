@@ -196,7 +196,8 @@ class LimitsConfig:
     # The share of the CPU tier one tenant may pin (leased, reserved and quarantined blocks),
     # unless its [tenants.NAME] max_pinned says otherwise: the rest stays evictable, so one
     # tenant's leases or reservations can never stop everyone else's puts. 0: 0.5 with a
-    # tenant policy or [tenants] tables, no bound on a single-user daemon.
+    # tenant policy or [tenants] tables; on a single-user daemon the whole tier, and half of it
+    # per handle while other handles are open (DaemonConfig.handle_pinned_share).
     max_pinned_share: float = 0.0
 
     def __post_init__(self) -> None:
@@ -405,6 +406,16 @@ class DaemonConfig:
         if self.limits.max_pinned_share:
             return self.limits.max_pinned_share
         return 0.5 if self.auth.has_policy or self.tenants else 1.0
+
+    @property
+    def handle_pinned_share(self) -> float:
+        """The share of the CPU tier one namespace handle may pin (0: no bound of its own). A
+        single-user daemon's clients share one tenant, whose pinned share is the whole tier: so
+        that one client cannot lease or reserve everything and stop the others' puts, each
+        handle may pin half of it, unless ``limits.max_pinned_share`` says otherwise."""
+        if self.limits.max_pinned_share or self.auth.has_policy or self.tenants:
+            return 0.0
+        return 0.5
 
     def __post_init__(self) -> None:
         for name in ("lease_ttl_s", "reservation_ttl_s", "reaper_interval_s"):

@@ -93,6 +93,9 @@ class Handle:
     # Who opened it (``kvstore.daemon.auth.Principal``): no other caller may present it.
     principal: object = None
     writable: bool = True  # False: a reader of a shared namespace
+    # What its leases and reservations pin (``kvstore.daemon.quotas.Usage``), where handles
+    # have a pinned bound of their own; None otherwise.
+    books: Any = None
 
     @property
     def ns_id(self) -> int:

@@ -104,6 +104,8 @@ class Quotas:
         self.capacity = config.cpu.capacity_bytes
         self._share = config.pinned_share
         self.default_pinned = max(1, int(self._share * self.capacity))
+        # What one handle may pin, 0: no bound of its own (``DaemonConfig.handle_pinned_share``).
+        self.handle_pinned = int(config.handle_pinned_share * self.capacity)
         self._policy: dict[str, TenantQuota] = {t.name: t for t in config.tenants}
         self._slab_of = slab_of
         self.slab_bytes = slab_bytes
@@ -141,6 +143,10 @@ class Quotas:
         record.usage = Usage(record.name, spec.namespace if spec else Quota())
         record.owner = self.tenant(ns.tenant) if ns is not None else self.unowned
         record.owner.records += 1
+
+    def handle_books(self) -> Usage | None:
+        """The books of a new handle's pins, when handles have a pinned bound of their own."""
+        return Usage("handle", Quota()) if self.handle_pinned else None
 
     def forget(self, record: NamespaceRecord) -> None:
         """A record is gone. The books of a tenant the config does not name go with its last
@@ -239,9 +245,19 @@ class Quotas:
         kind: str,
         nbytes: int,
         slabs: list[int] = (),  # type: ignore[assignment]
+        handle: Usage | None = None,
     ) -> None:
         """Refuse (CapacityError naming the bound) a lease or reservation of ``nbytes`` CPU
-        bytes in ``slabs`` that would take its namespace or tenant past a bound."""
+        bytes in ``slabs`` that would take its namespace or tenant past a bound, or its
+        ``handle`` (its books, ``handle_books``) past the share one handle may pin."""
+        if nbytes and handle is not None and handle.pinned_bytes + nbytes > self.handle_pinned:
+            raise CapacityError(
+                f"this handle would pin {format_size(handle.pinned_bytes + nbytes)} of the cpu "
+                f"tier (leased, reserved and quarantined), more than one client may "
+                f"({format_size(self.handle_pinned)}: half the tier on a single-user daemon, "
+                "unless limits.max_pinned_share is set): release leases or commit reservations "
+                "first, or ask for fewer blocks at once"
+            )
         for books, where in ((record.usage, "namespace"), (record.owner, "tenant")):
             limit = getattr(books.quota, kind)
             if limit and getattr(books, kind) >= limit:
@@ -272,8 +288,15 @@ class Quotas:
                     "must keep room for the other tenants' guaranteed_cpu shares"
                 )
 
-    def pin(self, record: NamespaceRecord, kind: str, nbytes: int, slabs: list[int]) -> Pin:
-        books = (record.usage, record.owner)
+    def pin(
+        self,
+        record: NamespaceRecord,
+        kind: str,
+        nbytes: int,
+        slabs: list[int],
+        handle: Usage | None = None,
+    ) -> Pin:
+        books = (record.usage, record.owner) + ((handle,) if handle is not None else ())
         for b in books:
             setattr(b, kind, getattr(b, kind) + 1)
             b.pinned_bytes += nbytes

@@ -68,7 +68,7 @@ from kvstore.daemon.namespaces import (
     NamespaceTable,
     Reservation,
 )
-from kvstore.daemon.quotas import Pin, Quotas
+from kvstore.daemon.quotas import Pin, Quotas, Usage
 from kvstore.daemon.tierstats import TierCounters, TierSnapshot
 from kvstore.errors import (
     CapacityError,
@@ -219,6 +219,7 @@ class BlockStore:
         """Register or join a namespace and hand out a new handle to it (``NamespaceTable``)."""
         self.allocator.check_fits(namespace.layout.block_bytes)
         handle = self.names.open(namespace, priority)
+        handle.books = self.quotas.handle_books()
         if handle.record.usage is None:
             self.quotas.new_books(handle.record)
         else:
@@ -461,12 +462,16 @@ class BlockStore:
         slabs = self.quotas.slabs_of(in_arena)
         try:
             # One tenant may pin only its share: the rest of the tier stays evictable.
-            self.quotas.check_pin(record, "leases", len(in_arena) * record.block_bytes, slabs)
+            self.quotas.check_pin(
+                record, "leases", len(in_arena) * record.block_bytes, slabs, self._bound(handle)
+            )
         except CapacityError:
             for eid in held:
                 self._drop_one_lease(eid)
             raise
-        pin = self.quotas.pin(record, "leases", len(in_arena) * record.block_bytes, slabs)
+        pin = self.quotas.pin(
+            record, "leases", len(in_arena) * record.block_bytes, slabs, handle.books
+        )
         self.mover.note_read(eids)
         # Committed only: an entry deleted during an await above is an orphan, out of policies.
         self.policy.touch(
@@ -583,7 +588,9 @@ class BlockStore:
                 if len(slots) >= len(todo):
                     break
                 # Refused before any room is made for it: past its pinned share.
-                self.quotas.check_pin(record, "reservations", len(todo) * bb)
+                self.quotas.check_pin(
+                    record, "reservations", len(todo) * bb, [], self._bound(handle)
+                )
                 # Making room may wait for dirty victims to reach the disk; other calls run
                 # meanwhile and may reserve some of these keys, hence the loop.
                 slots += await self.mover.alloc_cpu(
@@ -610,13 +617,20 @@ class BlockStore:
         try:
             # Now the slabs are known: with memory domains a pin counts whole slabs.
             slabs = self.quotas.slabs_of(slots)
-            self.quotas.check_pin(record, "reservations", len(todo) * bb, slabs)
+            self.quotas.check_pin(
+                record, "reservations", len(todo) * bb, slabs, self._bound(handle)
+            )
         except CapacityError:
             for offset in slots:
                 self.cpu_unalloc(offset, bb)
             raise
         rid = self._add_reservation(handle, keys, todo, slots, priority, offsets)
         return ReserveResult(rid, offsets, False, pending)
+
+    def _bound(self, handle: Handle) -> Usage | None:
+        """The books to bound ``handle``'s pins by (``Quotas.check_pin``): while it is the only
+        open handle nobody else can be wedged, so it may pin what its tenant may."""
+        return handle.books if len(self.names) > 1 else None
 
     def _maps_pool(self, handle: Handle) -> bool:
         """Whether ``handle``'s caller may be given GPU pool slots: the pool is one undivided
@@ -654,6 +668,7 @@ class BlockStore:
             "reservations",
             len(arena_slots) * handle.record.block_bytes,
             self.quotas.slabs_of(arena_slots),
+            handle.books,
         )
         handle.reservations[reservation_id] = Reservation(
             eids, self._clock() + self.config.reservation_ttl_s, gpu=gpu, pin=pin
