@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 from kvstore import KVLayout, Namespace, block_hashes
 from kvstore.checksum import block_checksum
 from kvstore.config import (
@@ -68,23 +66,40 @@ async def test_one_tenant_cannot_fill_the_namespace_table() -> None:
         s.close()
 
 
-async def test_a_tenant_at_its_share_opens_namespaces_it_already_has() -> None:
+async def test_the_share_counts_namespaces_holding_blocks_when_they_take_one() -> None:
+    """Fresh namespaces opened first and filled afterwards are refused at the put past the
+    share; namespaces without blocks (a reader of a shared tenant can open those, it cannot
+    fill them) never use it up, and go with their handles."""
     s = make_store()
     try:
-        handles = []
-        with pytest.raises(CapacityError, match="max_namespaces"):
-            for i in range(16):
-                ns = Namespace(model=f"m{i}", layout=LAYOUT, tenant="hostile")
-                handles.append(s.open_namespace(ns))
+        handles = [
+            s.open_namespace(Namespace(model=f"m{i}", layout=LAYOUT, tenant="hostile"))
+            for i in range(8)
+        ]
+        filled = 0
+        for h in handles:
+            ns = h.record.namespace
+            assert ns is not None
+            key = block_hashes(ns.seed, list(range(16)))[0]
+            try:
+                rid, offsets, _ = await s.reserve(h, [key])
+            except CapacityError as exc:
+                assert "max_namespaces" in str(exc)
+                continue
+            data = bytes([filled]) * LAYOUT.block_bytes
+            s.arena.view[offsets[0] : offsets[0] + len(data)] = data
+            s.commit(h, rid, [block_checksum(data, ns.fingerprint, key)])
+            filled += 1
+        assert filled == 4  # a quarter of 16
         # Joining a namespace it holds is no new record: never refused.
         again = s.open_namespace(Namespace(model="m0", layout=LAYOUT, tenant="hostile"))
         assert again.record is handles[0].record
         for h in [*handles, again]:
             s.close_handle(h)
-        # Its records are gone with its handles: its share is free again.
-        for i in range(len(handles)):
+        assert len(s.namespaces()) == 4  # the empty ones went with their handles
+        for i in range(8):
             s.close_handle(
-                s.open_namespace(Namespace(model=f"n{i}", layout=LAYOUT, tenant="hostile"))
+                s.open_namespace(Namespace(model=f"v{i}", layout=LAYOUT, tenant="victim"))
             )
         s.check()
     finally:

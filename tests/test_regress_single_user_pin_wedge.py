@@ -2,7 +2,8 @@
 whose pinned share was the whole CPU tier: one client that leased every block (a get of a long
 prefix, then idle, holds its lease until its next call or the lease TTL) or reserved the whole
 tier stopped every other client's puts with "cpu tier full". Each handle may now pin at most
-half the tier there (unless ``limits.max_pinned_share`` is set), so the rest stays evictable.
+half the tier there while another handle is open (unless ``limits.max_pinned_share`` is
+set), so the rest stays evictable.
 """
 
 from __future__ import annotations

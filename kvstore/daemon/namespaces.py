@@ -132,9 +132,6 @@ class NamespaceTable:
         self._by_name: dict[str, NamespaceRecord] = {}
         self._by_fingerprint: dict[bytes, NamespaceRecord] = {}
         self._handles: dict[bytes, Handle] = {}
-        # Records per tenant (with a tenant policy): a namespace holding blocks outlives its
-        # handles, so without a share one tenant could fill the table for everyone.
-        self._records_of: dict[str, int] = {}
 
     # ----------------------------------------------------------------- handles
     def open(self, namespace: Namespace, priority: int) -> Handle:
@@ -207,39 +204,40 @@ class NamespaceTable:
                     f"blocks on disk for {namespace.name!r} are {recovered.block_bytes} bytes, "
                     f"the layout gives {block_bytes}"
                 )
-            self._take_share(namespace.tenant)
+            self.check_share(namespace.tenant)
             recovered.namespace = namespace
             recovered.priority = priority
             recovered.domain = self.domain_for(namespace.tenant)
             self._by_name[namespace.name] = recovered
             return recovered
-        self._take_share(namespace.tenant)
-        try:
-            record = self._new(namespace, fingerprint, block_bytes, priority)
-        except BaseException:
-            self._give_share(namespace.tenant)
-            raise
+        self.check_share(namespace.tenant)
+        record = self._new(namespace, fingerprint, block_bytes, priority)
         record.domain = self.domain_for(namespace.tenant)
         self._by_name[namespace.name] = record
         return record
 
-    def _take_share(self, tenant: str) -> None:
-        """Count one more record of ``tenant``; with a tenant policy, refuse one past its
-        share (a quarter of ``limits.max_namespaces``, as for open handles)."""
-        held = self._records_of.get(tenant, 0)
+    def check_share(self, tenant: str) -> None:
+        """With a tenant policy, refuse ``tenant`` one more namespace once it has a quarter of
+        ``limits.max_namespaces`` holding blocks: such a namespace outlives its handles, so
+        without a share one tenant could fill the table for everyone. Namespaces without
+        blocks do not count: they go with their handles, which are bounded per caller, and a
+        reader of a shared tenant (which cannot write) must not use up that tenant's share;
+        the store checks again before an empty namespace takes its first block. A scan of the
+        table: opening a namespace, or filling an empty one, is rare next to other calls."""
+        if not self._tenant_domains:
+            return
         share = max(1, min(self.limits.max_namespaces, MAX_NAMESPACE_ID) // 4)
-        if self._tenant_domains and held >= share:
+        held = sum(
+            1
+            for r in self._records.values()
+            if r.entries and r.namespace is not None and r.namespace.tenant == tenant
+        )
+        if held >= share:
             raise CapacityError(
-                f"tenant {tenant!r} holds {held} namespaces, a quarter of "
-                f"limits.max_namespaces ({self.limits.max_namespaces}): close some, or delete "
-                "their blocks"
+                f"tenant {tenant!r} has {held} namespaces holding blocks, a quarter of "
+                f"limits.max_namespaces ({self.limits.max_namespaces}): delete the blocks of "
+                "some first"
             )
-        self._records_of[tenant] = held + 1
-
-    def _give_share(self, tenant: str) -> None:
-        left = self._records_of.pop(tenant) - 1
-        if left:
-            self._records_of[tenant] = left
 
     def domain_for(self, tenant: str) -> int:
         """The memory domain of a tenant's namespaces (0 for all without a tenant policy)."""
@@ -290,10 +288,8 @@ class NamespaceTable:
         del self._records[record.ns_id]
         self._free_ids.append(record.ns_id)
         self._by_fingerprint.pop(record.fingerprint, None)
-        if record.namespace is not None:
-            self._give_share(record.namespace.tenant)
-            if self._by_name.get(record.namespace.name) is record:
-                del self._by_name[record.namespace.name]
+        if record.namespace is not None and self._by_name.get(record.namespace.name) is record:
+            del self._by_name[record.namespace.name]
 
     def __getitem__(self, ns_id: int) -> NamespaceRecord:
         return self._records[ns_id]
@@ -319,8 +315,3 @@ class NamespaceTable:
             assert self._records.get(record.ns_id) is record, "by_fingerprint names a dead record"
         for record in self._by_name.values():
             assert self._records.get(record.ns_id) is record, "by_name names a dead record"
-        tenants: dict[str, int] = {}
-        for record in self._records.values():
-            if record.namespace is not None:
-                tenants[record.namespace.tenant] = tenants.get(record.namespace.tenant, 0) + 1
-        assert tenants == self._records_of, "records per tenant"
