@@ -212,7 +212,12 @@ class SharedTier:
                 if self.tier is not None and not self.tier.up:
                     await asyncio.sleep(0.2)  # the tier reconnects by itself; keep the queue
                     continue
-                bb = self.store.namespace_record(self._queue[0][1]).block_bytes
+                eid, ns_id, key = self._queue[0]
+                if not self.store.index.has_key(eid, ns_id, key):
+                    # Deleted or evicted since: its namespace may be forgotten too.
+                    self._queue.popleft()
+                    continue
+                bb = self.store.namespace_record(ns_id).block_bytes
                 n = max(1, min(len(self._queue), self.batch_bytes // max(1, bb)))
                 batch = [self._queue.popleft() for _ in range(n)]
                 if not await self._put(batch):
