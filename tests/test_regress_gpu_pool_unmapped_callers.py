@@ -1,12 +1,15 @@
 """The GPU pool is mapped only by callers of every tenant (it is one undivided allocation), yet
 any caller could ask Reserve and Acquire for pool slots (``gpu=True``). A tenant's client that
 cannot even map the pool could then take pool slots with reservations it never commits (each
-held a reservation TTL and a quarantine) and lease every block in the pool, which no pinned
-share bounds: the GPU workers' puts were pushed out of the pool. Such a caller now gets CPU
-slots and CPU copies, as a client without the pool does.
+held a reservation TTL and a quarantine), lease every block in the pool, which no pinned
+share bounds, and prefetch its blocks into the pool: the GPU workers' blocks were pushed out
+of the pool. Such a caller now gets CPU slots, CPU copies and CPU prefetches, as a client
+without the pool does.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 import torch
@@ -16,6 +19,7 @@ from kvstore.checksum import bind_device_checksum, block_checksum
 from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig
 from kvstore.daemon.auth import Principal
 from kvstore.daemon.store import BlockStore
+from kvstore.index import IN_GPU
 from kvstore.tiers.cpu import HEADER_BYTES
 from kvstore.tiers.gpu import DevicePool
 
@@ -72,6 +76,36 @@ async def test_a_caller_that_cannot_map_the_pool_gets_no_pool_slots() -> None:
         lease, _, _, served_on_gpu = await s.acquire(worker, ks[:2], gpu=True)
         assert served_on_gpu == [True, True]
         s.release(worker, lease)
+        s.check()
+    finally:
+        await s.stop()
+
+
+async def test_a_caller_that_cannot_map_the_pool_prefetches_into_the_cpu_tier() -> None:
+    s = make_store()
+    await s.start()
+    try:
+        user = s.open_namespace(NS)
+        user.principal = TENANT_USER
+        ks = list(block_hashes(NS.seed, list(range(2 * 16))))
+        rid, offsets, _ = await s.reserve(user, ks)
+        sums = []
+        for i, off in enumerate(offsets):
+            data = bytes([i + 1]) * BB
+            s.arena.view[off : off + BB] = data
+            sums.append(block_checksum(data, NS.fingerprint, ks[i]))
+        s.commit(user, rid, sums)
+        s.prefetch(user, ks, gpu=True)
+        for _ in range(200):
+            if not s.device._tasks and not s.device._moving:
+                break
+            await asyncio.sleep(0.01)
+        assert not any(s.index.tier[s.index.get(user.ns_id, k)] & IN_GPU for k in ks), (
+            "a caller that cannot map the pool moved its blocks into it"
+        )
+        worker = s.open_namespace(NS)
+        worker.principal = EVERY_TENANT
+        assert s.prefetch(worker, ks, gpu=True) == 2  # a worker's prefetch still does
         s.check()
     finally:
         await s.stop()

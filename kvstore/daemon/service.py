@@ -462,11 +462,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     async def Prefetch(self, request, context):
         handle = self._handle(request.handle, release=request.release_leases)
-        keys = self._keys(request.keys)
-        if request.gpu and self.store.device.enabled:
-            queued = self.store.device.prefetch(handle.ns_id, keys)
-        else:
-            queued = self.store.mover.prefetch(handle.ns_id, keys)
+        queued = self.store.prefetch(handle, self._keys(request.keys), gpu=request.gpu)
         return pb.PrefetchResponse(queued=queued)
 
     @_rpc

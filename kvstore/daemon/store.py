@@ -635,6 +635,14 @@ class BlockStore:
         open handle nobody else can be wedged, so it may pin what its tenant may."""
         return handle.books if len(self.names) > 1 else None
 
+    def prefetch(self, handle: Handle, keys: list[bytes], gpu: bool = False) -> int:
+        """Start promoting the run of ``keys`` (into the GPU pool with ``gpu``, for a caller
+        that maps it; else into the CPU tier); returns how many blocks were queued."""
+        self.check_keys(keys, "prefetch")
+        if gpu and self._maps_pool(handle):
+            return self.device.prefetch(handle.ns_id, keys)
+        return self.mover.prefetch(handle.ns_id, keys)
+
     def _maps_pool(self, handle: Handle) -> bool:
         """Whether ``handle``'s caller may be given GPU pool slots: the pool is one undivided
         allocation, handed only to callers of every tenant (``OpenNamespace``); anyone else
