@@ -131,9 +131,17 @@ def _check_quotas(store: BlockStore) -> None:
     pins = [r.pin for h in store.names.handles() for r in h.reservations.values()]
     pins += [lease.pin for h in store.names.handles() for lease in h.leases.values()]
     quarantined = [q[4] for q in store._quarantine if q[4] is not None]
+    leased: dict[int, dict[int, int]] = {}  # books -> entry -> block bytes (a lease's)
+    everyone: dict[int, int] = {}
     for pin in pins:
         for books in pin.books:
             pinned[id(books)] = pinned.get(id(books), 0) + pin.nbytes
+            for e in pin.eids:  # a leased block counts once per books
+                leased.setdefault(id(books), {})[e] = pin.block_bytes
+        for e in pin.eids:
+            everyone[e] = pin.block_bytes
+    for key, blocks in leased.items():
+        pinned[key] = pinned.get(key, 0) + sum(blocks.values())
     for pin in dict.fromkeys(quarantined):
         for books in pin.books:
             pinned[id(books)] = pinned.get(id(books), 0) + pin.nbytes
@@ -155,6 +163,6 @@ def _check_quotas(store: BlockStore) -> None:
         )
         assert books.nvme_bytes == nvme.get(id(books), 0), f"quota books of {books.name}: nvme"
         assert books.pinned_bytes == pinned.get(id(books), 0), f"quota books of {books.name}: pins"
-    assert quotas.total_pinned == sum(p.nbytes for p in pins) + sum(
+    assert quotas.total_pinned == sum(p.nbytes for p in pins) + sum(everyone.values()) + sum(
         p.nbytes for p in dict.fromkeys(quarantined)
     ), "total pinned bytes"

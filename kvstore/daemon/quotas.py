@@ -75,6 +75,9 @@ class Usage:
     bucket: TokenBucket | None = None
     refused_keys: int = 0  # keys refused by the rate limit (Stats)
     records: int = 0  # namespace records whose tenant books these are
+    # Entries these books' leases pin -> how many of those leases name each: a block leased
+    # many times is pinned (and counted in ``pinned_bytes``) once.
+    leased: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -82,11 +85,28 @@ class Pin:
     """One lease's or reservation's charge: bytes, the slab of each pinned block, and the
     books it was charged to (the namespace's and its tenant's)."""
 
-    nbytes: int
+    nbytes: int  # a reservation's bytes; 0 for a lease, whose blocks count once (``leased``)
     slabs: list[int]
     books: tuple[Usage, ...]
     kind: str  # "leases" or "reservations" (None-counted for quarantined slots)
     counted: bool = True
+    eids: tuple[int, ...] = ()  # a lease's entries in the CPU tier, each ``block_bytes``
+    block_bytes: int = 0
+
+
+def _count(leased: dict[int, int], eids: tuple[int, ...] | list[int], step: int) -> int:
+    """Add ``step`` (+1, -1) to the lease count of each of ``eids``; returns how many became
+    leased (+1) or unleased (-1) by it."""
+    changed = 0
+    for e in eids:
+        n = leased.get(e, 0) + step
+        if n:
+            leased[e] = n
+        else:
+            del leased[e]
+        if n == (1 if step > 0 else 0):
+            changed += 1
+    return changed
 
 
 class Quotas:
@@ -115,6 +135,7 @@ class Quotas:
         # Blocks of namespaces recovered from disk and not opened yet (tenant unknown).
         self.unowned = Usage("(recovered)", Quota())
         self.total_pinned = 0
+        self._leased: dict[int, int] = {}  # entries leased by anyone -> their leases
         self.guaranteed_cpu = [t.name for t in config.tenants if t.guaranteed_cpu_bytes]
         self.guaranteed_nvme = [t.name for t in config.tenants if t.guaranteed_nvme_bytes]
 
@@ -246,13 +267,24 @@ class Quotas:
         nbytes: int,
         slabs: list[int] = (),  # type: ignore[assignment]
         handle: Usage | None = None,
+        eids: list[int] | None = None,
     ) -> None:
         """Refuse (CapacityError naming the bound) a lease or reservation of ``nbytes`` CPU
         bytes in ``slabs`` that would take its namespace or tenant past a bound, or its
-        ``handle`` (its books, ``handle_books``) past the share one handle may pin."""
-        if nbytes and handle is not None and handle.pinned_bytes + nbytes > self.handle_pinned:
+        ``handle`` (its books, ``handle_books``) past the share one handle may pin. A lease
+        gives its ``eids`` (of ``nbytes / len(eids)`` bytes each): only the blocks the books do
+        not already lease count."""
+        bb = nbytes // len(eids) if eids else 0
+
+        def new(books: Usage | None) -> int:
+            if books is None or eids is None:
+                return nbytes
+            return bb * sum(1 for e in eids if e not in books.leased)
+
+        if nbytes and handle is not None and handle.pinned_bytes + new(handle) > self.handle_pinned:
+            after = handle.pinned_bytes + new(handle)
             raise CapacityError(
-                f"this handle would pin {format_size(handle.pinned_bytes + nbytes)} of the cpu "
+                f"this handle would pin {format_size(after)} of the cpu "
                 f"tier (leased, reserved and quarantined), more than one client may "
                 f"({format_size(self.handle_pinned)}: half the tier on a single-user daemon, "
                 "unless limits.max_pinned_share is set): release leases or commit reservations "
@@ -267,7 +299,7 @@ class Quotas:
                 )
             if not nbytes:
                 continue
-            after = self.footprint(books, nbytes, slabs if where == "tenant" else [])
+            after = self.footprint(books, new(books), slabs if where == "tenant" else [])
             cap = self.pinned_cap(books) if where == "tenant" or books.quota.pinned_bytes else 0
             if cap and after > cap:
                 raise CapacityError(
@@ -277,14 +309,15 @@ class Quotas:
                 )
         if nbytes and self.guaranteed_cpu:
             owner = record.owner
-            floor = self.total_pinned + nbytes
+            more = new(owner)  # an entry is leased through its own tenant's books only
+            floor = self.total_pinned + more
             for name in self.guaranteed_cpu:
                 other = self.tenant(name)
-                pinned = other.pinned_bytes + (nbytes if other is owner else 0)
+                pinned = other.pinned_bytes + (more if other is owner else 0)
                 floor += max(0, other.guaranteed_cpu_bytes - pinned)
             if floor > self.capacity:
                 raise CapacityError(
-                    f"tenant {owner.name!r} cannot pin {format_size(nbytes)} more: the cpu tier "
+                    f"tenant {owner.name!r} cannot pin {format_size(more)} more: the cpu tier "
                     "must keep room for the other tenants' guaranteed_cpu shares"
                 )
 
@@ -295,15 +328,25 @@ class Quotas:
         nbytes: int,
         slabs: list[int],
         handle: Usage | None = None,
+        eids: list[int] | None = None,
     ) -> Pin:
+        """Charge a reservation of ``nbytes``, or a lease of ``eids`` (``nbytes`` together:
+        each block counts once per books however many leases name it), in ``slabs``."""
         books = (record.usage, record.owner) + ((handle,) if handle is not None else ())
+        bb = nbytes // len(eids) if eids else 0
         for b in books:
             setattr(b, kind, getattr(b, kind) + 1)
-            b.pinned_bytes += nbytes
+            if eids is None:
+                b.pinned_bytes += nbytes
+            else:
+                b.pinned_bytes += bb * _count(b.leased, eids, +1)
             for s in slabs:
                 b.slabs[s] = b.slabs.get(s, 0) + 1
-        self.total_pinned += nbytes
-        return Pin(nbytes, list(slabs), books, kind)
+        if eids is None:
+            self.total_pinned += nbytes
+            return Pin(nbytes, list(slabs), books, kind)
+        self.total_pinned += bb * _count(self._leased, eids, +1)
+        return Pin(0, list(slabs), books, kind, eids=tuple(eids), block_bytes=bb)
 
     def uncount(self, pin: Pin) -> None:
         """A reservation expired: it no longer counts as outstanding, but its slots stay
@@ -320,6 +363,11 @@ class Quotas:
         slabs = pin.slabs if slabs is None else slabs
         if nbytes == pin.nbytes:
             self.uncount(pin)
+        if pin.eids:  # a lease: its blocks no other lease of the books names are unpinned
+            for b in pin.books:
+                b.pinned_bytes -= pin.block_bytes * _count(b.leased, pin.eids, -1)
+            self.total_pinned -= pin.block_bytes * _count(self._leased, pin.eids, -1)
+            pin.eids = ()
         for b in pin.books:
             b.pinned_bytes -= nbytes
             for s in slabs:

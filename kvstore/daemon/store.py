@@ -458,19 +458,25 @@ class BlockStore:
         if not eids:
             return AcquireResult(0, [], [], [], pending)
         on_gpu = [bool(gpu and tiers[e] & IN_GPU) for e in eids]
-        in_arena = [self.index.offset[e] for e, g in zip(eids, on_gpu, strict=True) if not g]
+        arena_eids = [e for e, g in zip(eids, on_gpu, strict=True) if not g]
+        in_arena = [self.index.offset[e] for e in arena_eids]
         slabs = self.quotas.slabs_of(in_arena)
         try:
             # One tenant may pin only its share: the rest of the tier stays evictable.
             self.quotas.check_pin(
-                record, "leases", len(in_arena) * record.block_bytes, slabs, self._bound(handle)
+                record,
+                "leases",
+                len(in_arena) * record.block_bytes,
+                slabs,
+                self._bound(handle),
+                arena_eids,
             )
         except CapacityError:
             for eid in held:
                 self._drop_one_lease(eid)
             raise
         pin = self.quotas.pin(
-            record, "leases", len(in_arena) * record.block_bytes, slabs, handle.books
+            record, "leases", len(in_arena) * record.block_bytes, slabs, handle.books, arena_eids
         )
         self.mover.note_read(eids)
         # Committed only: an entry deleted during an await above is an orphan, out of policies.
