@@ -211,3 +211,22 @@ def test_a_stopped_daemon_fails_fast_and_a_restarted_one_is_rejoined(daemon_fact
         assert kv.put(keys, blocks) == 2 and same_bytes(kv.get(keys), blocks)
     finally:
         kv.close()
+
+
+def test_a_local_call_that_waits_is_answered_and_the_session_serves_on(daemon) -> None:
+    # Most local calls finish without waiting and are answered from the socket's callback; a
+    # put that meets keys another client is writing waits (at most its deadline) and is
+    # finished by a task. Its answer must come, and the connection must be read again after.
+    with client(daemon) as writer, client(daemon, timeout_s=1.0) as kv:
+        kv._rpc = LocalStub(_NoGrpc(), lambda: kv._session)
+        keys = kv.hash_tokens(tokens(4))
+        blocks = random_blocks(SMALL_LAYOUT, 4)
+        reservation = writer.reserve(keys)  # being written, not committed
+        count = kv.put(keys, blocks)  # waits for that writer until its deadline
+        assert count == 0 and count.pending == 4
+        for j, i in enumerate(reservation.indices):
+            reservation.views[j].copy_(blocks[i])
+        assert reservation.commit() == 4
+        assert kv.lookup(keys) == 4  # the session is read again after the waiting call
+        assert kv.put(keys, blocks) == 0
+        assert same_bytes(kv.get(keys), blocks)
