@@ -252,7 +252,10 @@ class AsyncKVStoreClient(ClientCore):
         self,
         keys: Sequence[bytes],
         *,
+        lookup: bool = False,
+        prefetch: bool = False,
         _packed: bytes | None = None,
         _device: torch.device | None = None,
     ) -> AsyncReadLease:
-        return await self._run(self._acquire(keys, _packed, _device))
+        """As ``KVStoreClient.acquire`` (with its one-round-trip ``lookup`` and ``prefetch``)."""
+        return await self._run(self._acquire(keys, _packed, _device, lookup, prefetch))
