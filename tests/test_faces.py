@@ -15,6 +15,7 @@ import torch
 from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tokens
 
 from kvstore import AsyncKVStoreClient, KVStoreClient
+from kvstore.client.local_stub import AsyncLocalStub, LocalStub
 from kvstore.errors import KVStoreError, UnavailableError
 
 
@@ -234,3 +235,35 @@ def _count_calls(f: Face) -> Any:
 
     f.kv._perform = counting
     return lambda: made[0]
+
+
+class _NoGrpc:
+    """A stub whose every method fails: a client given it can only use local calls."""
+
+    def __getattr__(self, name: str) -> Any:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError(f"{name} went over gRPC")
+
+        return refuse
+
+
+def test_control_calls_are_local_calls_on_both_faces(face: Face) -> None:
+    kv = face.kv
+    assert kv._session is not None and kv._session.calls
+    stub = LocalStub if face.kind == "sync" else AsyncLocalStub
+    kv._rpc = stub(_NoGrpc(), lambda: kv._session)  # gRPC would fail the test
+    keys = face.hash_tokens(tokens(6))
+    blocks = random_blocks(SMALL_LAYOUT, 6)
+    assert face.put(keys, blocks) == 6
+    assert face.lookup(keys) == 6
+    assert same_bytes(face.get(keys), blocks)
+    face.prefetch(keys)
+    assert face.delete(keys[4:]) == 2
+    if face.loop is not None:  # calls of concurrent tasks on one client take turns
+
+        async def lookups() -> list[int]:
+            return await asyncio.gather(*(kv.lookup(keys[: i + 1]) for i in range(6)))
+
+        many = face.loop.run_until_complete(lookups())
+        assert many == [1, 2, 3, 4, 4, 4]
+    assert face.lookup(keys) == 4

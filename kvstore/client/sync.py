@@ -23,7 +23,6 @@ import torch
 
 from kvstore.address import default_address
 from kvstore.client._common import (
-    LocalStub,
     call_metadata,
     make_channel,
     open_request,
@@ -32,6 +31,7 @@ from kvstore.client._common import (
 )
 from kvstore.client.core import Blocking, Call, ClientCore, Fetch, Op
 from kvstore.client.leases import ReadLease, WriteReservation
+from kvstore.client.local_stub import LocalStub
 from kvstore.errors import KVStoreError, UnauthenticatedError, UnknownNamespaceError
 from kvstore.layout import KVLayout
 from kvstore.local_calls import METHOD_INDEX
