@@ -46,6 +46,14 @@ def figures(name: str, doc: dict[str, Any]) -> dict[str, float]:
     elif name == "lookup":
         out["lookup(128) p50 us"] = doc["us"]["lookup128"]["median"]
         out["empty gRPC call p50 us"] = doc["us"]["empty"]["median"]
+        for key, label in (
+            ("lookup128_alone", "back to back"),
+            ("async_lookup128", "async"),
+            ("three_calls128", "+ acquire + prefetch, 3 calls"),
+            ("one_call128", "+ acquire + prefetch, 1 call"),
+        ):
+            if key in doc["us"]:
+                out[f"lookup(128) {label} p50 us"] = doc["us"][key]["median"]
     elif name == "store_share":
         for layout, r in doc["s"].items():
             out[f"{layout} lookup+load ms"] = r["store"] * 1e3

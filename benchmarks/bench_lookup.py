@@ -7,7 +7,10 @@ of zero keys never leaves the client, and ``Stats`` carries a reply body.
 
 Also reported, to split the cost: ``lookup`` of one key, the ``Lookup`` RPC on the raw stub with
 the keys packed in advance (no client-side checks), and, in process, the daemon-side
-``BlockStore.lookup`` of 128 keys and the client-side key packing.
+``BlockStore.lookup`` of 128 keys and the client-side key packing. Then ``lookup(128)`` again
+on its own, back to back (``lookup128_alone``: what a scheduler calling it per request sees,
+without gRPC calls of the same process in between), and the same from ``AsyncKVStoreClient``
+(``async_lookup128``).
 
 Target: median lookup(128) within 1.5x of the median empty call.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import os
 import sys
 import time
@@ -39,7 +43,7 @@ from _harness import (
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore import KVLayout, KVStoreClient
+from kvstore import AsyncKVStoreClient, KVLayout, KVStoreClient
 from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig
 from kvstore.keys import Namespace, pack_keys
 from kvstore.v1 import kvstore_pb2 as pb
@@ -86,6 +90,37 @@ async def in_process_costs(keys: list[bytes], k: int) -> dict[str, Timing]:
         }
 
 
+def three_calls_or_one(kv: KVStoreClient, keys: list[bytes]) -> dict[str, Callable[[], object]]:
+    """lookup + acquire + prefetch of one request as three calls, and as one (``acquire`` with
+    ``lookup`` and ``prefetch``, where the client has it); each lease released (that rides on
+    the next call)."""
+
+    def three() -> None:
+        kv.lookup(keys)
+        kv.acquire(keys).release()
+        kv.prefetch(keys)
+
+    calls: dict[str, Callable[[], object]] = {"three_calls128": three}
+    if "lookup" in inspect.signature(kv.acquire).parameters:
+        calls["one_call128"] = lambda: kv.acquire(keys, lookup=True, prefetch=True).release()
+    return calls
+
+
+async def async_lookups(address: str, keys: list[bytes], n: int) -> Timing:
+    """``lookup`` of the same keys from an ``AsyncKVStoreClient``, back to back."""
+    async with AsyncKVStoreClient(address, layout=LAYOUT, model="bench-lookup") as kv:
+        for _ in range(50):
+            await kv.lookup(keys)
+        samples = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await kv.lookup(keys)
+            samples.append(time.perf_counter() - t0)
+        if await kv.lookup(keys) != len(keys):
+            raise RuntimeError("async lookup did not find every key")
+    return summarize(samples)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calls", type=int, default=None, help="timed calls of each kind")
 
@@ -126,6 +161,9 @@ def main() -> int:
         t = interleaved(calls, n, warmup=50)
         if kv.lookup(keys) != N_KEYS:
             raise RuntimeError("lookup lost keys during the run")
+        t.update(interleaved({"lookup128_alone": lambda: kv.lookup(keys)}, n, warmup=50))
+        t.update(interleaved(three_calls_or_one(kv, keys), n, warmup=50))
+        t["async_lookup128"] = asyncio.run(async_lookups(daemon.address, keys, n))
     local = asyncio.run(in_process_costs(keys, 10 * n))
 
     empty = t["empty"]
@@ -134,6 +172,13 @@ def main() -> int:
         (f"kv.lookup({N_KEYS} keys, all present)", t["lookup128"]),
         (f"Lookup RPC, {N_KEYS} keys packed in advance", t["raw128"]),
         ("kv.lookup(1 key)", t["lookup1"]),
+        (f"kv.lookup({N_KEYS} keys), back to back", t["lookup128_alone"]),
+        (f"AsyncKVStoreClient.lookup({N_KEYS} keys), back to back", t["async_lookup128"]),
+        (f"lookup + acquire + prefetch ({N_KEYS} keys), three calls", t["three_calls128"]),
+    ]
+    if "one_call128" in t:
+        rows.append((f"the same, one call: acquire({N_KEYS}, lookup, prefetch)", t["one_call128"]))
+    rows += [
         (f"kv.lookup({N_KEYS} keys) over gRPC (no local calls)", t["grpc128"]),
         (f"in process: BlockStore.lookup({N_KEYS})", local["store"]),
         (f"in process: pack_keys({N_KEYS})", local["pack"]),

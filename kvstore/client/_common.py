@@ -20,9 +20,8 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstore import local_calls
 from kvstore.checksum import checksum_seed, seeded_checksum
-from kvstore.client.session import ClientSession, SessionBroken, SlabUnavailable
+from kvstore.client.session import ClientSession, SlabUnavailable
 from kvstore.errors import ERRORS_BY_NAME, KVStoreError, UnavailableError
 from kvstore.keys import Namespace, pack_keys
 from kvstore.layout import KVLayout
@@ -163,76 +162,6 @@ def translate_error(err: grpc.RpcError) -> KVStoreError:
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return UnavailableError(f"kvstore daemon unreachable ({code.name}): {details}")
     return KVStoreError(f"{code.name if code else 'error'}: {details}")
-
-
-_SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
-_REPLY_TYPES = {
-    name: getattr(pb, _SERVICE.methods_by_name[name].output_type.name)
-    for name in local_calls.METHODS
-}
-_STATUS_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
-
-
-class LocalCallError(grpc.RpcError):
-    """A local call's error reply, read like a gRPC error (``translate_error``)."""
-
-    def __init__(self, status: int, body: memoryview) -> None:
-        name, message = local_calls.decode_error(body)
-        super().__init__(message)
-        self._code = _STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
-        self._details = message
-        self._name = name
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("kvstore-error", self._name),) if self._name else ()
-
-
-class LocalStub:
-    """The control calls of a blocking ``KVStoreStub``, sent as local calls over the session
-    socket (``kvstore.local_calls``) when the daemon offers them, else over gRPC: ``Lookup``,
-    ``Reserve``, ``Commit``, ``Abort``, ``Acquire``, ``Release``, ``Prefetch``, ``Delete``, with
-    the stub's signature ``(request, timeout=...)``. A request too large for one datagram goes
-    over gRPC, and so does every call once the session has failed (the daemon stopped or
-    restarted): gRPC then answers as it would have (UNAVAILABLE, or NOT_FOUND for the old
-    handle, and the client reopens), so a broken session changes nothing a caller sees."""
-
-    def __init__(self, stub: Any, session: Callable[[], ClientSession | None]) -> None:
-        self._stub = stub
-        self._session = session
-        for name in local_calls.METHODS:
-            setattr(self, name, self._method(name))
-
-    def _method(self, name: str) -> Callable[..., Any]:
-        index = local_calls.METHOD_INDEX[name]
-        reply_type = _REPLY_TYPES[name]
-        grpc_method = getattr(self._stub, name)
-        limit = local_calls.MAX_REQUEST_BYTES - local_calls.REQUEST.size
-
-        def call(request: Any, timeout: float) -> Any:
-            session = self._session()
-            if session is not None and session.calls:
-                body = request.SerializeToString()
-                if len(body) <= limit:
-                    try:
-                        status, reply = session.call(index, body, timeout)
-                    except SessionBroken:
-                        session.calls = False  # this session is over: gRPC from now on
-                    else:
-                        if status != local_calls.STATUS_OK:
-                            raise LocalCallError(status, reply)
-                        return reply_type.FromString(reply)
-            return grpc_method(request, timeout=timeout)
-
-        return call
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:  # for type checkers: set above
-        raise AttributeError(name)
 
 
 class PendingReleases:

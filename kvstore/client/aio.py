@@ -4,7 +4,8 @@ The logic is the client core's (``kvstore.client.core``), shared with ``KVStoreC
 face awaits its steps. Copies of large batches, and the kernels of offload and load, run in a
 worker thread (with the caller's CUDA stream current) so they do not stall the caller's event
 loop; small copies run inline (a thread hop costs more than copying a few blocks). Control
-calls go over gRPC (a local call is a blocking socket round trip: it would stall the loop). One
+calls are local calls over the session socket when the daemon offers them, like the blocking
+face's, their replies awaited on the loop (``AsyncLocalStub``), else gRPC. One
 client per task that issues calls concurrently is the simplest contract; concurrent calls on
 one client are safe for reads and writes of distinct keys.
 """
@@ -29,6 +30,7 @@ from kvstore.client._common import (
 )
 from kvstore.client.core import Blocking, Call, ClientCore, Fetch, Op
 from kvstore.client.leases import AsyncReadLease, AsyncWriteReservation
+from kvstore.client.local_stub import AsyncLocalStub
 from kvstore.errors import (
     KVStoreError,
     UnauthenticatedError,
@@ -36,6 +38,7 @@ from kvstore.errors import (
     UnknownNamespaceError,
 )
 from kvstore.layout import KVLayout
+from kvstore.local_calls import METHOD_INDEX
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -87,6 +90,7 @@ class AsyncKVStoreClient(ClientCore):
         )
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
+        self._rpc: Any = None  # the control calls: local calls, else the stub's
 
     @classmethod
     async def connect(cls, address: str | None = None, **kwargs: Any) -> AsyncKVStoreClient:
@@ -102,6 +106,7 @@ class AsyncKVStoreClient(ClientCore):
                 lambda: call_metadata(self._credentials, self._session),
             )
             self._stub = pb_grpc.KVStoreStub(self._channel)
+            self._rpc = AsyncLocalStub(self._stub, lambda: self._session)
         self._close_stream()
         self._close_session()
         # Blocking, but short: a connect and one datagram on a local socket (or a wait for a
@@ -152,7 +157,8 @@ class AsyncKVStoreClient(ClientCore):
         if isinstance(step, Call):
             if self._stub is None:
                 raise KVStoreError("client is not open: use `await client.open()` or `async with`")
-            return await self._call(getattr(self._stub, step.method), step.build)
+            where = self._rpc if step.method in METHOD_INDEX else self._stub
+            return await self._call(getattr(where, step.method), step.build)
         if isinstance(step, Fetch):
             return await self._call(
                 lambda req, timeout: self._fetch(req, timeout, step), step.build
@@ -252,7 +258,10 @@ class AsyncKVStoreClient(ClientCore):
         self,
         keys: Sequence[bytes],
         *,
+        lookup: bool = False,
+        prefetch: bool = False,
         _packed: bytes | None = None,
         _device: torch.device | None = None,
     ) -> AsyncReadLease:
-        return await self._run(self._acquire(keys, _packed, _device))
+        """As ``KVStoreClient.acquire`` (with its one-round-trip ``lookup`` and ``prefetch``)."""
+        return await self._run(self._acquire(keys, _packed, _device, lookup, prefetch))

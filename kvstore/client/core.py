@@ -450,7 +450,12 @@ class ClientCore:
         return reservation
 
     def _acquire(
-        self, keys: Sequence[bytes], packed: bytes | None, device: torch.device | None
+        self,
+        keys: Sequence[bytes],
+        packed: bytes | None,
+        device: torch.device | None,
+        lookup: bool = False,
+        prefetch: bool = False,
     ) -> Op[Any]:
         packed = check_keys(keys) if packed is None else packed
         self._require_arena("acquire")
@@ -460,6 +465,8 @@ class ClientCore:
                 handle=self._handle,
                 keys=packed,
                 gpu=device is not None,
+                lookup=lookup,
+                prefetch=prefetch,
                 release_leases=self._take_releases(),
             ),
         )
@@ -478,7 +485,7 @@ class ClientCore:
                 except KVStoreError:
                     pass  # the handle is gone, and its leases with it
 
-        return self._new_lease(
+        lease = self._new_lease(
             arena,
             self.layout,
             list(reply.offsets),
@@ -488,6 +495,9 @@ class ClientCore:
             list(reply.on_gpu),
             pool,
         )
+        if lookup:
+            lease.found = int(reply.found)
+        return lease
 
     # ------------------------------------------------------------------ bytes path
     def _put_bytes(self, keys: Sequence[bytes], rows: torch.Tensor, priority: int) -> Op[int]:

@@ -265,6 +265,9 @@ class _LeaseState:
             pool.retain()  # mapped until this lease is released
         self.released = False
         self._release_step: Callable[[], Any] = lambda: iter(())
+        self.found: int | None = None
+        """With ``acquire(..., lookup=True)``: how many leading keys are stored in any tier
+        (what ``lookup`` answers), which may be more than the leased run."""
 
     def _release_op(self) -> Op:
         if not self.released:

@@ -9,11 +9,15 @@ daemon offers them: the control RPCs of a batch at a socket's round trip instead
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import select
 import socket
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 
 from kvstore import local_calls
 from kvstore.address import session_socket_path
@@ -61,6 +65,13 @@ class ClientSession:
         use them)."""
         self._call_id = 0
         self._reply = bytearray(local_calls.MAX_REPLY_BYTES)
+        # A call reply read by ``slab`` (another thread, or the loop while an asyncio call
+        # waits): kept for the call waiting on it, which ``_wake`` wakes.
+        self._kept: tuple[int, bytes] | None = None
+        self._wake: Callable[[], object] | None = None
+        self._acall_lock: asyncio.Lock | None = None
+        self._readable = select.poll()
+        self._readable.register(self._sock, select.POLLIN)
 
     def _connect(self, path: str, timeout_s: float) -> None:
         """Connect, waiting (up to ``timeout_s``) for a daemon that is starting or restarting."""
@@ -86,8 +97,9 @@ class ClientSession:
                 raise UnavailableError("the daemon closed the session")
             if data[0] != local_calls.MAGIC:
                 break
-            for fd in fds:  # a late reply to a call this client stopped waiting for
+            for fd in fds:  # a call reply carries none
                 os.close(fd)
+            self._keep_reply(data)
         reply = json.loads(data)
         if not reply.get("ok"):
             for fd in fds:
@@ -131,6 +143,10 @@ class ClientSession:
                     self._sock.settimeout(wait)
                 self._sock.send(frame)
                 while True:
+                    kept = self._take_kept(call_id)
+                    if kept is not None:
+                        status, _, body = local_calls.decode_reply(kept)
+                        return status, body
                     n = self._sock.recv_into(self._reply)
                     if n == 0:
                         raise SessionBroken("the daemon closed the session")
@@ -144,6 +160,92 @@ class ClientSession:
                 raise UnavailableError(
                     f"kvstore daemon unreachable: no reply to a local call within {timeout_s}s"
                 ) from None
+            except OSError as exc:
+                raise SessionBroken(f"the session with the daemon failed: {exc}") from None
+
+    def _keep_reply(self, data: bytes) -> None:
+        """A call reply that ``slab`` read: keep it for the call waiting on it (a late reply
+        to a call that stopped waiting is dropped when the next call looks)."""
+        try:
+            _, call_id, _ = local_calls.decode_reply(memoryview(data))
+        except ValueError:
+            return
+        self._kept = (call_id, data)
+        wake = self._wake
+        if wake is not None:
+            wake()
+
+    def _take_kept(self, call_id: int) -> memoryview | None:
+        kept, self._kept = self._kept, None
+        if kept is None or kept[0] != call_id:
+            return None
+        return memoryview(kept[1])
+
+    def _read_reply(self, call_id: int) -> tuple[int, memoryview] | None:
+        """The reply to ``call_id`` if it is here (kept, or queued on the socket); None when
+        it has not come yet. Called with the lock held, the socket readable or not."""
+        while True:
+            kept = self._take_kept(call_id)
+            if kept is not None:
+                status, _, body = local_calls.decode_reply(kept)
+                return status, body
+            # A zero-timeout poll first: the socket has a timeout, so a read of an empty queue
+            # would wait for it (MSG_DONTWAIT does not stop Python's own wait).
+            if not self._readable.poll(0):
+                return None
+            n = self._sock.recv_into(self._reply)
+            if n == 0:
+                raise SessionBroken("the daemon closed the session")
+            reply = memoryview(self._reply)[:n]
+            if reply[0] != local_calls.MAGIC:
+                continue  # not a call reply (none is expected): skip it
+            status, got_id, body = local_calls.decode_reply(reply)
+            if got_id == call_id:
+                return status, body
+
+    async def acall(self, method: int, request: bytes, timeout_s: float) -> tuple[int, bytes]:
+        """``call`` for an asyncio caller: the reply is awaited on the event loop (the socket's
+        readiness, never a blocking read), so the loop runs on while the daemon works. Calls of
+        one session take turns (one in flight per connection)."""
+        if self._acall_lock is None:
+            self._acall_lock = asyncio.Lock()
+        async with self._acall_lock:
+            loop = asyncio.get_running_loop()
+            fd = self._sock.fileno()
+            with self._lock:
+                self._call_id = call_id = (self._call_id + 1) & 0xFFFFFFFF
+                frame = local_calls.encode_request(method, call_id, timeout_s, request)
+                try:
+                    self._sock.send(frame)
+                except OSError as exc:
+                    raise SessionBroken(f"the session with the daemon failed: {exc}") from None
+            deadline = loop.time() + timeout_s + 1.0  # the daemon answers by timeout_s
+            try:
+                while True:
+                    with self._lock:
+                        got = self._read_reply(call_id)
+                    if got is not None:
+                        status, body = got
+                        return status, bytes(body)  # the buffer is the next call's
+                    ready = loop.create_future()
+
+                    def wake(ready: asyncio.Future[None] = ready) -> None:
+                        if not ready.done():
+                            ready.set_result(None)
+
+                    self._wake = partial(loop.call_soon_threadsafe, wake)
+                    loop.add_reader(fd, wake)
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            await ready
+                    except TimeoutError:
+                        raise UnavailableError(
+                            "kvstore daemon unreachable: no reply to a local call within "
+                            f"{timeout_s}s"
+                        ) from None
+                    finally:
+                        loop.remove_reader(fd)
+                        self._wake = None
             except OSError as exc:
                 raise SessionBroken(f"the session with the daemon failed: {exc}") from None
 

@@ -23,7 +23,6 @@ import torch
 
 from kvstore.address import default_address
 from kvstore.client._common import (
-    LocalStub,
     call_metadata,
     make_channel,
     open_request,
@@ -32,6 +31,7 @@ from kvstore.client._common import (
 )
 from kvstore.client.core import Blocking, Call, ClientCore, Fetch, Op
 from kvstore.client.leases import ReadLease, WriteReservation
+from kvstore.client.local_stub import LocalStub
 from kvstore.errors import KVStoreError, UnauthenticatedError, UnknownNamespaceError
 from kvstore.layout import KVLayout
 from kvstore.local_calls import METHOD_INDEX
@@ -266,12 +266,19 @@ class KVStoreClient(ClientCore):
         self,
         keys: Sequence[bytes],
         *,
+        lookup: bool = False,
+        prefetch: bool = False,
         _packed: bytes | None = None,
         _device: torch.device | None = None,
     ) -> ReadLease:
         """Lease the leading run of stored blocks: ``lease.views[i]`` reads block i in place
-        (verify with ``lease.verify(i)`` after copying); ``release()`` when done."""
-        return self._run(self._acquire(keys, _packed, _device))
+        (verify with ``lease.verify(i)`` after copying); ``release()`` when done.
+
+        A caller that would also ``lookup`` and ``prefetch`` the same keys gets all three in
+        this one round trip: ``lookup=True`` sets ``lease.found`` to what ``lookup(keys)``
+        answers (it may exceed ``len(lease)``: blocks in Redis), ``prefetch=True`` queues the
+        keys after the leased run as ``prefetch(keys[len(lease):])`` would."""
+        return self._run(self._acquire(keys, _packed, _device, lookup, prefetch))
 
 
 class _Timeout(grpc.RpcError):

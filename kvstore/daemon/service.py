@@ -38,6 +38,7 @@ from kvstore.errors import (
     UnavailableError,
     UnknownNamespaceError,
 )
+from kvstore.index import IN_CPU, IN_GPU
 from kvstore.keys import HASH_VERSION, KEY_BYTES, Namespace, unpack_keys
 from kvstore.layout import SCALE_NONE, KVLayout, dtype_from_name
 from kvstore.v1 import kvstore_pb2 as pb
@@ -353,12 +354,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Acquire(self, request, context):
+        handle = self._handle(request.handle, release=request.release_leases)
+        keys = self._keys(request.keys)
+        found = await self.store.lookup(handle, keys) if request.lookup else 0
+        lease_keys = keys
+        if request.prefetch:
+            # The lease takes what is in memory now; the run past it (on disk) is promoted in
+            # the background, not waited for: a later acquire finds it in memory.
+            lease_keys = keys[: self._in_memory(handle, keys)]
         result = await self.store.acquire(
-            self._handle(request.handle, release=request.release_leases),
-            self._keys(request.keys),
-            gpu=request.gpu,
-            wait_s=remaining_s(context),
+            handle, lease_keys, gpu=request.gpu, wait_s=remaining_s(context)
         )
+        if request.prefetch and len(result.offsets) < len(keys):
+            self._prefetch(handle, keys[len(result.offsets) :], request.gpu)
         offsets = [
             o if gpu else self._address(o)
             for o, gpu in zip(result.offsets, result.on_gpu, strict=True)
@@ -370,6 +378,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             expires_in_s=self.store.config.lease_ttl_s,
             on_gpu=result.on_gpu if any(result.on_gpu) else [],
             pending=result.pending,
+            found=found,
         )
 
     @_rpc
@@ -462,8 +471,20 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     async def Prefetch(self, request, context):
         handle = self._handle(request.handle, release=request.release_leases)
-        queued = self.store.prefetch(handle, self._keys(request.keys), gpu=request.gpu)
-        return pb.PrefetchResponse(queued=queued)
+        return pb.PrefetchResponse(
+            queued=self._prefetch(handle, self._keys(request.keys), request.gpu)
+        )
+
+    def _in_memory(self, handle: Handle, keys: list[bytes]) -> int:
+        """How many leading keys are stored in memory (the CPU tier or the GPU pool)."""
+        tiers = self.store.index.tier
+        run = self.store.leading_run(handle.ns_id, keys)
+        return next((i for i, e in enumerate(run) if not tiers[e] & (IN_CPU | IN_GPU)), len(run))
+
+    def _prefetch(self, handle: Handle, keys: list[bytes], gpu: bool) -> int:
+        # Through the store: it bounds and rate-limits prefetch, and sends it into the GPU
+        # pool only for callers that map the pool.
+        return self.store.prefetch(handle, keys, gpu=gpu)
 
     @_rpc
     async def Delete(self, request, context):

@@ -78,8 +78,9 @@ class SessionServer:
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
-        self.calls: Callable[[str, bytes], Awaitable[bytes]] | None = None
-        """Serves a local call frame of a session (its token, the frame): the reply frame."""
+        self.calls: Callable[[str, bytes], bytes | Awaitable[bytes]] | None = None
+        """Serves a local call frame of a session (its token, the frame): the reply frame, or an
+        awaitable of it when the call has to wait."""
 
     def principal(self, token: str) -> Principal | None:
         """The principal of the live session ``token`` names (None: unknown or closed)."""
@@ -132,7 +133,6 @@ class SessionServer:
             task.add_done_callback(self._serving.discard)
 
     async def _serve(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
         token = ""
         try:
             conn.setblocking(False)
@@ -161,30 +161,93 @@ class SessionServer:
                 "ok": True, "session": token, "principal": principal.name,
                 "calls": calls is not None,
             })  # fmt: skip
-            limit = local_calls.MAX_REQUEST_BYTES if calls is not None else MAX_MESSAGE
-            while True:
-                data = await loop.sock_recv(conn, limit + 1)
-                if not data:
-                    return
-                if data[0] == local_calls.MAGIC and calls is not None:
-                    if len(data) > limit:  # truncated: the datagram was larger than allowed
-                        call_id = local_calls.REQUEST.unpack_from(data)[2]
-                        reply = local_calls.encode_error(
-                            call_id,
-                            local_calls.STATUS_EXHAUSTED,
-                            "CapacityError",
-                            f"a local call is at most {limit} bytes: send it over gRPC",
-                        )
-                    else:
-                        reply = await calls(token, data)
-                    conn.send(reply)  # non-blocking, as _send
-                    continue
-                self._answer(conn, self._sessions[token], data[:MAX_MESSAGE])
+            await self._read_messages(conn, self._sessions[token], calls)
         except (OSError, ValueError) as exc:
             log.debug("session ended: %s", exc)
         finally:
             self._sessions.pop(token, None)
             conn.close()
+
+    async def _read_messages(
+        self,
+        conn: socket.socket,
+        session: Session,
+        calls: Callable[[str, bytes], bytes | Awaitable[bytes]] | None,
+    ) -> None:
+        """Answer the connection's messages until it closes. A reader callback, not a
+        ``sock_recv`` per message: a call that needs no wait is read, served and answered in
+        one callback (a future, a task wake-up and two epoll changes fewer per call). A call
+        that waits is finished by a task, and the connection is not read meanwhile: one call in
+        flight per connection, as the client sends them."""
+        loop = asyncio.get_running_loop()
+        fd = conn.fileno()
+        limit = local_calls.MAX_REQUEST_BYTES if calls is not None else MAX_MESSAGE
+        ended: asyncio.Future[None] = loop.create_future()
+        waiting: asyncio.Future[bytes] | None = None
+
+        def end(exc: BaseException | None) -> None:
+            loop.remove_reader(fd)
+            if not ended.done():
+                if exc is None:
+                    ended.set_result(None)
+                else:
+                    ended.set_exception(exc)
+
+        def sent_later(task: asyncio.Future[bytes]) -> None:
+            nonlocal waiting
+            waiting = None
+            if ended.done():
+                return
+            try:
+                conn.send(task.result())  # non-blocking, as _send
+            except BaseException as exc:  # ends the session, reported below
+                end(exc)
+                return
+            loop.add_reader(fd, readable)
+
+        def readable() -> None:
+            nonlocal waiting
+            try:
+                data = conn.recv(limit + 1)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                end(exc)
+                return
+            if not data:
+                end(None)
+                return
+            try:
+                if data[0] != local_calls.MAGIC or calls is None:
+                    self._answer(conn, session, data[:MAX_MESSAGE])
+                    return
+                if len(data) > limit:  # truncated: the datagram was larger than allowed
+                    call_id = local_calls.REQUEST.unpack_from(data)[2]
+                    reply = local_calls.encode_error(
+                        call_id,
+                        local_calls.STATUS_EXHAUSTED,
+                        "CapacityError",
+                        f"a local call is at most {limit} bytes: send it over gRPC",
+                    )
+                else:
+                    served = calls(session.token, data)
+                    if not isinstance(served, bytes):
+                        loop.remove_reader(fd)  # until this call is answered
+                        waiting = asyncio.ensure_future(served)
+                        waiting.add_done_callback(sent_later)
+                        return
+                    reply = served
+                conn.send(reply)  # non-blocking, as _send
+            except BaseException as exc:  # ends the session, reported below
+                end(exc)
+
+        loop.add_reader(fd, readable)
+        try:
+            await ended
+        finally:
+            loop.remove_reader(fd)
+            if waiting is not None:
+                waiting.cancel()
 
     def _answer(self, conn: socket.socket, session: Session, data: bytes) -> None:
         try:

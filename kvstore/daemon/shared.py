@@ -104,10 +104,12 @@ class SharedTier:
     async def contains(self, record: NamespaceRecord, keys: list[bytes]) -> int:
         """Leading keys present in Redis; 0 when it is unreachable (never a hit from a tier
         that cannot serve it)."""
-        from kvstore.tiers.redis import RedisTierUnavailable
-
         if self.tier is None or not keys or not self.tier.up:
             return 0
+        # Imported here, past the check: without a Redis tier, a lookup that misses must not
+        # pay the first import of redis-py (~0.3-0.8 s, in the middle of a call).
+        from kvstore.tiers.redis import RedisTierUnavailable
+
         try:
             return int(await self.tier.contains(record.fingerprint, keys))
         except RedisTierUnavailable:
@@ -117,7 +119,9 @@ class SharedTier:
     async def fetch(self, record: NamespaceRecord, keys: list[bytes]) -> list[int]:
         """Copy the leading run of ``keys`` found in Redis into new CPU-tier entries; returns
         the entry ids of the leading blocks now committed locally (in key order)."""
-        from kvstore.tiers.redis import RedisTierUnavailable
+        if self.tier is None:
+            return []
+        from kvstore.tiers.redis import RedisTierUnavailable  # as in contains
 
         store, index = self.store, self.store.index
         ns_id = record.ns_id

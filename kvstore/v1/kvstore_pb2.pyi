@@ -161,32 +161,38 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("handle", "keys", "gpu", "release_leases")
+    __slots__ = ("handle", "keys", "gpu", "lookup", "prefetch", "release_leases")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     keys: bytes
     gpu: bool
+    lookup: bool
+    prefetch: bool
     release_leases: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., gpu: _Optional[bool] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., gpu: _Optional[bool] = ..., lookup: _Optional[bool] = ..., prefetch: _Optional[bool] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "offsets", "checksums", "expires_in_s", "on_gpu", "pending")
+    __slots__ = ("lease_id", "offsets", "checksums", "expires_in_s", "on_gpu", "pending", "found")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     ON_GPU_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     expires_in_s: float
     on_gpu: _containers.RepeatedScalarFieldContainer[bool]
     pending: bool
-    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., on_gpu: _Optional[_Iterable[bool]] = ..., pending: _Optional[bool] = ...) -> None: ...
+    found: int
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., on_gpu: _Optional[_Iterable[bool]] = ..., pending: _Optional[bool] = ..., found: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id", "handle", "release_leases")

@@ -1,0 +1,121 @@
+"""The control calls of ``KVStoreStub`` as local calls (``kvstore.local_calls``) over the session
+socket, with the stub's signature, for the blocking face (``LocalStub``) and the asyncio face
+(``AsyncLocalStub``): ``Lookup``, ``Reserve``, ``Commit``, ``Abort``, ``Acquire``, ``Release``,
+``Prefetch``, ``Delete``.
+
+A request too large for one datagram goes over gRPC, and so does every call once the session has
+failed (the daemon stopped or restarted): gRPC then answers as it would have (UNAVAILABLE, or
+NOT_FOUND for the old handle, and the client reopens), so a broken session changes nothing a
+caller sees. An error reply becomes a ``LocalCallError``, which reads like a gRPC error, so the
+faces translate both the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from kvstore import local_calls
+from kvstore.client.session import ClientSession, SessionBroken
+from kvstore.v1 import kvstore_pb2 as pb
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
+_REPLY_TYPES = {
+    name: getattr(pb, _SERVICE.methods_by_name[name].output_type.name)
+    for name in local_calls.METHODS
+}
+_STATUS_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+_LIMIT = local_calls.MAX_REQUEST_BYTES - local_calls.REQUEST.size
+
+
+class LocalCallError(grpc.RpcError):
+    """A local call's error reply, read like a gRPC error (``translate_error``)."""
+
+    def __init__(self, status: int, body: memoryview | bytes) -> None:
+        name, message = local_calls.decode_error(memoryview(body))
+        super().__init__(message)
+        self._code = _STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
+        self._details = message
+        self._name = name
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("kvstore-error", self._name),) if self._name else ()
+
+
+class LocalStub:
+    """Blocking: each method waits for its reply on the session socket."""
+
+    def __init__(self, stub: Any, session: Callable[[], ClientSession | None]) -> None:
+        self._stub = stub
+        self._session = session
+        for name in local_calls.METHODS:
+            setattr(self, name, self._method(name))
+
+    def _method(self, name: str) -> Callable[..., Any]:
+        index = local_calls.METHOD_INDEX[name]
+        reply_type = _REPLY_TYPES[name]
+        grpc_method = getattr(self._stub, name)
+
+        def call(request: Any, timeout: float) -> Any:
+            session = self._session()
+            if session is not None and session.calls:
+                body = request.SerializeToString()
+                if len(body) <= _LIMIT:
+                    try:
+                        status, reply = session.call(index, body, timeout)
+                    except SessionBroken:
+                        session.calls = False  # this session is over: gRPC from now on
+                    else:
+                        if status != local_calls.STATUS_OK:
+                            raise LocalCallError(status, reply)
+                        return reply_type.FromString(reply)
+            return grpc_method(request, timeout=timeout)
+
+        return call
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:  # for type checkers: set above
+        raise AttributeError(name)
+
+
+class AsyncLocalStub:
+    """Asyncio: each method awaits its reply on the event loop (``ClientSession.acall``), so a
+    local call never blocks the loop; the fallback is the ``grpc.aio`` stub."""
+
+    def __init__(self, stub: Any, session: Callable[[], ClientSession | None]) -> None:
+        self._stub = stub
+        self._session = session
+        for name in local_calls.METHODS:
+            setattr(self, name, self._method(name))
+
+    def _method(self, name: str) -> Callable[..., Any]:
+        index = local_calls.METHOD_INDEX[name]
+        reply_type = _REPLY_TYPES[name]
+        grpc_method = getattr(self._stub, name)
+
+        async def call(request: Any, timeout: float) -> Any:
+            session = self._session()
+            if session is not None and session.calls:
+                body = request.SerializeToString()
+                if len(body) <= _LIMIT:
+                    try:
+                        status, reply = await session.acall(index, body, timeout)
+                    except SessionBroken:
+                        session.calls = False  # this session is over: gRPC from now on
+                    else:
+                        if status != local_calls.STATUS_OK:
+                            raise LocalCallError(status, reply)
+                        return reply_type.FromString(reply)
+            return await grpc_method(request, timeout=timeout)
+
+        return call
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:  # for type checkers: set above
+        raise AttributeError(name)
