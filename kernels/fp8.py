@@ -36,6 +36,7 @@ nearest even), of values already clamped to the finite range.
 
 from __future__ import annotations
 
+import struct
 import threading
 
 import torch
@@ -181,3 +182,79 @@ def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) 
             y.masked_fill_(lo == NAN_CODE << 7, float("nan"))
         if not direct:
             out[c0:c1].copy_(y)
+
+
+# -- the fp8 record payload of one contiguous block -------------------------------------------
+#
+# What the tiers' ``fp8`` codec stores for a block of shape ``(layers, 2, block_size, H, D)`` in
+# bfloat16, float16 or float32, and what the fp8 gather kernel writes straight from a paged
+# cache (so the bytes that leave the device are already the payload): a 24-byte header (magic
+# ``KVF8``, version 1, source dtype code, 2 zero bytes, layers, block_size, H, D as little-endian
+# uint32), the float32 scales ``[layers, 2, H]``, then the e4m3 codes ``[layers, 2, block_size,
+# H, D]``. A group here is (layer, K|V, head); a group of zeros gets scale 1.
+
+PAYLOAD_MAGIC = b"KVF8"
+PAYLOAD_VERSION = 1
+PAYLOAD_DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_DTYPE_OF_CODE = {code: dt for dt, code in PAYLOAD_DTYPES.items()}
+HEADER = struct.Struct("<4sBBxxIIII")
+assert HEADER.size == 24
+EMPTY_GROUP_SCALE = 1.0
+
+
+def payload_bytes(shape: tuple[int, ...]) -> int:
+    """Bytes of the payload of a block of ``shape`` ``(layers, 2, block_size, H, D)``."""
+    layers, kv, bs, heads, dim = shape
+    return HEADER.size + 4 * layers * kv * heads + layers * kv * bs * heads * dim
+
+
+def header(shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
+    """The payload header of a block of ``shape`` and ``dtype``."""
+    layers, _, bs, heads, dim = shape
+    code = PAYLOAD_DTYPES[dtype]
+    return HEADER.pack(PAYLOAD_MAGIC, PAYLOAD_VERSION, code, layers, bs, heads, dim)
+
+
+def parse_header(payload: memoryview | bytes) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """(block shape, source dtype) a payload's header states, or None if it is not a header
+    of this format (short, another magic or version, an unknown dtype)."""
+    if len(payload) < HEADER.size:
+        return None
+    magic, version, code, layers, bs, heads, dim = HEADER.unpack_from(payload)
+    dtype = _DTYPE_OF_CODE.get(code)
+    if magic != PAYLOAD_MAGIC or version != PAYLOAD_VERSION or dtype is None:
+        return None
+    return (layers, 2, bs, heads, dim), dtype
+
+
+def _payload_parts(payload: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """(header bytes, scales [layers * 2, H] float32, codes [layers * 2, bs, H, D] uint8)
+    views of a uint8 payload tensor."""
+    layers, kv, bs, heads, dim = shape
+    groups = layers * kv * heads
+    scales = payload[HEADER.size : HEADER.size + 4 * groups].view(torch.float32)
+    codes = payload[HEADER.size + 4 * groups : payload_bytes(shape)]
+    return (
+        payload[: HEADER.size],
+        scales.view(layers * kv, heads),
+        codes.view(layers * kv, bs, heads, dim),
+    )
+
+
+def encode_payload(block: torch.Tensor, payload: torch.Tensor) -> None:
+    """Write the payload of ``block`` ``(layers, 2, bs, H, D)`` (contiguous, CPU) into
+    ``payload`` (uint8, at least ``payload_bytes(block.shape)``)."""
+    shape = tuple(block.shape)
+    head, scales, codes = _payload_parts(payload, shape)
+    head.copy_(torch.frombuffer(bytearray(header(shape, block.dtype)), dtype=torch.uint8))
+    layers, kv, bs, heads, dim = shape
+    quantize_groups(block.view(layers * kv, bs, heads, dim), scales, codes, EMPTY_GROUP_SCALE)
+
+
+def decode_payload(payload: torch.Tensor, out: torch.Tensor) -> None:
+    """Decode a payload (uint8 CPU tensor, header already checked against ``out``) into
+    ``out`` ``(layers, 2, bs, H, D)`` (contiguous, of the payload's dtype)."""
+    shape = tuple(out.shape)
+    _, scales, codes = _payload_parts(payload, shape)
+    layers, kv, bs, heads, dim = shape
+    dequantize_groups(codes, scales, out.view(layers * kv, bs, heads, dim))

@@ -266,6 +266,48 @@ def paged_attention_fp8(
     return out
 
 
+# -- fp8 record payloads straight from a paged cache (fp8_blocks.cu) ---------------------------
+#
+# The tiers' fp8 codec payload (layout in ``fp8.py``) of a block of a bf16/f16/f32 cache, so that
+# what crosses PCIe is the payload (~0.53x the block) rather than the block. Defined as what the
+# codec does to the gathered block: gather_blocks, then ``fp8.encode_payload``; the inverse is
+# ``fp8.decode_payload``, then scatter_blocks.
+
+
+def gather_fp8_payloads(
+    kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor
+) -> None:
+    """``out[i, :P]`` = the fp8 payload of block ``block_ids[i]`` (P = ``fp8.payload_bytes``);
+    ``out`` is uint8 ``[n, >= P]``. Bytes past P are left alone."""
+    first = kv_caches[0]
+    dev = first.device
+    shape = (len(kv_caches), 2, first.shape[2], first.shape[3], first.shape[4])
+    size = fp8.payload_bytes(shape)
+    block = torch.empty((1, *shape), dtype=first.dtype, device=dev)
+    payload = torch.empty(size, dtype=torch.uint8)
+    for i, b in enumerate(block_ids.tolist()):
+        gather_blocks(kv_caches, torch.tensor([b], device=dev), block)
+        on_cpu = out.device.type == "cpu"
+        fp8.encode_payload(block[0].cpu(), out[i, :size] if on_cpu else payload)
+        if not on_cpu:
+            out[i, :size].copy_(payload)
+
+
+def scatter_fp8_payloads(
+    payloads: torch.Tensor, kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor
+) -> None:
+    """``kv_caches[l][:, block_ids[i]]`` = layer l of the block that payload ``payloads[i]``
+    decodes to: the inverse of gather_fp8_payloads (whose headers the caller checked).
+    Precondition: block_ids are distinct."""
+    first = kv_caches[0]
+    shape = (len(kv_caches), 2, first.shape[2], first.shape[3], first.shape[4])
+    size = fp8.payload_bytes(shape)
+    block = torch.empty((1, *shape), dtype=first.dtype)
+    for i, b in enumerate(block_ids.tolist()):
+        fp8.decode_payload(payloads[i, :size].cpu(), block[0])
+        scatter_blocks(block.to(first.device), kv_caches, torch.tensor([b], device=first.device))
+
+
 # -- device checksum (block_checksum.cu) -------------------------------------------------------
 #
 # A block is m little-endian uint64 words w_i; its checksum is

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,16 +51,13 @@ LOSSLESS_PART = {CODEC_NONE: 0, CODEC_LZ4: 1, CODEC_FP8: 0, CODEC_FP8_LZ4: 1}
 
 FP8_MAX = fp8.MAX
 FP8_DTYPES: dict[str, tuple[int, torch.dtype]] = {
-    "bfloat16": (1, torch.bfloat16),
-    "float16": (2, torch.float16),
-    "float32": (3, torch.float32),
+    name: (fp8.PAYLOAD_DTYPES[dt], dt)
+    for name, dt in (
+        ("bfloat16", torch.bfloat16),
+        ("float16", torch.float16),
+        ("float32", torch.float32),
+    )
 }
-_DTYPE_OF_CODE = {code: dt for code, dt in FP8_DTYPES.values()}
-_FRAME_MAGIC = b"KVF8"
-_FRAME_VERSION = 1
-# magic, version, source dtype code, 2 reserved bytes, layers, block_size, kv_heads, head_dim
-_FRAME = struct.Struct("<4sBBxxIIII")
-assert _FRAME.size == 24
 
 
 def codec_id(name: str) -> int:
@@ -92,8 +88,8 @@ class BlockFormat:
 
 
 def fp8_payload_bytes(fmt: BlockFormat) -> int:
-    """Bytes of an ``fp8`` payload of a block of ``fmt``: frame, scales, one byte per element."""
-    return _FRAME.size + 4 * fmt.groups + fmt.elements
+    """Bytes of an ``fp8`` payload of a block of ``fmt``: header, scales, one byte per element."""
+    return fp8.payload_bytes(fmt.shape)
 
 
 def plan(name_or_id: str | int, fmt: BlockFormat | None, raw_bytes: int) -> tuple[int, int]:
@@ -202,47 +198,25 @@ def _tensor(buf: memoryview, dtype: torch.dtype) -> torch.Tensor:
 def fp8_encode(data: memoryview, fmt: BlockFormat, out: memoryview) -> int:
     """Encode a block of ``fmt`` into ``out`` (at least ``fp8_payload_bytes(fmt)``); returns
     the payload's length."""
-    code, src_dtype = FP8_DTYPES[fmt.dtype]
+    src_dtype = FP8_DTYPES[fmt.dtype][1]
+    src = _tensor(data[: fmt.elements * src_dtype.itemsize], src_dtype).view(fmt.shape)
     n = fp8_payload_bytes(fmt)
-    layers, kv, bs, heads, dim = fmt.shape
-    _FRAME.pack_into(out, 0, _FRAME_MAGIC, _FRAME_VERSION, code, layers, bs, heads, dim)
-    groups = 4 * fmt.groups
-    chunks = (layers * kv, bs, heads, dim)  # one scale per (chunk, head)
-    scales = _tensor(out[_FRAME.size : _FRAME.size + groups], torch.float32).view(-1, heads)
-    q = _tensor(out[_FRAME.size + groups : n], torch.uint8).view(chunks)
-    src = _tensor(data[: fmt.elements * src_dtype.itemsize], src_dtype).view(chunks)
-    fp8.quantize_groups(src, scales, q, empty_scale=1.0)
+    fp8.encode_payload(src, _tensor(out[:n], torch.uint8))
     return n
-
-
-def _frame(payload: memoryview, raw_bytes: int) -> tuple[BlockFormat, torch.dtype] | None:
-    """The format an fp8 payload states, if its frame is whole and describes ``raw_bytes``."""
-    if payload.nbytes < _FRAME.size:
-        return None
-    magic, version, code, layers, bs, heads, dim = _FRAME.unpack_from(payload)
-    dtype = _DTYPE_OF_CODE.get(code)
-    if magic != _FRAME_MAGIC or version != _FRAME_VERSION or dtype is None:
-        return None
-    name = next(k for k, (c, _) in FP8_DTYPES.items() if c == code)
-    fmt = BlockFormat(name, (layers, 2, bs, heads, dim))
-    if fmt.elements * dtype.itemsize != raw_bytes or payload.nbytes != fp8_payload_bytes(fmt):
-        return None
-    return fmt, dtype
 
 
 def fp8_decode(payload: memoryview, out: memoryview) -> bool:
     """Decode an fp8 payload into all of ``out``; False when the payload is not a whole fp8
-    frame of a block of ``out``'s length (a corrupt record)."""
-    framed = _frame(payload, out.nbytes)
-    if framed is None:
+    payload of a block of ``out``'s length (a corrupt record)."""
+    stated = fp8.parse_header(payload)
+    if stated is None:
         return False
-    fmt, dtype = framed
-    layers, kv, bs, heads, dim = fmt.shape
-    groups = 4 * fmt.groups
-    chunks = (layers * kv, bs, heads, dim)
-    scales = _tensor(payload[_FRAME.size : _FRAME.size + groups], torch.float32).view(-1, heads)
-    q = _tensor(payload[_FRAME.size + groups :], torch.uint8).view(chunks)
-    fp8.dequantize_groups(q, scales, _tensor(out, dtype).view(chunks))
+    shape, dtype = stated
+    if math.prod(shape) * dtype.itemsize != out.nbytes or payload.nbytes != fp8.payload_bytes(
+        shape
+    ):
+        return False
+    fp8.decode_payload(_tensor(payload, torch.uint8), _tensor(out, dtype).view(shape))
     return True
 
 
