@@ -25,20 +25,26 @@ Error bound, element x of a group with scale s (3 mantissa bits, subnormal step 
     |x - x'| <= max(|x| * 2^-4, s * 2^-10)      (so at most amax / 16 in the group)
 
 Fast CPU paths (``quantize_groups``, ``dequantize_groups``): the same results, bit for bit, as
-the one-line definitions (``quantize``, ``dequantize``), at ~5-10x their speed here. They work in
-place in per-thread buffers reused across calls (a fresh temporary costs page faults that cost
-more than the arithmetic on this kind of machine) and in chunks that stay in L2. e4m3 -> float is
-done by moving bits (e4m3 is float16 with the exponent bias 7 instead of 15, so ``q`` read as
-float16 is exactly ``float(q) * 2^-8``; the 2^8 goes into the scale, exactly), because torch's
-own float8 -> float32 cast runs ~8x slower on CPU. float -> e4m3 is torch's cast (round to
-nearest even), of values already clamped to the finite range.
+the one-line definitions (``quantize``, ``dequantize``). They work in place in per-thread
+buffers reused across calls (a fresh temporary costs page faults that cost more than the
+arithmetic on this kind of machine), on whole groups at once in chunks that stay in L2, with the
+per-group scale arithmetic in numpy (a torch call on a few hundred values costs more than a pass
+over the block). e4m3 -> float is done by moving bits (e4m3 is float16 with the exponent bias 7
+instead of 15, so ``q`` read as float16 is exactly ``float(q) * 2^-8``; the 2^8 goes into the
+scale, exactly), because torch's own float8 -> float32 cast runs ~20x slower on CPU. float ->
+e4m3 is torch's cast (round to nearest even; a scalar loop, the largest cost of encoding), of
+values within the finite range. What is left is ~10 passes of torch's vectorised kernels per
+block: 1.5-3.7x faster than the first implementation, still 5-10x slower than a copy
+(``benchmarks/bench_tier_codecs.py``); near-copy speed would need a compiled one-pass kernel.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 
+import numpy as np
 import torch
 
 DTYPE = torch.float8_e4m3fn
@@ -101,18 +107,23 @@ def error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 class _Work(threading.local):
-    """Per-thread work buffers, grown to the largest chunk asked for and then reused."""
+    """Per-thread work buffers, grown to the largest chunk asked for and then reused, and their
+    shaped views (a view costs more here than some of the passes over it)."""
 
     def __init__(self) -> None:
-        self.bufs: dict[torch.dtype, torch.Tensor] = {}
-        self.bufs2: dict[torch.dtype, torch.Tensor] = {}
+        self.bufs: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self.views: dict[tuple[torch.dtype, int, tuple[int, ...]], torch.Tensor] = {}
 
-    def get(self, dtype: torch.dtype, n: int, second: bool = False) -> torch.Tensor:
-        bufs = self.bufs2 if second else self.bufs
-        buf = bufs.get(dtype)
-        if buf is None or buf.numel() < n:
-            buf = bufs[dtype] = torch.empty(n, dtype=dtype)
-        return buf[:n]
+    def get(self, dtype: torch.dtype, shape: tuple[int, ...], slot: int = 0) -> torch.Tensor:
+        view = self.views.get((dtype, slot, shape))
+        if view is None:
+            n = math.prod(shape)
+            buf = self.bufs.get((dtype, slot))
+            if buf is None or buf.numel() < n:
+                buf = self.bufs[(dtype, slot)] = torch.empty(n, dtype=dtype)
+                self.views = {k: v for k, v in self.views.items() if k[:2] != (dtype, slot)}
+            view = self.views[(dtype, slot, shape)] = buf[:n].view(shape)
+        return view
 
 
 _WORK = _Work()
@@ -121,6 +132,15 @@ _WORK = _Work()
 def _chunks(c: int, per_c: int) -> list[tuple[int, int]]:
     step = max(1, _CHUNK // max(1, per_c))
     return [(i, min(c, i + step)) for i in range(0, c, step)]
+
+
+def _as_float32(bits: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """float32 values of magnitude bits of ``dtype`` (exact: every such value is a float32)."""
+    if dtype == torch.bfloat16:
+        return (bits.astype(np.int32) << 16).view(np.float32)
+    if dtype == torch.float16:
+        return bits.view(np.float16).astype(np.float32)
+    return bits.view(np.float32)
 
 
 def quantize_groups(
@@ -137,18 +157,20 @@ def quantize_groups(
     q8 = q_out.view(DTYPE)
     for c0, c1 in _chunks(c_all, t * h * d):
         shape = (c1 - c0, t, h, d)
-        n = shape[0] * t * h * d
-        mag = _WORK.get(ints, n).view(shape)
+        mag = _WORK.get(ints, shape)
         torch.bitwise_and(bits[c0:c1], mask, out=mag)
         amax_bits = mag.amax(dim=3).amax(dim=1)  # [c, H]; over D first (contiguous)
         finite = int(amax_bits.max()) < inf_bits
         if not finite:  # an infinity or NaN: the scale is taken over the finite values
             mag.masked_fill_(mag >= inf_bits, 0)
             amax_bits = mag.amax(dim=3).amax(dim=1)
-        amax = amax_bits.view(x.dtype).float()
+        # scale_of(amax), on c x H values: numpy's small-array calls cost less than torch's.
+        amax = _as_float32(amax_bits.numpy(), x.dtype)
         scale = scales_out[c0:c1]
-        torch.where(amax > 0, scale_of(amax), torch.full_like(amax, empty_scale), out=scale)
-        y = _WORK.get(torch.float32, n).view(shape)
+        scale_np = scale.numpy()
+        np.divide(amax, np.float32(MAX), out=scale_np)
+        scale_np[amax == 0] = empty_scale
+        y = _WORK.get(torch.float32, shape)
         # Convert, then divide in place: torch's mixed-dtype division runs ~10x slower here.
         y.copy_(x[c0:c1]).div_(scale[:, None, :, None])
         if not finite:
@@ -168,18 +190,20 @@ def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) 
     direct = out.dtype == torch.float32
     for c0, c1 in _chunks(c_all, t * h * d):
         shape = (c1 - c0, t, h, d)
-        n = shape[0] * t * h * d
-        b = _WORK.get(torch.int16, n).view(shape)
-        lo = _WORK.get(torch.int16, n, second=True).view(shape)
+        b = _WORK.get(torch.int16, shape)
+        sign = _WORK.get(torch.int16, shape, slot=1)
         b.copy_(codes[c0:c1])
-        torch.bitwise_and(b, 0x7F, out=lo)
-        lo.bitwise_left_shift_(7)  # exponent and mantissa, into float16's places
-        b.bitwise_and_(0x80).bitwise_left_shift_(8).bitwise_or_(lo)  # + the sign
-        y = out[c0:c1] if direct else _WORK.get(torch.float32, n).view(shape)
+        # float16 bits of code b: ((b & 0x7f) << 7) | ((b & 0x80) << 8), in three passes:
+        # adding the sign bit to itself carries it to bit 8, so one shift places all of it.
+        torch.bitwise_and(b, 0x80, out=sign)
+        b.add_(sign).bitwise_left_shift_(7)
+        y = out[c0:c1] if direct else _WORK.get(torch.float32, shape)
         # Convert, then multiply in place: torch's mixed-dtype multiply runs ~10x slower here.
         y.copy_(b.view(torch.float16)).mul_(s256[c0:c1, None, :, None])
-        if int(lo.max()) == NAN_CODE << 7:  # the largest such value: some code is a NaN
-            y.masked_fill_(lo == NAN_CODE << 7, float("nan"))
+        flag = _WORK.get(torch.uint8, shape)
+        torch.bitwise_or(codes[c0:c1], 0x80, out=flag)  # 0xff: the code is S.1111.111, a NaN
+        if int(flag.max()) == 0xFF:
+            y.masked_fill_(flag == 0xFF, float("nan"))
         if not direct:
             out[c0:c1].copy_(y)
 
