@@ -43,6 +43,11 @@ against the store calls timed in isolation with the same client: ``lookup`` of t
 worker asks for, ``load`` of the 120 blocks into a paged cache, the scatter alone (from a local
 tensor), one xxh3-64 pass over the prefix bytes (what ``load`` verifies).
 
+``--context N`` makes every prompt N tokens (the prefix N - 128); ``--context 8192
+--model smollm2`` is SmolLM2 at its longest supported context (its config's
+``max_position_embeddings``), where recomputing costs most. The daemon's CPU tier grows to hold
+the prefix.
+
 Runs: (a) in 5 runs per model (``--runs``), or 3 for a model whose 2048-token prefill is
 estimated (from the prefix's) at more than 15 s (the 1B model here); (b) and (c), which cost a
 fraction of (a), in 2 x ``--runs`` + 1 (11): on a shared VM torch's two threads stall now and
@@ -111,6 +116,18 @@ DIAG_REPS = 5
 RECOMPUTE = "(a) recompute 2048 tokens"
 STORE = "(b) store: load 1920, compute 128"
 SUFFIX_ROW = "    suffix compute, prefix resident"
+
+
+def set_context(tokens: int) -> None:
+    """Prompts of ``tokens`` tokens (``--context``): the prefix is all but the last SUFFIX."""
+    global TOKENS, PREFIX, RECOMPUTE, STORE
+    if tokens < 2 * SUFFIX or tokens % 16:
+        raise SystemExit(f"--context must be a multiple of 16 and at least {2 * SUFFIX}")
+    TOKENS, PREFIX = tokens, tokens - SUFFIX
+    RECOMPUTE = f"(a) recompute {TOKENS} tokens"
+    STORE = f"(b) store: load {PREFIX}, compute {SUFFIX}"
+
+
 MEMCPY = "    memcpy of the prefix KV, 1 thread"
 FLOOR = "(c) floor = suffix compute + memcpy"
 
@@ -268,6 +285,11 @@ def measure(subject: Subject, runs_a: int, runs: int, quick: bool, rep: Reporter
     prefix = prompts[0][:PREFIX]
     # The floor worker keeps the prefix plus every run's suffix blocks (cached after each run).
     num_blocks = TOKENS // bs + 1 + (SUFFIX // bs + 1) * (len(prompts) + 1)
+    max_pos = int(getattr(w.config, "max_position_embeddings", 0) or 0)
+    if max_pos and max_pos < TOKENS:
+        raise SystemExit(f"--context {TOKENS} is past {subject.name}'s {max_pos} positions")
+    # The daemon holds the prefix and every run's offloaded suffix blocks: room for twice that.
+    capacity = max(CPU_CAPACITY, 2 * (TOKENS + SUFFIX * (len(prompts) + 2)) * per_token)
     rep.line(f"\n== {subject.name}: {subject.about}")
     rep.line(
         f"KV {per_token} B per token, blocks of {bs} tokens ({layout.block_bytes} B); prefix "
@@ -283,11 +305,11 @@ def measure(subject: Subject, runs_a: int, runs: int, quick: bool, rep: Reporter
     tokens: list[dict[str, list[int]]] = []
     memcpy = Memcpy(PREFIX * per_token)
     with (
-        KVStoreDaemon(CPU_CAPACITY) as daemon,
+        KVStoreDaemon(capacity) as daemon,
         KVStoreClient(daemon.address, layout=layout, model=subject.model_id) as client,
         worker() as floor,
     ):
-        # Offload the prefix (and warm the compute path up): a 1920-token prefill.
+        # Offload the prefix (and warm the compute path up): a PREFIX-token prefill.
         with worker(client) as w0:
             r = serve(w0, prefix)
             offloaded = w0.stats.offloaded_blocks
@@ -303,7 +325,7 @@ def measure(subject: Subject, runs_a: int, runs: int, quick: bool, rep: Reporter
         if est_full > SLOW_PREFILL_S and runs_a > SLOW_RUNS:
             runs_a = SLOW_RUNS
             rep.line(
-                f"a 2048-token prefill takes ~{est_full:.0f} s > {SLOW_PREFILL_S:.0f} s: "
+                f"a {TOKENS}-token prefill takes ~{est_full:.0f} s > {SLOW_PREFILL_S:.0f} s: "
                 f"(a) in {runs_a} runs"
             )
         rep.line(f"runs: (a) {runs_a}, (b) and (c) {runs}")
@@ -462,8 +484,12 @@ def report(rep: Reporter, res: dict[str, Any]) -> None:
         ["", "ms", "share of (b)"],
         [
             ("(b) - suffix compute, per run, median", f"{extra * 1e3:.1f}", f"{extra / b:.1%}"),
-            ("  lookup (127 keys)", f"{d['lookup'] * 1e3:.2f}", f"{d['lookup'] / b:.1%}"),
-            ("  load of 120 blocks", f"{d['load'] * 1e3:.1f}", f"{d['load'] / b:.1%}"),
+            (
+                f"  lookup ({(TOKENS - 1) // 16} keys)",
+                f"{d['lookup'] * 1e3:.2f}",
+                f"{d['lookup'] / b:.1%}",
+            ),
+            (f"  load of {PREFIX // 16} blocks", f"{d['load'] * 1e3:.1f}", f"{d['load'] / b:.1%}"),
             ("    scatter alone (torch reference)", f"{d['scatter'] * 1e3:.1f}", ""),
             ("    xxh3-64 of the prefix (verify)", f"{d['xxh3'] * 1e3:.1f}", ""),
             (f"    {chunks} x (acquire, views, release)", f"{d['leases'] * 1e3:.1f}", ""),
@@ -496,6 +522,13 @@ def main() -> int:
         )
         p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
         p.add_argument(
+            "--context",
+            type=int,
+            default=TOKENS,
+            help="prompt tokens (default 2048; SmolLM2's longest: 8192); the prefix is all but "
+            f"the last {SUFFIX}",
+        )
+        p.add_argument(
             "--model",
             choices=("all", "smollm2", "llama"),
             default="all",
@@ -503,6 +536,7 @@ def main() -> int:
         )
 
     args = parse_args(__doc__.split("\n")[0], extra)
+    set_context(args.context)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     default_threads = torch.get_num_threads()
     if args.threads > 0:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import reference
+from . import fp8, reference
 from ._validate import (
     BlocksLike,
     IdsLike,
@@ -30,6 +30,7 @@ from ._validate import (
     check_blocks,
     check_caches,
     check_checksum_blocks,
+    check_fp8_payloads,
     check_id_range,
     check_unique,
     check_write_fp8,
@@ -38,11 +39,15 @@ from ._validate import (
 __all__ = [
     "copy_blocks",
     "device_checksums",
+    "fp8",
+    "fp8_payload_bytes",
     "gather_blocks",
+    "gather_fp8_payloads",
     "paged_attention",
     "paged_attention_fp8",
     "reference",
     "scatter_blocks",
+    "scatter_fp8_payloads",
     "write_kv_fp8",
 ]
 
@@ -93,6 +98,71 @@ def scatter_blocks(
         cuda.scatter_blocks(geom, blocks, kv_caches, ids)
     else:
         reference.scatter_blocks(blocks, kv_caches, ids)
+
+
+def fp8_payload_bytes(kv_caches: Sequence[torch.Tensor]) -> int:
+    """Bytes of one block's fp8 payload (layout in ``fp8.py``) for these caches."""
+    return fp8.payload_bytes(check_caches(kv_caches).block_shape)
+
+
+def gather_fp8_payloads(
+    kv_caches: Sequence[torch.Tensor], block_ids: IdsLike, out: torch.Tensor, *, check: bool = True
+) -> None:
+    """Gather blocks of a bfloat16, float16 or float32 paged cache as the tiers' fp8 record
+    payloads, quantizing in the kernel: ``out[i, :P]`` is the payload the ``fp8`` codec writes
+    for block ``block_ids[i]`` (byte for byte; P = ``fp8_payload_bytes``), ``out`` uint8
+    ``[n, >= P]`` with contiguous rows. With CUDA caches ``out`` may be pinned host memory,
+    written by the kernel directly, so only the payload (~0.53x the block) crosses PCIe."""
+    geom = check_caches(kv_caches)
+    ids = as_ids(block_ids, "block_ids")
+    check_fp8_payloads(out, geom, ids.numel(), "out")
+    if check:
+        check_id_range(ids, geom.num_blocks, "block_ids")
+    if ids.numel() == 0:
+        return
+    if geom.device.type == "cuda":
+        from . import cuda
+
+        cuda.gather_fp8_payloads(geom, kv_caches, ids, out)
+    else:
+        reference.gather_fp8_payloads(kv_caches, ids, out)
+
+
+def scatter_fp8_payloads(
+    payloads: torch.Tensor,
+    kv_caches: Sequence[torch.Tensor],
+    block_ids: IdsLike,
+    *,
+    check: bool = True,
+) -> None:
+    """Decode fp8 record payloads into blocks of the paged cache, dequantizing in the kernel:
+    the inverse of gather_fp8_payloads, and byte for byte what the ``fp8`` codec decodes.
+    ``block_ids`` must be distinct. With ``check``, every payload's header must state this
+    cache's block shape and dtype (ValueError otherwise; one copy of n headers to the host)."""
+    geom = check_caches(kv_caches)
+    ids = as_ids(block_ids, "block_ids")
+    check_fp8_payloads(payloads, geom, ids.numel(), "payloads")
+    if check:
+        check_id_range(ids, geom.num_blocks, "block_ids")
+        check_unique(ids, "block_ids")
+        want = torch.frombuffer(
+            bytearray(fp8.header(geom.block_shape, geom.dtype)), dtype=torch.uint8
+        )
+        heads = payloads[:, : fp8.HEADER.size].cpu()
+        bad = (heads != want).any(dim=1).nonzero()
+        if bad.numel():
+            raise ValueError(
+                f"payloads[{int(bad[0])}] is not the fp8 payload of a {geom.dtype} block of shape "
+                f"{geom.block_shape}"
+            )
+    if ids.numel() == 0:
+        return
+    if geom.device.type == "cuda":
+        from . import cuda
+
+        cuda.scatter_fp8_payloads(geom, payloads, kv_caches, ids)
+    else:
+        reference.scatter_fp8_payloads(payloads, kv_caches, ids)
 
 
 def copy_blocks(

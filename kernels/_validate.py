@@ -17,6 +17,7 @@ IdsLike = Sequence[int] | torch.Tensor
 BlocksLike = torch.Tensor | Sequence[torch.Tensor]
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+PAYLOAD_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_SCALE_ROWS = 1  # as reference.FP8_SCALE_ROWS (this module imports no implementation)
 
@@ -168,6 +169,31 @@ def _check_block_device(t: torch.Tensor, geom: CacheGeometry, what: str) -> None
             raise ValueError(f"{what} is on {t.device}, kv_caches on {geom.device}")
     elif t.device != geom.device:
         raise ValueError(f"{what} is on {t.device}, kv_caches on {geom.device}")
+
+
+def check_fp8_payloads(payloads: object, geom: CacheGeometry, n: int, what: str) -> int:
+    """``payloads`` is uint8 ``[n, >= P]`` with contiguous rows, for caches the fp8 payload
+    can encode (bfloat16, float16, float32); returns P, the payload's bytes."""
+    if geom.dtype not in PAYLOAD_SOURCE_DTYPES:
+        raise ValueError(
+            f"kv_caches have dtype {geom.dtype}; fp8 payloads encode bfloat16, float16 or float32"
+        )
+    layers, kv, bs, h, d = geom.block_shape
+    size = 24 + 4 * layers * kv * h + layers * kv * bs * h * d  # as fp8.payload_bytes
+    if not isinstance(payloads, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor, got {type(payloads).__name__}")
+    if payloads.dtype != torch.uint8 or payloads.dim() != 2:
+        raise ValueError(
+            f"{what} must be uint8 [n, >= {size}], got {payloads.dtype} {tuple(payloads.shape)}"
+        )
+    if payloads.shape[0] != n:
+        raise ValueError(f"{what} holds {payloads.shape[0]} payloads, block ids name {n}")
+    if payloads.shape[1] < size:
+        raise ValueError(f"{what} rows hold {payloads.shape[1]} bytes; a payload needs {size}")
+    if n > 0 and payloads.stride(1) != 1:
+        raise ValueError(f"{what}: each row must be contiguous")
+    _check_block_device(payloads, geom, what)
+    return size
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""CuPy launchers for ``paged_copy.cu``, ``paged_attention.cu`` and ``block_checksum.cu``.
+"""CuPy launchers for ``paged_copy.cu``, ``paged_attention.cu`` (with the FP8 cache's and the fp8
+payloads' kernels) and ``block_checksum.cu``.
 
 Imported by the package only when a CUDA tensor is given. Importing it without CuPy works;
 calling a launcher then raises RuntimeError pointing at the ``kvstore[cuda]`` extra.
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import reference
+from . import fp8, reference
 from ._validate import AttentionShape, BlocksLike, CacheGeometry, ChecksumBlocks
 
 try:
@@ -65,6 +66,8 @@ _WRITE_FP8_KERNELS = {
     torch.bfloat16: "write_kv_fp8_bf16",
 }
 _WRITE_FP8_THREADS = 128  # KVSTORE_WRITE_THREADS in paged_attention.cu
+_PAYLOAD_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_PAYLOAD_THREADS = 128  # KVSTORE_PAYLOAD_THREADS in paged_attention.cu
 _COPY_WIDTHS = (16, 8, 4, 2, 1)  # bytes per access; suffixes v16 .. v1 in paged_copy.cu
 # Every entry point the launchers may ask for, by source file (scripts/compile_kernels.sh checks
 # the compiled PTX holds each one).
@@ -78,6 +81,11 @@ KERNELS: dict[str, tuple[str, ...]] = {
         *_ATTENTION_KERNELS.values(),
         *_ATTENTION_FP8_KERNELS.values(),
         *_WRITE_FP8_KERNELS.values(),
+        *(
+            f"{op}_fp8_payloads_{sfx}"
+            for op in ("gather", "scatter")
+            for sfx in _PAYLOAD_SUFFIX.values()
+        ),
     ),
     _CHECKSUM_SOURCE: (_CHECKSUM_KERNEL,),
 }
@@ -386,6 +394,58 @@ def write_kv_fp8(
     grid = (m, 2 * hkv)
     name = _WRITE_FP8_KERNELS[k.dtype]
     _launch(device, _ATTENTION_SOURCE, name, grid, (_WRITE_FP8_THREADS,), args)
+
+
+def _payloads(
+    op: str,
+    geom: CacheGeometry,
+    kv_caches: Sequence[torch.Tensor],
+    ids: torch.Tensor,
+    payloads: torch.Tensor,
+    what: str,
+) -> None:
+    """One launch, one CUDA block per (block, layer, K|V, head) group (grid-strided)."""
+    device = geom.device
+    item = geom.dtype.itemsize
+    base = _AddressResolver(device)(payloads, what)
+    stride = payloads.stride(0)
+    if base % 4 or stride % 4:
+        raise ValueError(f"{what}: payload rows must start at 4-byte aligned addresses")
+    args: tuple[Any, ...] = (
+        np.uint64(_layer_ptrs(kv_caches, device).data_ptr()),
+        np.uint64(ids.to(device, non_blocking=True).data_ptr()),
+        np.uint64(0),
+        np.uint64(base),
+        np.int64(stride),
+        np.int64(ids.numel()),
+        np.int32(geom.num_layers),
+        np.int32(geom.num_kv_heads),
+        np.int32(geom.head_dim),
+        np.int32(geom.block_size),
+        np.int64(geom.kv_stride * item),
+        np.int64(geom.block_stride * item),
+    )
+    if op == "gather":
+        words = np.frombuffer(fp8.header(geom.block_shape, geom.dtype), dtype="<u4")
+        args += tuple(np.uint32(w) for w in words)
+    groups = ids.numel() * 2 * geom.num_layers * geom.num_kv_heads
+    name = f"{op}_fp8_payloads_{_PAYLOAD_SUFFIX[geom.dtype]}"
+    _launch(device, _ATTENTION_SOURCE, name, (min(groups, _MAX_GRID),), (_PAYLOAD_THREADS,), args)
+
+
+def gather_fp8_payloads(
+    geom: CacheGeometry, kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, out: torch.Tensor
+) -> None:
+    _payloads("gather", geom, kv_caches, ids, out, "out")
+
+
+def scatter_fp8_payloads(
+    geom: CacheGeometry,
+    payloads: torch.Tensor,
+    kv_caches: Sequence[torch.Tensor],
+    ids: torch.Tensor,
+) -> None:
+    _payloads("scatter", geom, kv_caches, ids, payloads, "payloads")
 
 
 def device_checksums(blocks: BlocksLike, spec: ChecksumBlocks) -> list[int]:

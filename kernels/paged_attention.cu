@@ -298,3 +298,171 @@ __device__ __forceinline__ void write_fp8_impl(unsigned char* __restrict__ cache
 KVSTORE_WRITE_FP8_ENTRY(write_kv_fp8_f32, F32)
 KVSTORE_WRITE_FP8_ENTRY(write_kv_fp8_f16, F16)
 KVSTORE_WRITE_FP8_ENTRY(write_kv_fp8_bf16, BF16)
+
+// ---- fp8 record payloads: gather + quantize, dequantize + scatter ----------------------------
+//
+// The tiers' fp8 codec payload of a block of a bf16/f16/f32 paged cache (layout in fp8.py):
+// header (24 bytes, passed in as six words), float32 scales [layers, 2, H], e4m3 codes
+// [layers, 2, block_size, H, D]. gather_fp8_payloads_* write it straight from the cache, so a
+// copy to pinned host memory moves ~0.53x the block's bytes; scatter_fp8_payloads_* decode
+// payloads into the cache. Both equal the torch reference (reference.gather_fp8_payloads, the
+// codec itself) byte for byte: a group's scale is its largest finite |x| / 448 (1 for a group
+// of zeros), q = e4m3(clamp(x / scale)) with NaN kept; decoding is
+// (float(q) * 2^-8) * (scale * 256), rounded once to the cache's dtype, and a NaN code becomes
+// the NaN torch's CPU conversion writes (bf16 0xffff, f16 0x7e00, f32 0x7fc00000).
+//
+// Caches: layer_ptrs[l] is layer l's base, kv_stride and block_stride byte strides of dims 0
+// and 1. Payload i is at out_ptrs[i] when out_ptrs is not null, else at base + i * stride (4-byte
+// aligned). Grid: grid-stride over n * num_layers * 2 * H groups, one CUDA block per group.
+
+#define KVSTORE_PAYLOAD_THREADS 128
+
+typedef unsigned long long u64;
+
+template <typename E>
+struct CodecNaN;
+template <>
+struct CodecNaN<F32> {
+  static __device__ __forceinline__ float value() { return __uint_as_float(0x7fc00000u); }
+};
+template <>
+struct CodecNaN<F16> {
+  static __device__ __forceinline__ unsigned short value() { return 0x7e00u; }
+};
+template <>
+struct CodecNaN<BF16> {
+  static __device__ __forceinline__ unsigned short value() { return 0xffffu; }
+};
+
+struct PayloadGroup {
+  char* chunk;            // the (layer, K|V) chunk of the block in the cache
+  char* payload;          // the block's payload
+  int lk;                 // 2 * layer + kv
+  int head;
+};
+
+__device__ __forceinline__ PayloadGroup payload_group(i64 g, const u64* layer_ptrs,
+                                                      const i64* block_ids, const u64* ptrs,
+                                                      u64 base, i64 stride, int num_layers,
+                                                      int num_kv_heads, i64 kv_stride,
+                                                      i64 block_stride) {
+  const i64 per_block = 2LL * num_layers * num_kv_heads;
+  const i64 i = g / per_block;
+  const int rest = (int)(g - i * per_block);
+  PayloadGroup p;
+  p.lk = rest / num_kv_heads;
+  p.head = rest - p.lk * num_kv_heads;
+  p.chunk = (char*)layer_ptrs[p.lk >> 1] + (p.lk & 1) * kv_stride + block_ids[i] * block_stride;
+  p.payload = ptrs != 0 ? (char*)ptrs[i] : (char*)base + i * stride;
+  return p;
+}
+
+template <typename E>
+__device__ __forceinline__ void gather_payload_impl(
+    const u64* __restrict__ layer_ptrs, const i64* __restrict__ block_ids,
+    const u64* __restrict__ out_ptrs, u64 out_base, i64 out_stride, i64 n, int num_layers,
+    int num_kv_heads, int head_dim, int block_size, i64 kv_stride, i64 block_stride,
+    unsigned h0, unsigned h1, unsigned h2, unsigned h3, unsigned h4, unsigned h5) {
+  typedef typename E::T T;
+  __shared__ float warp_amax[KVSTORE_PAYLOAD_THREADS / 32];
+  const i64 groups = n * 2LL * num_layers * num_kv_heads;
+  const i64 row_elems = (i64)num_kv_heads * head_dim;
+  const i64 elems = (i64)block_size * head_dim;
+  const i64 scale_groups = 2LL * num_layers * num_kv_heads;
+  for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
+    const PayloadGroup p = payload_group(g, layer_ptrs, block_ids, out_ptrs, out_base,
+                                         out_stride, num_layers, num_kv_heads, kv_stride,
+                                         block_stride);
+    const T* src = (const T*)p.chunk + (i64)p.head * head_dim;
+    float amax = 0.f;
+    for (i64 idx = threadIdx.x; idx < elems; idx += blockDim.x) {
+      const i64 r = idx / head_dim;
+      const float a = fabsf(E::load(src[r * row_elems + (idx - r * head_dim)]));
+      if (a <= 3.402823466e38f) amax = fmaxf(amax, a);  // finite values only
+    }
+    for (int offset = 16; offset > 0; offset >>= 1)
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) amax = fmaxf(amax, warp_amax[w]);
+    const float scale = amax > 0.f ? amax / KVSTORE_FP8_MAX : 1.f;
+
+    float* scales = (float*)(p.payload + 24);
+    unsigned char* codes = (unsigned char*)(scales + scale_groups) +
+                           (i64)p.lk * block_size * row_elems + (i64)p.head * head_dim;
+    for (i64 idx = threadIdx.x; idx < elems; idx += blockDim.x) {
+      const i64 r = idx / head_dim;
+      const i64 d = idx - r * head_dim;
+      float y = E::load(src[r * row_elems + d]) / scale;
+      if (!(y != y)) y = fminf(fmaxf(y, -KVSTORE_FP8_MAX), KVSTORE_FP8_MAX);
+      codes[r * row_elems + d] = FP8::store(y);
+    }
+    if (threadIdx.x == 0) {
+      scales[p.lk * num_kv_heads + p.head] = scale;
+      if (p.lk == 0 && p.head == 0) {
+        unsigned* h = (unsigned*)p.payload;
+        h[0] = h0; h[1] = h1; h[2] = h2; h[3] = h3; h[4] = h4; h[5] = h5;
+      }
+    }
+    __syncthreads();  // warp_amax is reused by the next group
+  }
+}
+
+template <typename E>
+__device__ __forceinline__ void scatter_payload_impl(
+    const u64* __restrict__ layer_ptrs, const i64* __restrict__ block_ids,
+    const u64* __restrict__ in_ptrs, u64 in_base, i64 in_stride, i64 n, int num_layers,
+    int num_kv_heads, int head_dim, int block_size, i64 kv_stride, i64 block_stride) {
+  typedef typename E::T T;
+  const i64 groups = n * 2LL * num_layers * num_kv_heads;
+  const i64 row_elems = (i64)num_kv_heads * head_dim;
+  const i64 elems = (i64)block_size * head_dim;
+  const i64 scale_groups = 2LL * num_layers * num_kv_heads;
+  for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
+    const PayloadGroup p = payload_group(g, layer_ptrs, block_ids, in_ptrs, in_base, in_stride,
+                                         num_layers, num_kv_heads, kv_stride, block_stride);
+    const float* scales = (const float*)(p.payload + 24);
+    const float s256 = __fmul_rn(scales[p.lk * num_kv_heads + p.head], 256.0f);
+    const unsigned char* codes = (const unsigned char*)(scales + scale_groups) +
+                                 (i64)p.lk * block_size * row_elems + (i64)p.head * head_dim;
+    T* dst = (T*)p.chunk + (i64)p.head * head_dim;
+    for (i64 idx = threadIdx.x; idx < elems; idx += blockDim.x) {
+      const i64 r = idx / head_dim;
+      const i64 at = r * row_elems + (idx - r * head_dim);
+      const unsigned char q = codes[at];
+      if ((q & 0x7fu) == 0x7fu) {
+        dst[at] = CodecNaN<E>::value();
+      } else {
+        // float(q) * 2^-8 is exact (it is q read as float16), then one rounded multiply.
+        dst[at] = E::store(__fmul_rn(__fmul_rn(FP8::load(q), 0.00390625f), s256));
+      }
+    }
+  }
+}
+
+#define KVSTORE_FP8_PAYLOAD_ENTRIES(SUFFIX, E)                                                 \
+  extern "C" __global__ void __launch_bounds__(KVSTORE_PAYLOAD_THREADS)                       \
+      gather_fp8_payloads_##SUFFIX(const u64* layer_ptrs, const i64* block_ids,                \
+                                   const u64* out_ptrs, u64 out_base, i64 out_stride, i64 n,   \
+                                   int num_layers, int num_kv_heads, int head_dim,             \
+                                   int block_size, i64 kv_stride, i64 block_stride,            \
+                                   unsigned h0, unsigned h1, unsigned h2, unsigned h3,         \
+                                   unsigned h4, unsigned h5) {                                 \
+    gather_payload_impl<E>(layer_ptrs, block_ids, out_ptrs, out_base, out_stride, n,          \
+                           num_layers, num_kv_heads, head_dim, block_size, kv_stride,          \
+                           block_stride, h0, h1, h2, h3, h4, h5);                              \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(KVSTORE_PAYLOAD_THREADS)                       \
+      scatter_fp8_payloads_##SUFFIX(const u64* layer_ptrs, const i64* block_ids,               \
+                                    const u64* in_ptrs, u64 in_base, i64 in_stride, i64 n,     \
+                                    int num_layers, int num_kv_heads, int head_dim,            \
+                                    int block_size, i64 kv_stride, i64 block_stride) {         \
+    scatter_payload_impl<E>(layer_ptrs, block_ids, in_ptrs, in_base, in_stride, n,            \
+                            num_layers, num_kv_heads, head_dim, block_size, kv_stride,         \
+                            block_stride);                                                     \
+  }
+
+KVSTORE_FP8_PAYLOAD_ENTRIES(f32, F32)
+KVSTORE_FP8_PAYLOAD_ENTRIES(f16, F16)
+KVSTORE_FP8_PAYLOAD_ENTRIES(bf16, BF16)

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from . import fp8
+
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -144,48 +146,23 @@ def paged_attention(
 
 # -- FP8 KV cache (write_kv_fp8.cu, paged_attention.cu) ----------------------------------------
 #
-# The one definition of the FP8 format the kernels write and read. Values are float8 e4m3fn
-# (largest finite 448) scaled per group: a group is one KV head of one (layer, K or V) chunk of
-# one block, its scale ``amax / 448`` in float32, so the group's largest magnitude maps to 448.
-# A scaled cache layer is ``[2, num_blocks, block_size + FP8_SCALE_ROWS, H, D]`` in e4m3fn: the
-# last row of each (K|V, block) chunk holds the chunk's H float32 scales in its first 4*H bytes
-# (the rest zero), so every byte copy of a block (gather, scatter, copy-on-write, the store)
-# carries its scales with it. Needs head_dim % 4 == 0 (the scales are 4-byte aligned).
-#
-#   quantize:   q = e4m3(clamp(x / scale, -448, 448))  (round to nearest even; 0 when scale is 0)
-#   dequantize: x' = float(q) * scale
-#
-# Error bound, element x of a group with scale s (e4m3 has 3 mantissa bits, subnormal step 2^-9):
-#   |x - x'| <= max(|x| * 2^-4, s * 2^-10)   (so at most amax / 16 in the group)
+# The FP8 format's math (scale, quantize, dequantize, error bound) is defined once, in ``fp8.py``,
+# shared with the tiers' fp8 codec; the names below are that module's. Scale groups here: one KV
+# head of one (layer, K or V) chunk of one block. A scaled cache layer is
+# ``[2, num_blocks, block_size + FP8_SCALE_ROWS, H, D]`` in e4m3fn: the last row of each
+# (K|V, block) chunk holds the chunk's H float32 scales in its first 4*H bytes (the rest zero), so
+# every byte copy of a block (gather, scatter, copy-on-write, the store) carries its scales with
+# it. Needs head_dim % 4 == 0 (the scales are 4-byte aligned). A group of zeros has scale 0.
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
+FP8_DTYPE = fp8.DTYPE
+FP8_MAX = fp8.MAX
 FP8_SCALE_ROWS = 1
-FP8_REL_BOUND = 2.0**-4  # half an ulp of a 3-bit mantissa, relative
-FP8_SUBNORMAL_BOUND = 2.0**-10  # half the subnormal step, in units of the scale
-
-
-def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The scale of a group whose largest magnitude is ``amax`` (float32)."""
-    return amax.float() / FP8_MAX
-
-
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x`` (any float dtype) in e4m3fn units of ``scale`` (broadcast against ``x``)."""
-    s = scale.float()
-    y = torch.where(s > 0, x.float() / torch.where(s > 0, s, 1.0), 0.0)
-    # Clamp first: torch turns magnitudes from 464 up into NaN (e4m3fn has no infinity).
-    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 values of e4m3fn ``q`` in units of ``scale``."""
-    return q.float() * scale.float()
-
-
-def fp8_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The largest ``|x - dequantize(quantize(x, s), s)|`` the format allows, per element."""
-    return torch.maximum(x.float().abs() * FP8_REL_BOUND, scale.float() * FP8_SUBNORMAL_BOUND)
+FP8_REL_BOUND = fp8.REL_BOUND
+FP8_SUBNORMAL_BOUND = fp8.SUBNORMAL_BOUND
+fp8_scale = fp8.scale_of
+quantize_fp8 = fp8.quantize
+dequantize_fp8 = fp8.dequantize
+fp8_error_bound = fp8.error_bound
 
 
 def fp8_block_size(kv_cache_layer: torch.Tensor) -> int:
@@ -287,6 +264,48 @@ def paged_attention_fp8(
         probs = torch.softmax(scores, dim=-1)
         out[i] = torch.einsum("hn,nhd->hd", probs, v).to(query.dtype)
     return out
+
+
+# -- fp8 record payloads straight from a paged cache (fp8_blocks.cu) ---------------------------
+#
+# The tiers' fp8 codec payload (layout in ``fp8.py``) of a block of a bf16/f16/f32 cache, so that
+# what crosses PCIe is the payload (~0.53x the block) rather than the block. Defined as what the
+# codec does to the gathered block: gather_blocks, then ``fp8.encode_payload``; the inverse is
+# ``fp8.decode_payload``, then scatter_blocks.
+
+
+def gather_fp8_payloads(
+    kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor
+) -> None:
+    """``out[i, :P]`` = the fp8 payload of block ``block_ids[i]`` (P = ``fp8.payload_bytes``);
+    ``out`` is uint8 ``[n, >= P]``. Bytes past P are left alone."""
+    first = kv_caches[0]
+    dev = first.device
+    shape = (len(kv_caches), 2, first.shape[2], first.shape[3], first.shape[4])
+    size = fp8.payload_bytes(shape)
+    block = torch.empty((1, *shape), dtype=first.dtype, device=dev)
+    payload = torch.empty(size, dtype=torch.uint8)
+    for i, b in enumerate(block_ids.tolist()):
+        gather_blocks(kv_caches, torch.tensor([b], device=dev), block)
+        on_cpu = out.device.type == "cpu"
+        fp8.encode_payload(block[0].cpu(), out[i, :size] if on_cpu else payload)
+        if not on_cpu:
+            out[i, :size].copy_(payload)
+
+
+def scatter_fp8_payloads(
+    payloads: torch.Tensor, kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor
+) -> None:
+    """``kv_caches[l][:, block_ids[i]]`` = layer l of the block that payload ``payloads[i]``
+    decodes to: the inverse of gather_fp8_payloads (whose headers the caller checked).
+    Precondition: block_ids are distinct."""
+    first = kv_caches[0]
+    shape = (len(kv_caches), 2, first.shape[2], first.shape[3], first.shape[4])
+    size = fp8.payload_bytes(shape)
+    block = torch.empty((1, *shape), dtype=first.dtype)
+    for i, b in enumerate(block_ids.tolist()):
+        fp8.decode_payload(payloads[i, :size].cpu(), block[0])
+        scatter_blocks(block.to(first.device), kv_caches, torch.tensor([b], device=first.device))
 
 
 # -- device checksum (block_checksum.cu) -------------------------------------------------------

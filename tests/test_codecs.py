@@ -6,6 +6,7 @@ restart, a corrupt encoded record a miss, records of the previous record version
 from __future__ import annotations
 
 import mmap
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -142,6 +143,73 @@ def test_plan_keeps_lossy_codecs_to_blocks_they_can_encode():
     assert codecs.fp8_payload_bytes(FMT) < n // 2 + 1024  # about half of bf16
     with pytest.raises(ValueError, match="unknown"):
         codecs.plan("zstd", FMT, n)
+
+
+# The fp8 payload as first defined (one torch expression per step, no buffers, no chunks): the
+# spec the fast paths must meet bit for bit, so records written before them decode to the same
+# bytes, and records written now are what a reader of then expects.
+def first_fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales [layers, 2, heads], e4m3 codes as uint8) of a block."""
+    f = x.float()
+    finite = torch.nan_to_num(f, nan=0.0, posinf=0.0, neginf=0.0).abs()
+    amax = finite.amax(dim=(2, 4))
+    scales = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    q = (f / scales[:, :, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return scales, q.view(torch.uint8)
+
+
+def first_fp8_decode(scales: torch.Tensor, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    b = q.to(torch.int16)
+    half = ((b & 0x7F) << 7).bitwise_or_((b & 0x80) << 8).view(torch.float16)
+    x = half.float() * (scales * 256.0)[:, :, None, :, None]
+    x.masked_fill_(b & 0x7F == 0x7F, float("nan"))
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [SHAPE, (32, 2, 16, 8, 128)])  # one chunk; several
+def test_fp8_payloads_are_bit_exact_with_the_formats_first_definition(dtype, shape):
+    x = kv_block(7, torch.float32, shape)
+    x[1, 0, :, 1, :] = 0.0  # a group of zeros
+    x[2, 1, 3, 1, 7] = float("nan")
+    x[3, 0, 5, 0, 9] = float("-inf")
+    x[3, 1, 0, 2, 0] = 3e5  # past float16's range: an infinity once in float16
+    x = x.to(dtype)
+    fmt = BlockFormat(str(dtype)[6:], shape)
+    groups = fmt.groups
+    payload = bytearray(codecs.fp8_payload_bytes(fmt))
+    codecs.fp8_encode(as_bytes(x), fmt, memoryview(payload))
+    scales, q = first_fp8_encode(x)
+    got_scales = torch.frombuffer(payload, dtype=torch.float32, offset=24, count=groups)
+    assert torch.equal(got_scales.view(scales.shape), scales)
+    assert torch.equal(
+        torch.frombuffer(payload, dtype=torch.uint8, offset=24 + 4 * groups), q.flatten()
+    )
+    # Decoding any payload, every code (NaN codes too) under scales from 1e-40 to 1e35.
+    rng = np.random.default_rng(0)
+    body = np.frombuffer(payload, dtype=np.uint8, offset=24 + 4 * groups)
+    body[:] = rng.integers(0, 256, body.size, dtype=np.uint8)
+    body[:256] = np.arange(256, dtype=np.uint8)
+    raw_scales = np.frombuffer(payload, dtype=np.float32, offset=24, count=groups)
+    raw_scales[:] = np.exp(rng.uniform(-92, 80, groups)).astype(np.float32)
+    out = memoryview(bytearray(x.numel() * x.element_size()))
+    assert codecs.fp8_decode(memoryview(payload), out)
+    want = first_fp8_decode(
+        torch.from_numpy(raw_scales.copy()).view(scales.shape),
+        torch.from_numpy(body.copy()).view(shape),
+        dtype,
+    )
+    assert bytes(out) == bytes(as_bytes(want))
+
+
+def test_fp8_codec_threads_code_blocks_at_once_without_mixing_their_buffers():
+    blocks = [as_bytes(kv_block(20 + i, torch.bfloat16, (32, 2, 16, 8, 128))) for i in range(6)]
+    fmt = BlockFormat("bfloat16", (32, 2, 16, 8, 128))
+    alone = [codecs.round_trip(CODEC_FP8, b, fmt) for b in blocks]
+    with ThreadPoolExecutor(3) as pool:
+        for _ in range(3):
+            together = list(pool.map(lambda b: codecs.round_trip(CODEC_FP8, b, fmt), blocks))
+            assert together == alone
 
 
 def test_corrupt_payloads_are_refused():

@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstore import KVLayout, KVStoreClient
+from kvstore import KVLayout, KVStoreClient, kernels
 from kvstore.errors import NamespaceMismatchError
 from kvstore.kernels import reference
 from kvstore.keys import Namespace
 from kvstore.paged import PagedKVCache
+from kvstore.tiers import codecs
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import same_bytes
@@ -262,3 +263,38 @@ def test_fp8_worker_serves_the_same_tokens_from_the_store(daemon_factory) -> Non
     client = KVStoreClient(d.address, layout=layout, model="rand-fp8")
     with client, pytest.raises(ValueError, match="client layout"):
         Worker(model, num_blocks=32, client=client)  # a bf16 cache, an FP8 namespace
+
+
+# -- one format for the cache and the cold tiers ----------------------------------------------
+
+
+def test_the_fp8_cache_and_the_fp8_codec_write_and_read_the_same_bytes() -> None:
+    """A full block quantized by the cache's kernel (write_kv_fp8) and by the tiers' fp8 codec:
+    the same e4m3 bytes and scales; dequantized by each, the same bf16 bytes. Both use the one
+    definition in ``kvstore.kernels.fp8``."""
+    layers, bs, h, d = 3, 16, BF16.num_kv_heads, BF16.head_dim
+    block = torch.stack(
+        [torch.stack([kv(bs, BF16, 30 + 2 * i), kv(bs, BF16, 31 + 2 * i)]) for i in range(layers)]
+    ).to(torch.bfloat16)  # [layers, 2, bs, H, D]
+    caches = [torch.zeros(2, 3, bs + 1, h, d).to(FP8) for _ in range(layers)]
+    for layer, cache in enumerate(caches):
+        kernels.write_kv_fp8(cache, block[layer, 0], block[layer, 1], [2], [0], [bs], [bs])
+    fmt = codecs.BlockFormat("bfloat16", (layers, 2, bs, h, d))
+    payload = bytearray(codecs.fp8_payload_bytes(fmt))
+    codecs.fp8_encode(
+        memoryview(block.view(torch.uint8).numpy()).cast("B"), fmt, memoryview(payload)
+    )
+    groups = fmt.groups
+    scales = torch.frombuffer(payload, dtype=torch.float32, offset=24, count=groups)
+    q = torch.frombuffer(payload, dtype=torch.uint8, offset=24 + 4 * groups)
+    scales, q = scales.view(layers, 2, h), q.view(layers, 2, bs, h, d)
+    out = bytearray(block.numel() * 2)
+    assert codecs.fp8_decode(memoryview(payload), memoryview(out))
+    decoded = torch.frombuffer(out, dtype=torch.bfloat16).view(block.shape)
+    for layer, cache in enumerate(caches):
+        assert torch.equal(reference.fp8_scales(cache)[:, 2], scales[layer])
+        assert torch.equal(cache[:, 2, :bs].view(torch.uint8), q[layer])
+        back = reference.fp8_dequantize_blocks(cache, torch.tensor([2]))[:, 0]
+        assert torch.equal(
+            back.to(torch.bfloat16).view(torch.int16), decoded[layer].view(torch.int16)
+        )

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from kvstore import kernels
 from kvstore.kernels import reference
+from kvstore.tiers import codecs
 
 COPY_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]
 ATTN_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -957,3 +958,99 @@ def test_cuda_paged_attention_fp8_matches_reference(dtype: torch.dtype) -> None:
     )
     tol = ATTN_TOL[dtype]
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
+# -- fp8 record payloads straight from the cache ------------------------------------------------
+
+
+def _payload_caches(dtype: torch.dtype, block_major: bool) -> list[torch.Tensor]:
+    """3 layers of random bit patterns (NaN, infinities, subnormals: whatever the dtype holds),
+    but for layer 1, which holds KV-like values with an outlier head."""
+    caches = make_caches(3, 7, 16, 2, 8, dtype, seed=5, block_major=block_major)
+    gen = torch.Generator().manual_seed(9)
+    values = torch.randn(caches[1].shape, generator=gen)
+    values[..., -1, :] *= 40.0
+    caches[1].copy_(values.to(dtype))
+    return caches
+
+
+def _flat_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize("block_major", [False, True])
+def test_fp8_payloads_of_cache_blocks_are_the_codecs_bytes(
+    dtype: torch.dtype, block_major: bool
+) -> None:
+    caches = _payload_caches(dtype, block_major)
+    shape = block_shape(caches)
+    ids = [4, 0, 6]
+    size = kernels.fp8_payload_bytes(caches)
+    assert size == codecs.fp8_payload_bytes(codecs.BlockFormat(str(dtype)[6:], shape))
+    out = torch.full((3, size + 8), 0xAB, dtype=torch.uint8)  # rows wider than a payload
+    kernels.gather_fp8_payloads(caches, ids, out)
+    blocks = torch.empty((3, *shape), dtype=dtype)
+    kernels.gather_blocks(caches, ids, blocks)
+    fmt = codecs.BlockFormat(str(dtype)[6:], shape)
+    payloads = []
+    for i in range(3):
+        want = bytearray(size)
+        codecs.fp8_encode(_flat_bytes(blocks[i]), fmt, memoryview(want))
+        assert bytes(out[i, :size].numpy()) == bytes(want)
+        assert bool((out[i, size:] == 0xAB).all())  # past the payload: untouched
+        payloads.append(want)
+    # And back: each payload decodes into the cache as the codec decodes it.
+    fresh = [torch.zeros_like(c) for c in caches]
+    kernels.scatter_fp8_payloads(out, fresh, [1, 2, 3])
+    got = torch.empty((3, *shape), dtype=dtype)
+    kernels.gather_blocks(fresh, [1, 2, 3], got)
+    for i in range(3):
+        decoded = bytearray(blocks[i].numel() * blocks.element_size())
+        assert codecs.fp8_decode(memoryview(payloads[i]), memoryview(decoded))
+        assert bytes(_flat_bytes(got[i])) == bytes(decoded)
+    untouched = [0, 4, 5, 6]
+    assert all(not bool(raw(c[:, untouched]).any()) for c in fresh)
+
+
+def test_bad_fp8_payload_calls_raise_value_error() -> None:
+    caches = _payload_caches(torch.bfloat16, False)
+    size = kernels.fp8_payload_bytes(caches)
+    out = torch.zeros((2, size), dtype=torch.uint8)
+    kernels.gather_fp8_payloads(caches, [1, 2], out)
+    cases = [
+        (lambda: kernels.gather_fp8_payloads(caches, [1, 2], out[:, :-1]), "needs"),
+        (lambda: kernels.gather_fp8_payloads(caches, [1, 2], out.float()), "uint8"),
+        (lambda: kernels.gather_fp8_payloads(caches, [1], out), "block ids name 1"),
+        (lambda: kernels.gather_fp8_payloads(caches, [1, 9], out), "block_ids"),
+        (lambda: kernels.gather_fp8_payloads([c.to(FP8) for c in caches], [1, 2], out), "fp8"),
+        (lambda: kernels.scatter_fp8_payloads(out, caches, [3, 3]), "duplicate"),
+        (lambda: kernels.scatter_fp8_payloads(out, [c.half() for c in caches], [3, 4]), "float16"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+    bad = out.clone()
+    bad[1, 0] ^= 1  # magic
+    with pytest.raises(ValueError, match=r"payloads\[1\]"):
+        kernels.scatter_fp8_payloads(bad, caches, [3, 4])
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+def test_cuda_fp8_payloads_match_reference_bit_for_bit(dtype: torch.dtype) -> None:
+    host = _payload_caches(dtype, True)
+    dev = [c.cuda() for c in host]
+    size = kernels.fp8_payload_bytes(host)
+    want = torch.zeros((3, size), dtype=torch.uint8)
+    reference.gather_fp8_payloads(host, torch.tensor([4, 0, 6]), want)
+    pinned = torch.zeros((3, size), dtype=torch.uint8).pin_memory()
+    kernels.gather_fp8_payloads(dev, [4, 0, 6], pinned)  # straight into pinned host memory
+    torch.cuda.synchronize()
+    assert torch.equal(pinned, want)
+    back_host = [torch.zeros_like(c) for c in host]
+    back_dev = [c.cuda() for c in back_host]
+    reference.scatter_fp8_payloads(want, back_host, torch.tensor([1, 2, 3]))
+    kernels.scatter_fp8_payloads(want.cuda(), back_dev, [1, 2, 3])
+    assert all(same_bytes(d, h) for d, h in zip(back_dev, back_host, strict=True))

@@ -9,11 +9,12 @@ the namespace is configured with now. Ids are on-disk and on-the-wire values: ne
   block raw (``none``) when compressing does not make it smaller, so the id says what was done.
 * ``fp8`` (2): lossy. The block, of shape ``(layers, 2, block_size, kv_heads, head_dim)`` in
   bfloat16, float16 or float32, as float8 e4m3 (``torch.float8_e4m3fn``) with one float32 scale
-  per (layer, K/V, kv head): ``scale = amax / 448`` (448 is e4m3's largest finite value; a group
-  of zeros gets scale 1). Payload: a 24-byte frame header (magic ``KVF8``, version, source dtype,
-  the shape), the scales, then the e4m3 bytes. The frame names the shape and dtype, so decoding
-  needs nothing but the payload and the raw length. NaN stays NaN; an infinity saturates to the
-  largest finite value of its group (its group's scale is taken over the finite values).
+  per (layer, K/V, kv head), in the FP8 format of ``kvstore.kernels.fp8`` (its one definition,
+  shared with the FP8 paged cache): ``scale = amax / 448``; a group of zeros gets scale 1 here.
+  Payload: a 24-byte frame header (magic ``KVF8``, version, source dtype, the shape), the
+  scales, then the e4m3 bytes. The frame names the shape and dtype, so decoding needs nothing
+  but the payload and the raw length. NaN stays NaN; an infinity saturates to the largest
+  finite value of its group (its group's scale is taken over the finite values).
 * ``fp8+lz4`` (3): an lz4 block of the ``fp8`` payload; a writer falls back to ``fp8`` when lz4
   does not shrink it.
 
@@ -25,14 +26,14 @@ taken when it was encoded, and every read verify against it.
 The fp8 codec applies only to blocks whose format (``BlockFormat``) is known and of a float dtype
 it can encode; ``plan`` turns any other request into the lossless codec it contains (``fp8`` ->
 ``none``, ``fp8+lz4`` -> ``lz4``). Pure functions between caller buffers, no IO; they block the
-calling thread (numpy/torch vectorised; torch and the lz4 library release the GIL), so tiers call
-them off the event loop.
+calling thread (vectorised, in per-thread buffers; torch and the lz4 library release the GIL, so
+two threads code two blocks at once), so tiers call them off the event loop.
 """
 
 from __future__ import annotations
 
 import ctypes
-import struct
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,25 +41,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvstore.kernels import fp8
+
 CODEC_NONE, CODEC_LZ4, CODEC_FP8, CODEC_FP8_LZ4 = 0, 1, 2, 3
 NAMES: dict[str, int] = {"none": 0, "lz4": 1, "fp8": 2, "fp8+lz4": 3}
 NAME_OF: dict[int, str] = {v: k for k, v in NAMES.items()}
 LOSSY = frozenset({CODEC_FP8, CODEC_FP8_LZ4})
 LOSSLESS_PART = {CODEC_NONE: 0, CODEC_LZ4: 1, CODEC_FP8: 0, CODEC_FP8_LZ4: 1}
 
-FP8_MAX = 448.0
-"""Largest finite float8 e4m3fn value."""
+FP8_MAX = fp8.MAX
 FP8_DTYPES: dict[str, tuple[int, torch.dtype]] = {
-    "bfloat16": (1, torch.bfloat16),
-    "float16": (2, torch.float16),
-    "float32": (3, torch.float32),
+    name: (fp8.PAYLOAD_DTYPES[dt], dt)
+    for name, dt in (
+        ("bfloat16", torch.bfloat16),
+        ("float16", torch.float16),
+        ("float32", torch.float32),
+    )
 }
-_DTYPE_OF_CODE = {code: dt for code, dt in FP8_DTYPES.values()}
-_FRAME_MAGIC = b"KVF8"
-_FRAME_VERSION = 1
-# magic, version, source dtype code, 2 reserved bytes, layers, block_size, kv_heads, head_dim
-_FRAME = struct.Struct("<4sBBxxIIII")
-assert _FRAME.size == 24
 
 
 def codec_id(name: str) -> int:
@@ -85,12 +84,12 @@ class BlockFormat:
 
     @property
     def elements(self) -> int:
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)
 
 
 def fp8_payload_bytes(fmt: BlockFormat) -> int:
-    """Bytes of an ``fp8`` payload of a block of ``fmt``: frame, scales, one byte per element."""
-    return _FRAME.size + 4 * fmt.groups + fmt.elements
+    """Bytes of an ``fp8`` payload of a block of ``fmt``: header, scales, one byte per element."""
+    return fp8.payload_bytes(fmt.shape)
 
 
 def plan(name_or_id: str | int, fmt: BlockFormat | None, raw_bytes: int) -> tuple[int, int]:
@@ -199,73 +198,26 @@ def _tensor(buf: memoryview, dtype: torch.dtype) -> torch.Tensor:
 def fp8_encode(data: memoryview, fmt: BlockFormat, out: memoryview) -> int:
     """Encode a block of ``fmt`` into ``out`` (at least ``fp8_payload_bytes(fmt)``); returns
     the payload's length."""
-    code, src_dtype = FP8_DTYPES[fmt.dtype]
-    n = fp8_payload_bytes(fmt)
-    layers, kv, bs, heads, dim = fmt.shape
-    _FRAME.pack_into(out, 0, _FRAME_MAGIC, _FRAME_VERSION, code, layers, bs, heads, dim)
-    groups = 4 * fmt.groups
-    scales = _tensor(out[_FRAME.size : _FRAME.size + groups], torch.float32).view(layers, kv, heads)
-    q = _tensor(out[_FRAME.size + groups : n], torch.float8_e4m3fn).view(fmt.shape)
+    src_dtype = FP8_DTYPES[fmt.dtype][1]
     src = _tensor(data[: fmt.elements * src_dtype.itemsize], src_dtype).view(fmt.shape)
-    x = _to_float32(src)  # a new tensor: ``data`` is the caller's block, never written
-    # Over head_dim first (contiguous), then the block's tokens: cheaper than one reduction
-    # over both strided dims.
-    amax = x.abs().amax(dim=4).amax(dim=2)
-    if not bool(torch.isfinite(amax).all()):
-        finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0).abs()
-        amax = finite.amax(dim=(2, 4))
-    torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax), out=scales)
-    x.div_(scales[:, :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
-    q.copy_(x)
+    n = fp8_payload_bytes(fmt)
+    fp8.encode_payload(src, _tensor(out[:n], torch.uint8))
     return n
-
-
-def _frame(payload: memoryview, raw_bytes: int) -> tuple[BlockFormat, torch.dtype] | None:
-    """The format an fp8 payload states, if its frame is whole and describes ``raw_bytes``."""
-    if payload.nbytes < _FRAME.size:
-        return None
-    magic, version, code, layers, bs, heads, dim = _FRAME.unpack_from(payload)
-    dtype = _DTYPE_OF_CODE.get(code)
-    if magic != _FRAME_MAGIC or version != _FRAME_VERSION or dtype is None:
-        return None
-    name = next(k for k, (c, _) in FP8_DTYPES.items() if c == code)
-    fmt = BlockFormat(name, (layers, 2, bs, heads, dim))
-    if fmt.elements * dtype.itemsize != raw_bytes or payload.nbytes != fp8_payload_bytes(fmt):
-        return None
-    return fmt, dtype
 
 
 def fp8_decode(payload: memoryview, out: memoryview) -> bool:
     """Decode an fp8 payload into all of ``out``; False when the payload is not a whole fp8
-    frame of a block of ``out``'s length (a corrupt record)."""
-    framed = _frame(payload, out.nbytes)
-    if framed is None:
+    payload of a block of ``out``'s length (a corrupt record)."""
+    stated = fp8.parse_header(payload)
+    if stated is None:
         return False
-    fmt, dtype = framed
-    layers, kv, _, heads, _ = fmt.shape
-    groups = 4 * fmt.groups
-    scales = _tensor(payload[_FRAME.size : _FRAME.size + groups], torch.float32)
-    q = _tensor(payload[_FRAME.size + groups :], torch.uint8).view(fmt.shape)
-    # e4m3fn -> float16 by moving bits (exponent bias 7 -> 15, so the value is 2^-8 of the
-    # e4m3 value, subnormals included); the 2^8 goes into the scale, exactly. Bit moves and a
-    # conversion run ~3x faster here than torch's float8 -> float32 cast, with equal results.
-    b = q.to(torch.int16)
-    half = ((b & 0x7F) << 7).bitwise_or_((b & 0x80) << 8).view(torch.float16)
-    x = half.float()
-    x.mul_((scales * 256.0).view(layers, kv, heads)[:, :, None, :, None])
-    nan = b & 0x7F == 0x7F  # e4m3fn has NaN (S.1111.111), no infinity
-    if bool(nan.any()):
-        x.masked_fill_(nan, float("nan"))
-    _tensor(out, dtype).view(fmt.shape).copy_(x)
+    shape, dtype = stated
+    if math.prod(shape) * dtype.itemsize != out.nbytes or payload.nbytes != fp8.payload_bytes(
+        shape
+    ):
+        return False
+    fp8.decode_payload(_tensor(payload, torch.uint8), _tensor(out, dtype).view(shape))
     return True
-
-
-def _to_float32(t: torch.Tensor) -> torch.Tensor:
-    """A float32 copy. bfloat16 is the top half of a float32, so its bits are moved into place
-    (~4x faster here than torch's cast, the same values)."""
-    if t.dtype == torch.bfloat16:
-        return (t.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
-    return t.to(torch.float32, copy=True)
 
 
 # --------------------------------------------------------------------------------- codecs
