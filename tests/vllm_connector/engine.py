@@ -52,7 +52,7 @@ def main() -> None:
         }
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
-    result: dict = {"startup_s": time.perf_counter() - t0, "phases": []}
+    result: dict = {"startup_s": time.perf_counter() - t0, "phases": [], "workers": _workers()}
     for phase in spec["phases"]:
         if phase.get("wait_for"):
             deadline = time.monotonic() + 300
@@ -102,6 +102,30 @@ def main() -> None:
     Path(spec["out"]).write_text(json.dumps(result))
     # The engine's own processes are stopped by the interpreter's exit handlers.
     del llm
+
+
+def _workers() -> list[dict]:
+    """The OpenMP threads and CPUs each of this engine's worker processes was given (vLLM sets
+    ``OMP_NUM_THREADS`` and the binding per worker), so a benchmark can show that the engines it
+    compares computed with the same threads."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if not proc.name().startswith("VLLM::Worker"):
+                continue
+            omp = proc.environ().get("OMP_NUM_THREADS")
+            cpus = set()
+            for thread in proc.threads():
+                status = Path(f"/proc/{proc.pid}/task/{thread.id}/status").read_text()
+                for line in status.splitlines():
+                    if line.startswith("Cpus_allowed_list:"):
+                        cpus.add(line.split(":", 1)[1].strip())
+            found.append({"omp_threads": omp, "cpus": sorted(cpus)})
+        except (psutil.Error, OSError):
+            continue
+    return found
 
 
 def _chat(llm, chat: dict, SamplingParams, TokensPrompt) -> dict:

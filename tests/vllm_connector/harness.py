@@ -78,6 +78,11 @@ def prompt(n_tokens: int, seed: int, prefix: list[int] | None = None) -> list[in
 def engine_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM's CPU backend reserves one more core per worker for any KV connector (for connectors
+    # with threads of their own); on this 2-core machine it then reserves none, and the
+    # engine's processes fight the forward pass's OpenMP threads. Every engine, with or without
+    # the connector, gets the binding an engine without a connector gets (see the README).
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     env["HF_HUB_OFFLINE"] = "1"
     env["VLLM_LOGGING_LEVEL"] = env.get("VLLM_LOGGING_LEVEL", "WARNING")
     return env
