@@ -117,16 +117,13 @@ def bench_model(
     }
 
     def binding(result: dict[str, Any]) -> str:
-        return "; ".join(
-            f"{w['omp_threads']} thread(s) on CPU {','.join(w['cpus'])}"
-            for w in result.get("workers", [])
-        )
+        return "; ".join(f"CPU {','.join(w['cpus'])}" for w in result.get("workers", []))
 
     out["workers_connector"] = results["connector"].get("workers")
     out["workers_plain"] = results["plain"].get("workers")
     rows = [
         [
-            f"{name}: worker OpenMP threads",
+            f"{name}: CPUs of the worker's threads",
             binding(results["connector"]),
             binding(results["plain"]),
             "",

@@ -48,6 +48,13 @@ What is stored, and under which keys:
   cryptographic algorithm (sha256, the default) every process computes the same hashes; with
   xxhash vLLM seeds hashes per process unless ``PYTHONHASHSEED`` is set, and nothing is reused.
 
+CPU engines: vLLM's CPU backend reserves one more core per worker for any KV connector, and on
+a machine with few cores then reserves none (the forward pass's OpenMP threads share their
+cores with the engine's own processes: measured 2-3x slower on 2 cores, with any connector,
+even one doing nothing). This connector needs no reserved core: start CPU engines with
+``VLLM_CPU_NUM_OF_RESERVED_CPU`` set to the number of local workers (1 for one worker), the
+reservation an engine without a connector gets. The scheduler logs a warning when it is unset.
+
 Failure: the store is a cache. A lookup that fails or times out answers 0 (the request is
 computed); a block that fails to load (missing, evicted, a checksum mismatch, the daemon down,
 a deadline) is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes from it;
@@ -1142,8 +1149,13 @@ class KVStoreConnector(KVConnectorBase_V1):
                 worker.submit("load", job)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Sync loads complete in start_load_kv, before the forward pass; async loads fill
-        # blocks of requests that are not in this forward pass.
+        # Not layer-wise, by choice. Async loads (the default) fill blocks of requests that
+        # are not in this forward pass, so no layer waits on them. Sync loads complete in
+        # start_load_kv before the forward pass: on vLLM's CPU backend a load is a memcpy on
+        # the same cores as the forward pass (the worker's threads are bound to them), so
+        # splitting it per layer can reorder the copies but not overlap them with compute.
+        # On CUDA a per-layer split would overlap host-to-device copies with the earlier
+        # layers' compute; that path has not run here (no GPU) and is not built.
         return
 
     def save_kv_layer(
