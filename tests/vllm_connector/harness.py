@@ -78,8 +78,28 @@ def prompt(n_tokens: int, seed: int, prefix: list[int] | None = None) -> list[in
 def engine_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM's CPU backend reserves one more core per worker for any KV connector (for connectors
+    # with threads of their own); on this 2-core machine it then reserves none, and the
+    # engine's processes fight the forward pass's OpenMP threads. Every engine, with or without
+    # the connector, gets the binding an engine without a connector gets (see the README).
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     env["HF_HUB_OFFLINE"] = "1"
+    # Connector classes defined next to the tests (gated_connector) import in vLLM's processes.
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ENGINE.parent), env.get("PYTHONPATH", "")) if p
+    )
     env["VLLM_LOGGING_LEVEL"] = env.get("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
+def _with(env: dict[str, str], changes: dict[str, str | None]) -> dict[str, str]:
+    """``env`` with ``changes`` applied: a None value removes the variable."""
+    env = dict(env)
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
 
 
@@ -98,7 +118,7 @@ class Engine:
             [sys.executable, str(ENGINE), str(spec_path)],
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env=engine_env(),
+            env=_with(engine_env(), spec.get("env", {})),
         )
 
     def wait_file(self, path: Path, timeout_s: float = 600) -> None:

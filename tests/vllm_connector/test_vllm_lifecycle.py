@@ -1,0 +1,147 @@
+"""The connector through vLLM's request lifecycle, against real engines and a real daemon:
+synchronous loads, requests preempted for want of KV blocks, and a request aborted while its
+load is in flight.
+
+Engine A stores the prompts (and serves a batch on a KV cache too small for it, so vLLM
+preempts); engine S loads them with ``load: "sync"``; engine G (the gated connector: real, with
+its loads held until the test lets them go) has a request aborted while it waits in
+WAITING_FOR_REMOTE_KVS; engine R (no connector) is the reference for every answer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (make test-vllm builds .venv-vllm)", allow_module_level=True)
+
+from conftest import DaemonProcess, config_toml
+from harness import BLOCK, Engine, assert_same_answers, make_random_model, outputs, prompt
+
+pytestmark = pytest.mark.timeout(1800)
+
+X = [prompt(200, 31), prompt(150, 32)]  # 6 and 4 full blocks load (the last token computes)
+X_CACHED = [6 * BLOCK, 4 * BLOCK]
+# Four requests of 100-130 prompt tokens and 64 generated: ~26 blocks, on a 16-block cache.
+PRE = [prompt(100 + 10 * k, 40 + k) for k in range(4)]
+PRE_TOKENS = 64
+SMALL_CACHE = 16
+
+X_PHASE = {"prompts": [{"ids": x} for x in X], "max_tokens": 8, "one_by_one": True}
+PRE_PHASE = {"prompts": [{"ids": p} for p in PRE], "max_tokens": PRE_TOKENS}
+
+
+def spec(model: Path, connector: dict | None, phases: list[dict], **kw: object) -> dict:
+    return {
+        "model": str(model),
+        "dtype": "float32",
+        "block_size": BLOCK,
+        "connector": connector,
+        "max_num_batched_tokens": 64,
+        "max_model_len": 256,
+        "prefix_caching": False,
+        "phases": phases,
+        **kw,
+    }
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(tmp_path_factory.mktemp("vllm-life"))
+
+
+@pytest.fixture(scope="module")
+def model(work: Path) -> Path:
+    return make_random_model(work / "model")
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory):
+    d = DaemonProcess(
+        Path(tmp_path_factory.mktemp("kvd")), config_toml(cpu_capacity="256MiB", slab="4MiB")
+    ).start()
+    yield d
+    d.stop()
+
+
+def conn(daemon: DaemonProcess, **extra: object) -> dict:
+    # Deadlines long enough that a loaded 2-core machine never turns a hit into a miss.
+    return {"address": daemon.address, "timeout_s": 30, "lookup_timeout_s": 30, **extra}
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, work: Path) -> dict:
+    return Engine(spec(model, None, [X_PHASE, PRE_PHASE]), work, "R").result()
+
+
+@pytest.fixture(scope="module")
+def stored(model: Path, work: Path, daemon: DaemonProcess) -> dict:
+    """Engine A: stores X, then serves the preemption batch on a 16-block KV cache."""
+    return Engine(
+        spec(
+            model,
+            conn(daemon),
+            [X_PHASE, PRE_PHASE],
+            num_gpu_blocks=SMALL_CACHE,
+            log_stats=True,
+            check_blocks_free=True,
+        ),
+        work,
+        "A",
+    ).result()
+
+
+def test_preempted_requests_answer_as_without_preemption(stored: dict, reference: dict) -> None:
+    # The cache was too small for the batch: vLLM preempted requests, freeing their blocks
+    # while saves may still have been reading them; each resumed request recomputed or
+    # loaded its prefix again.
+    assert stored["counters"].get("vllm:num_preemptions", 0) > 0, stored["counters"]
+    assert_same_answers(outputs(stored, 0), outputs(reference, 0), "engine A, X")
+    assert_same_answers(outputs(stored, 1), outputs(reference, 1), "engine A, preempted batch")
+    assert stored["blocks_free"], "KV blocks still held once engine A was idle"
+
+
+def test_sync_loads_answer_identically(
+    stored: dict, reference: dict, model: Path, work: Path, daemon: DaemonProcess
+) -> None:
+    del stored  # X is in the store
+    s = Engine(spec(model, conn(daemon, load="sync"), [X_PHASE]), work, "S").result()
+    got = outputs(s)
+    assert [o["num_cached_tokens"] for o in got] == X_CACHED
+    assert_same_answers(got, outputs(reference, 0), "engine S (sync loads)")
+
+
+def test_abort_while_loading_leaks_nothing_and_the_engine_keeps_serving(
+    stored: dict, reference: dict, model: Path, work: Path, daemon: DaemonProcess
+) -> None:
+    del stored  # X is in the store
+    files = {name: str(work / f"G.{name}") for name in ("started", "finished", "gate")}
+    g = Engine(
+        spec(
+            model,
+            conn(daemon, transfers="thread"),
+            [{"abort": {"ids": X[0], **files}}, X_PHASE],
+            connector_class=["gated_connector", "GatedKVStoreConnector"],
+            check_blocks_free=True,
+            env={
+                "KVSTORE_TEST_LOAD_STARTED": files["started"],
+                "KVSTORE_TEST_LOAD_GATE": files["gate"],
+                "KVSTORE_TEST_FINISHED": files["finished"],
+            },
+        ),
+        work,
+        "G",
+    ).result()
+    # vLLM finished the aborted request while its load was still held: the connector must
+    # not have asked vLLM to hold its blocks for a save (they are freed when the load
+    # reports), and nothing else may have been finished.
+    (line,) = [f for f in g["phases"][0]["finished"] if "aborted-while-loading" in f]
+    assert "load_pending=True delay=False" in line
+    # The engine still loads and answers, and once idle every block is free again.
+    got = outputs(g, 1)
+    assert [o["num_cached_tokens"] for o in got] == X_CACHED
+    assert_same_answers(got, outputs(reference, 0), "engine G after the abort")
+    assert g["blocks_free"], "the aborted request's blocks (or others) were never freed"
