@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -74,14 +74,14 @@ class LocalCalls:
             self._methods.append((name, getattr(servicer, name), request_type, reply_type))
 
     def serve(self, token: str, frame: bytes) -> bytes | Awaitable[bytes]:
-        """The reply frame to one request frame of the session ``token``: at once when the
-        servicer method finishes without waiting (a lookup, an acquire of resident blocks, a
-        commit: most calls), else an awaitable of it.
+        """The reply frame to one request frame of the session ``token``: an error frame at
+        once for a frame that does not decode, else a task that runs the servicer method under
+        the call's deadline and gives the reply frame.
 
-        The method's coroutine is stepped here, in the caller's callback, rather than in a task
-        of its own: a task, its wake-up and a deadline timer cost ~30 us, as much as the call's
-        own work. Only a method that waits (for a writer, a promotion, Redis) is handed to a
-        task, which finishes it under the call's deadline."""
+        The method runs in a task of its own, as it does under gRPC, never stepped by hand from
+        the socket's callback: servicer and tier code may use what asyncio gives a task
+        (``asyncio.timeout``, ``current_task``), and a coroutine stepped outside any task has
+        neither (a lookup that reached the Redis tier failed with INTERNAL that way)."""
         try:
             index, call_id, timeout_s, body = wire.decode_request(frame)
         except ValueError as exc:
@@ -95,26 +95,25 @@ class LocalCalls:
         except Exception as exc:  # as the gRPC decoder: a refusal, never INTERNAL
             request = Undecodable(name, exc)
         context = LocalContext(token, timeout_s)
-        # Its own context, as a task would have: the servicer sets the caller in a contextvar.
+        # Its own context, as a gRPC call's task has: the servicer sets the caller in a
+        # contextvar.
         ctx = contextvars.copy_context()
-        coro = method(request, context)
-        try:
-            waiting = ctx.run(coro.send, None)
-        except StopIteration as stop:
-            return self._reply(name, start, call_id, stop.value, None)
-        except BaseException as exc:
-            return self._reply(name, start, call_id, None, exc)
         return asyncio.get_running_loop().create_task(
-            self._finish(name, start, call_id, timeout_s, _Resumed(coro, waiting)), context=ctx
+            self._finish(name, start, call_id, timeout_s, method(request, context)), context=ctx
         )
 
     async def _finish(
-        self, name: str, start: float, call_id: int, timeout_s: float, rest: _Resumed
+        self,
+        name: str,
+        start: float,
+        call_id: int,
+        timeout_s: float,
+        call: Coroutine[Any, Any, Any],
     ) -> bytes:
         try:
             left = timeout_s - (time.perf_counter() - start)
             async with asyncio.timeout(max(0.0, left)):
-                reply = await rest
+                reply = await call
         except BaseException as exc:
             return self._reply(name, start, call_id, None, exc)
         return self._reply(name, start, call_id, reply, None)
@@ -142,32 +141,3 @@ class LocalCalls:
         finally:
             if self._observe is not None:
                 self._observe(name, time.perf_counter() - start, code)
-
-
-class _Resumed:
-    """Awaits the rest of a coroutine that was stepped once by hand and is waiting on
-    ``waiting`` (what it yielded): the task that awaits this drives it from there on, passing
-    results and exceptions (a cancellation, the deadline) through as ``await`` would."""
-
-    def __init__(self, coro: Coroutine[Any, Any, Any], waiting: Any) -> None:
-        self._coro = coro
-        self._waiting = waiting
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro, waiting = self._coro, self._waiting
-        while True:
-            try:
-                sent = yield waiting
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:
-                try:
-                    waiting = coro.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-                continue
-            try:
-                waiting = coro.send(sent)
-            except StopIteration as stop:
-                return stop.value

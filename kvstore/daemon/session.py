@@ -175,10 +175,9 @@ class SessionServer:
         calls: Callable[[str, bytes], bytes | Awaitable[bytes]] | None,
     ) -> None:
         """Answer the connection's messages until it closes. A reader callback, not a
-        ``sock_recv`` per message: a call that needs no wait is read, served and answered in
-        one callback (a future, a task wake-up and two epoll changes fewer per call). A call
-        that waits is finished by a task, and the connection is not read meanwhile: one call in
-        flight per connection, as the client sends them."""
+        ``sock_recv`` per message (a future and two epoll changes fewer per call): each call is
+        read there and run by a task of its own, and the connection is not read meanwhile: one
+        call in flight per connection, as the client sends them."""
         loop = asyncio.get_running_loop()
         fd = conn.fileno()
         limit = local_calls.MAX_REQUEST_BYTES if calls is not None else MAX_MESSAGE
