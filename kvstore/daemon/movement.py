@@ -334,6 +334,9 @@ class Mover:
         key, fingerprint = index.key(eid), store.fingerprint_of(eid)
         checksum, offset = index.checksum[eid], index.offset[eid]
         store.pin(eid)
+        writing = (record.usage, record.owner)
+        for books in writing:
+            books.nvme_writing += block_bytes
         try:
             data = store.arena.view[offset : offset + block_bytes]
             # Verified on the way down: a CPU copy that no longer matches its checksum (a
@@ -368,6 +371,8 @@ class Mover:
             store.nvme_counters.demotions += 1
             return True
         finally:
+            for books in writing:
+                books.nvme_writing -= block_bytes
             store.unpin(eid)
 
     def _own_coldest(
@@ -400,7 +405,8 @@ class Mover:
         block by evicting their own coldest disk blocks; False when they cannot."""
         store, index, quotas = self.store, self.store.index, self.store.quotas
         for books, where in ((record.usage, "namespace"), (record.owner, "tenant")):
-            excess = quotas.over(books, "nvme", block_bytes)
+            # Writes in flight count: a batch's blocks are all checked before any lands.
+            excess = quotas.over(books, "nvme", block_bytes + books.nvme_writing)
             if not excess:
                 continue
             victims, freed = self._own_coldest(

@@ -68,6 +68,7 @@ class Usage:
     guaranteed_nvme_bytes: int = 0
     cpu_bytes: int = 0
     nvme_bytes: int = 0
+    nvme_writing: int = 0  # block bytes being written down now (counted against quota_nvme)
     pinned_bytes: int = 0
     leases: int = 0
     reservations: int = 0
