@@ -269,3 +269,39 @@ def test_a_lookup_that_misses_does_not_import_redis_without_a_redis_tier() -> No
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "False"
+
+
+async def test_an_async_call_whose_reply_a_slab_request_read_is_woken(daemon) -> None:
+    # A slab request (another thread, or the loop) that reads a call's reply keeps it for that
+    # call and wakes it. Here the reply is read that way just before the call starts waiting:
+    # without the wake-up it would wait for its deadline, and fail.
+    import time
+
+    from kvstore import AsyncKVStoreClient
+    from kvstore.client.session import SlabUnavailable
+
+    async with AsyncKVStoreClient(
+        daemon.address, layout=SMALL_LAYOUT, model="local", timeout_s=3.0
+    ) as kv:
+        keys = kv.hash_tokens(tokens(3))
+        await kv.put(keys, random_blocks(SMALL_LAYOUT, 3))
+        session = kv._session
+        read = session._read_reply
+        stolen = []
+
+        def read_after_a_slab_request(call_id: int):
+            if not stolen:
+                time.sleep(0.2)  # the reply is queued by now
+                session._lock.release()  # held by the call while it reads: let slab take it
+                try:
+                    with pytest.raises(SlabUnavailable):
+                        session.slab(1 << 30)  # reads the call's reply first, keeps it
+                finally:
+                    session._lock.acquire()
+                stolen.append(session._kept is not None)
+                return None  # as if the reply had not come yet
+            return read(call_id)
+
+        session._read_reply = read_after_a_slab_request
+        assert await kv.lookup(keys) == 3  # woken: at its deadline the call would raise
+        assert stolen == [True]

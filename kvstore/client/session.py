@@ -235,6 +235,8 @@ class ClientSession:
 
                     self._wake = partial(loop.call_soon_threadsafe, wake)
                     loop.add_reader(fd, wake)
+                    if self._kept is not None:  # kept before ``_wake`` was set: look again
+                        wake()
                     try:
                         async with asyncio.timeout_at(deadline):
                             await ready
