@@ -43,9 +43,10 @@ against the store calls timed in isolation with the same client: ``lookup`` of t
 worker asks for, ``load`` of the 120 blocks into a paged cache, the scatter alone (from a local
 tensor), one xxh3-64 pass over the prefix bytes (what ``load`` verifies).
 
-``--context N`` makes every prompt N tokens (the prefix N - 128); ``--context 8192
---model smollm2`` is SmolLM2 at its longest supported context (its config's
-``max_position_embeddings``), where recomputing costs most. The daemon's CPU tier grows to hold
+``--context N`` makes every prompt N tokens (the prefix N - 128); ``--context 8176
+--model smollm2`` is SmolLM2 at its longest supported context (its config's 8,192
+``max_position_embeddings`` less the new tokens, in whole blocks), where recomputing costs
+most. The daemon's CPU tier grows to hold
 the prefix.
 
 Runs: (a) in 5 runs per model (``--runs``), or 3 for a model whose 2048-token prefill is
@@ -286,8 +287,11 @@ def measure(subject: Subject, runs_a: int, runs: int, quick: bool, rep: Reporter
     # The floor worker keeps the prefix plus every run's suffix blocks (cached after each run).
     num_blocks = TOKENS // bs + 1 + (SUFFIX // bs + 1) * (len(prompts) + 1)
     max_pos = int(getattr(w.config, "max_position_embeddings", 0) or 0)
-    if max_pos and max_pos < TOKENS:
-        raise SystemExit(f"--context {TOKENS} is past {subject.name}'s {max_pos} positions")
+    if max_pos and max_pos < TOKENS + MAX_NEW:  # the worker refuses prompt + new tokens past it
+        raise SystemExit(
+            f"--context {TOKENS} + {MAX_NEW} new tokens is past {subject.name}'s {max_pos} "
+            f"positions: at most {(max_pos - MAX_NEW) // 16 * 16}"
+        )
     # The daemon holds the prefix and every run's offloaded suffix blocks: room for twice that.
     capacity = max(CPU_CAPACITY, 2 * (TOKENS + SUFFIX * (len(prompts) + 2)) * per_token)
     rep.line(f"\n== {subject.name}: {subject.about}")
@@ -525,7 +529,8 @@ def main() -> int:
             "--context",
             type=int,
             default=TOKENS,
-            help="prompt tokens (default 2048; SmolLM2's longest: 8192); the prefix is all but "
+            help="prompt tokens (default 2048; SmolLM2's longest: 8176, as its 8192 positions "
+            "must hold the new tokens too); the prefix is all but "
             f"the last {SUFFIX}",
         )
         p.add_argument(
