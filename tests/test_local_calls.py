@@ -184,7 +184,7 @@ def test_a_stopped_daemon_fails_fast_and_a_restarted_one_is_rejoined(daemon_fact
     from kvstore.errors import UnavailableError
 
     d = daemon_factory()
-    kv = client(d, timeout_s=20.0)
+    kv = client(d, timeout_s=120.0)
     try:
         keys = kv.hash_tokens(tokens(2))
         blocks = random_blocks(SMALL_LAYOUT, 2, seed=8)
@@ -193,7 +193,9 @@ def test_a_stopped_daemon_fails_fast_and_a_restarted_one_is_rejoined(daemon_fact
         start = time.monotonic()
         with pytest.raises(UnavailableError):
             kv.lookup(keys)  # the session broke: gRPC answers, at once, as it would have
-        assert time.monotonic() - start < 10.0  # not the 20 s a wait for a daemon would take
+        # Not the 120 s a wait for a daemon would take: the margin is wide enough that a
+        # loaded machine cannot make a fast failure look slow.
+        assert time.monotonic() - start < 60.0
         d.start()
         # gRPC may still be backing off from the failed connect (its own reconnect policy):
         # retry until it reconnects, as any caller of a restarted daemon does.
