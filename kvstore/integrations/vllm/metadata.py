@@ -1,0 +1,53 @@
+"""What the scheduler tells the workers each step (loads, saves, held requests) and what the
+workers tell it back (keys stored, found missing, settled)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class SaveJob:
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+    """Requests whose blocks the scheduler holds until the worker reports their saves done."""
+    preempted: bool = False
+
+
+@dataclass
+class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
+    stored: list[bytes] = field(default_factory=list)
+    """Keys this step's saves newly stored."""
+    missing: list[bytes] = field(default_factory=list)
+    """Keys a load found gone (evicted, corrupt): the store no longer holds them."""
+    settled: list[bytes] = field(default_factory=list)
+    """Every key of each job this worker finished (loaded, stored, already present, dropped):
+    the scheduler forgets what it kept for that job's events."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVStoreWorkerMetadata)
+        return KVStoreWorkerMetadata(
+            self.stored + other.stored,
+            self.missing + other.missing,
+            self.settled + other.settled,
+        )

@@ -1,0 +1,263 @@
+"""The scheduler side: one lookup per request, the load and save jobs of each step, the
+blocks held for saves, and the block events for a KV-aware router."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+
+from kvstore.errors import KVStoreError
+from kvstore.integrations.vllm.identity import StoreIdentity, store_key
+from kvstore.integrations.vllm.metadata import (
+    KVStoreConnectorMetadata,
+    KVStoreWorkerMetadata,
+    LoadJob,
+    SaveJob,
+)
+from kvstore.integrations.vllm.options import ConnectorConfig
+from kvstore.integrations.vllm.stats import KVStoreConnectorStats
+from kvstore.integrations.vllm.store import _Store
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+MEDIUM = "kvstore"
+
+MAX_PENDING_EVENTS = 65536
+
+
+@dataclass
+class _Pending:
+    """What a block's BlockStored / BlockRemoved event needs, kept while its transfers run."""
+
+    block_hash: Any
+    parent: Any
+    tokens: list[int]
+    lora: Any
+    waiting: int
+    """Settle reports still expected: one per worker per job naming the block."""
+    told: str = ""
+    """The last event sent for it ("stored", "removed"), so TP ranks never repeat one."""
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    saved: int = 0
+    """Blocks from 0 whose save has been scheduled (or that the store is known to hold)."""
+    load: LoadJob | None = None
+    holds: bool = False
+    """A save was scheduled: request_finished keeps the blocks until the worker reports."""
+
+
+class _Scheduler:
+    def __init__(self, ident: StoreIdentity, cfg: ConnectorConfig, vllm_config: Any) -> None:
+        self.ident = ident
+        self.cfg = cfg
+        self.block_size = ident.layout.block_size
+        self.store = _Store(ident, cfg, cfg.lookup_timeout_s)
+        self.tracked: dict[str, _Tracked] = {}
+        self.pending_loads: list[LoadJob] = []
+        self.held: list[str] = []
+        self.stats = KVStoreConnectorStats()
+        self.events: list[KVCacheEvent] = []
+        self.announce: OrderedDict[bytes, _Pending] = OrderedDict()
+        """key -> what its events need, for every key of a transfer not yet settled, oldest
+        first. Each worker settles every key of every job it finishes, so the map holds only
+        what is in flight; ``max_pending`` bounds it even if a worker never reports (the
+        oldest are dropped and counted in ``events_dropped``)."""
+        self.max_pending = MAX_PENDING_EVENTS
+        self._dropped_warned = False
+        pc = getattr(vllm_config, "parallel_config", None)
+        # Every worker (tensor and pipeline ranks) finishes and settles each job once.
+        self.reporters = max(1, int(getattr(pc, "world_size", 1) or 1))
+        self.hash_block_size = vllm_config.cache_config.block_size
+
+    def keys_of(self, request: Request, start: int, stop: int) -> list[bytes]:
+        return [store_key(h) for h in request.block_hashes[start:stop]]
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        if self.cfg.load == "none" or num_computed_tokens % self.block_size:
+            return 0, False
+        bs = self.block_size
+        start = num_computed_tokens // bs
+        # Always leave the last token to compute: its logits are the output.
+        stop = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
+        if stop <= start:
+            return 0, False
+        keys = self.keys_of(request, start, stop)
+        found = 0
+        for attempt in range(2):
+            client = self.store.client()
+            if client is None:
+                return 0, False
+            self.stats.add("lookups")
+            try:
+                found = client.lookup(keys)
+                break
+            except KVStoreError as exc:
+                if self.store.reused and attempt == 0:
+                    self.store.close()
+                    continue
+                self.stats.add("lookup_failures")
+                self.store.failed("lookup", exc)
+                return 0, False
+        if found == 0:
+            return 0, False
+        tokens = found * bs
+        self.stats.add("hit_tokens", tokens)
+        return tokens, self.cfg.load == "async"
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        state = self.tracked.setdefault(request.request_id, _Tracked(request))
+        state.request = request
+        if num_external_tokens == 0:
+            return
+        bs = self.block_size
+        block_ids = blocks.get_block_ids()[0]
+        start = request.num_computed_tokens // bs
+        stop = start + num_external_tokens // bs
+        job = LoadJob(
+            request.request_id, self.keys_of(request, start, stop), list(block_ids[start:stop])
+        )
+        state.load = job
+        for i, key in enumerate(job.keys):
+            self._remember(request, start + i, key)
+        self.pending_loads.append(job)
+
+    def _remember(self, request: Request, index: int, key: bytes) -> None:
+        hashes = request.block_hashes
+        bs = self.block_size
+        parent = hashes[index - 1] if index > 0 else None
+        lora = request.lora_request.lora_name if request.lora_request else None
+        pending = self.announce.get(key)
+        if pending is not None:
+            # The same block in another job (a shared prefix): one entry, settled by both.
+            pending.waiting += self.reporters
+            self.announce.move_to_end(key)
+            return
+        tokens = list(request.all_token_ids[index * bs : (index + 1) * bs])
+        self.announce[key] = _Pending(hashes[index], parent, tokens, lora, self.reporters)
+        while len(self.announce) > self.max_pending:
+            self.announce.popitem(last=False)
+            self.stats.add("events_dropped")
+            if not self._dropped_warned:
+                self._dropped_warned = True
+                logger.warning(
+                    "KVStoreConnector: more than %d blocks in flight; the oldest lose their "
+                    "events (counted in events_dropped)",
+                    self.max_pending,
+                )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
+        meta = KVStoreConnectorMetadata(loads=self.pending_loads, held=self.held)
+        self.pending_loads, self.held = [], []
+        meta.preempted = bool(scheduler_output.preempted_req_ids)
+        for req_id in scheduler_output.preempted_req_ids or ():
+            state = self.tracked.get(req_id)
+            if state is not None:
+                state.load = None
+        if self.cfg.store == "none":
+            return meta
+        bs = self.block_size
+        for req_id, n_new in scheduler_output.num_scheduled_tokens.items():
+            state = self.tracked.get(req_id)
+            if state is None:
+                continue
+            req = state.request
+            state.load = None  # running: any load it had is complete
+            done = req.num_computed_tokens + n_new  # tokens with KV once this step ran
+            if self.cfg.store == "prompt":
+                done = min(done, req.num_prompt_tokens)
+            stop = min(done // bs, len(req.block_hashes))
+            if stop <= state.saved:
+                continue
+            block_ids = self._block_ids(req_id)
+            if block_ids is None or len(block_ids) < stop:
+                continue
+            start = state.saved
+            keys = self.keys_of(req, start, stop)
+            for i, key in enumerate(keys):
+                self._remember(req, start + i, key)
+            meta.saves.append(SaveJob(req_id, keys, list(block_ids[start:stop])))
+            state.saved = stop
+            state.holds = True
+        return meta
+
+    def _block_ids(self, req_id: str) -> list[int] | None:
+        manager = self.kv_cache_manager
+        if manager is None:
+            return None
+        ids = manager.get_block_ids(req_id)
+        return list(ids[0]) if ids else None
+
+    kv_cache_manager: Any = None
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        state = self.tracked.pop(request.request_id, None)
+        if state is None or not state.holds:
+            return False
+        from vllm.v1.request import RequestStatus
+
+        # A request still waiting on its load is freed by vLLM when that load reports; it must
+        # not also be reported as a finished save (it would be freed twice).
+        if state.load is not None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return False
+        self.held.append(request.request_id)
+        return True
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if not isinstance(meta, KVStoreWorkerMetadata):
+            return
+        for key in meta.stored:
+            info = self.announce.get(key)
+            if info is not None and info.told != "stored":  # once, whatever the TP ranks say
+                info.told = "stored"
+                self.events.append(
+                    BlockStored(
+                        block_hashes=[info.block_hash],
+                        parent_block_hash=info.parent,
+                        token_ids=info.tokens,
+                        block_size=self.block_size,
+                        lora_id=None,
+                        medium=MEDIUM,
+                        lora_name=info.lora,
+                    )
+                )
+        for key in meta.missing:
+            info = self.announce.get(key)
+            if info is not None and info.told != "removed":
+                info.told = "removed"
+                self.events.append(BlockRemoved(block_hashes=[info.block_hash], medium=MEDIUM))
+        for key in meta.settled:
+            info = self.announce.get(key)
+            if info is not None:
+                info.waiting -= 1
+                if info.waiting <= 0:
+                    del self.announce[key]
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def take_stats(self) -> KVStoreConnectorStats | None:
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, KVStoreConnectorStats()
+        return stats

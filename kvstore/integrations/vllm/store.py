@@ -1,0 +1,74 @@
+"""A lazily opened kvstore client that steps aside for a while after any failure."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvstore.client.sync import KVStoreClient
+from kvstore.errors import KVStoreError
+from kvstore.integrations.vllm.identity import StoreIdentity
+from kvstore.integrations.vllm.options import ConnectorConfig
+
+logger = logging.getLogger(__name__)
+
+
+class _Store:
+    """A lazily opened client that steps aside for ``retry_after_s`` after any failure: the
+    daemon being down must cost a request nothing but the first deadline. Not thread-safe:
+    one per thread (as the client itself)."""
+
+    def __init__(self, ident: StoreIdentity, cfg: ConnectorConfig, timeout_s: float) -> None:
+        self.ident = ident
+        self.cfg = cfg
+        self.timeout_s = timeout_s
+        self._client: KVStoreClient | None = None
+        self._down_until = 0.0
+        self._warned = False
+        self.reused = False
+
+    def client(self) -> KVStoreClient | None:
+        """The client, or None while the store is left alone after a failure. ``reused`` says
+        whether it was opened before this call: a failure on a reused client earns one retry on
+        a new one (a restarted daemon leaves the old channel in reconnect backoff)."""
+        self.reused = self._client is not None
+        if self._client is not None:
+            return self._client
+        if time.monotonic() < self._down_until:
+            return None
+        ident = self.ident
+        try:
+            self._client = KVStoreClient(
+                self.cfg.address,
+                layout=ident.layout,
+                model=ident.model,
+                revision=ident.revision,
+                tenant=ident.tenant,
+                tp_rank=ident.tp_rank,
+                tp_size=ident.tp_size,
+                timeout_s=self.timeout_s,
+                token=self.cfg.token,
+            )
+        except (KVStoreError, OSError) as exc:
+            self.failed("connect", exc)
+            return None
+        if self._warned:
+            logger.info("kvstore reachable again at %s", self._client.address)
+            self._warned = False
+        return self._client
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        # Warn once per outage, not once per request.
+        if not self._warned:
+            logger.warning("kvstore %s failed, computing without the store: %s", what, exc)
+            self._warned = True
+        self._down_until = time.monotonic() + self.cfg.retry_after_s
+        self.close()
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                logger.debug("closing the kvstore client failed", exc_info=True)

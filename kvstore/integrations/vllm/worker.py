@@ -1,0 +1,297 @@
+"""The worker side: runs the loads and saves of each step, inline or on a transfer thread,
+and reports what finished and what failed."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstore.client.sync import KVStoreClient
+from kvstore.errors import KVStoreError
+from kvstore.integrations.vllm.copier import _LayerCopier
+from kvstore.integrations.vllm.identity import StoreIdentity
+from kvstore.integrations.vllm.metadata import KVStoreWorkerMetadata, LoadJob, SaveJob
+from kvstore.integrations.vllm.options import ConnectorConfig
+from kvstore.integrations.vllm.stats import KVStoreConnectorStats
+from kvstore.integrations.vllm.store import _Store
+
+logger = logging.getLogger(__name__)
+
+
+CHUNK_BLOCKS = 32
+
+
+@dataclass
+class _Done:
+    req_id: str
+    kind: str
+    failed_block_ids: list[int] = field(default_factory=list)
+
+
+class _Worker:
+    """Runs every store transfer of one worker on one thread, in submission order (the client
+    is not thread-safe, and one thread keeps the copies off the forward pass)."""
+
+    def __init__(self, ident: StoreIdentity, cfg: ConnectorConfig) -> None:
+        self.ident = ident
+        self.cfg = cfg
+        self.copier: _LayerCopier | None = None
+        self.store = _Store(ident, cfg, cfg.timeout_s)
+        self.stats = KVStoreConnectorStats()
+        self.meta = KVStoreWorkerMetadata()
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._queue: deque[tuple[str, LoadJob | SaveJob]] = deque()
+        self._busy = False
+        self._done: list[_Done] = []
+        self._pending_saves: dict[str, int] = {}
+        self._held: set[str] = set()
+        self._errors: set[int] = set()
+        self._stopping = False
+        self._staging: torch.Tensor | None = None
+        # Started on the first job that needs it: inline engines never run a second thread.
+        self._thread: threading.Thread | None = None
+
+    # -------------------------------------------------------------- engine thread
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.copier = _LayerCopier(self.ident, kv_caches)
+
+    @property
+    def inline(self) -> bool:
+        """Transfers run on the engine's thread, between forward passes, rather than on the
+        transfer thread. Measured on vLLM's CPU backend: a transfer thread copying while the
+        forward pass runs stalls its OpenMP threads, and a no-reuse workload ran several times
+        slower; at the step boundary the copy costs only its own time. CUDA caches keep the
+        thread (the GPU computes while the host copies)."""
+        mode = self.cfg.transfers
+        if mode == "auto":
+            return self.copier is None or self.copier.device.type == "cpu"
+        return mode == "inline"
+
+    def submit(self, kind: str, job: LoadJob | SaveJob) -> None:
+        with self._cv:
+            if kind == "save":
+                self._pending_saves[job.req_id] = self._pending_saves.get(job.req_id, 0) + 1
+            if self.inline:
+                self._busy = True
+            else:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="kvstore-vllm", daemon=True
+                    )
+                    self._thread.start()
+                self._queue.append((kind, job))
+                self._cv.notify_all()
+                return
+        self._execute(kind, job)
+
+    def hold(self, req_ids: Iterable[str]) -> None:
+        with self._cv:
+            self._held.update(req_ids)
+
+    def drain(self) -> None:
+        """Wait until every submitted transfer is done (blocks about to be reused)."""
+        with self._cv:
+            while self._queue or self._busy:
+                self._cv.wait()
+
+    def results(self) -> tuple[set[str], set[str]]:
+        """(finished saves of held requests, finished loads) since the last call; the errors
+        of those loads go to ``take_errors``."""
+        with self._cv:
+            done, self._done = self._done, []
+            sending = {r for r in self._held if not self._pending_saves.get(r)}
+            self._held -= sending
+        recving = set()
+        for d in done:
+            if d.kind == "load":
+                recving.add(d.req_id)
+                self._errors.update(d.failed_block_ids)
+        return sending, recving
+
+    def take_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def take_meta(self) -> KVStoreWorkerMetadata | None:
+        with self._cv:
+            meta, self.meta = self.meta, KVStoreWorkerMetadata()
+        return meta if (meta.stored or meta.missing or meta.settled) else None
+
+    def take_stats(self) -> KVStoreConnectorStats | None:
+        with self._cv:
+            if self.stats.is_empty():
+                return None
+            stats, self.stats = self.stats, KVStoreConnectorStats()
+        return stats
+
+    def run_sync(self, job: LoadJob) -> list[int]:
+        """Load on the calling thread's behalf and wait: returns the block ids that failed."""
+        self.drain()
+        try:
+            return self._load(job)
+        except Exception:  # the engine must never wait on a load that died
+            logger.exception("kvstore load failed")
+            return list(job.block_ids)
+        finally:
+            with self._cv:
+                self.meta.settled.extend(job.keys)
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.store.close()
+
+    # -------------------------------------------------------------- transfer thread
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                kind, job = self._queue.popleft()
+                self._busy = True
+            self._execute(kind, job)
+
+    def _execute(self, kind: str, job: LoadJob | SaveJob) -> None:
+        try:
+            if kind == "load":
+                assert isinstance(job, LoadJob)
+                failed = self._load(job)
+                with self._cv:
+                    self._done.append(_Done(job.req_id, "load", failed))
+            else:
+                assert isinstance(job, SaveJob)
+                self._save(job)
+        except Exception:  # never let the thread die: the engine would wait forever
+            logger.exception("kvstore transfer failed")
+            if kind == "load":
+                with self._cv:
+                    self._done.append(_Done(job.req_id, "load", list(job.block_ids)))
+        finally:
+            with self._cv:
+                self.meta.settled.extend(job.keys)
+                if kind == "save":
+                    self._pending_saves[job.req_id] -= 1
+                    if not self._pending_saves[job.req_id]:
+                        del self._pending_saves[job.req_id]
+                self._busy = False
+                self._cv.notify_all()
+
+    def _load(self, job: LoadJob) -> list[int]:
+        """Copy the job's blocks into vLLM's cache; returns the ids of the blocks not loaded
+        (from the first one that failed on: a prefix must be whole)."""
+        t0 = time.perf_counter()
+        copier = self.copier
+        loaded = 0
+        answered = False  # the store answered (a miss it reports means the block is gone)
+        for attempt in range(2):
+            client = self.store.client() if copier is not None else None
+            if client is None or copier is None:
+                break
+            try:
+                for start in range(loaded, len(job.keys), CHUNK_BLOCKS):
+                    keys = job.keys[start : start + CHUNK_BLOCKS]
+                    ids = job.block_ids[start : start + CHUNK_BLOCKS]
+                    n = self._load_chunk(client, copier, keys, ids)
+                    loaded += n
+                    if n < len(keys):
+                        break
+                answered = True
+                break
+            except KVStoreError as exc:
+                if self.store.reused and attempt == 0:
+                    self.store.close()
+                    continue
+                self.store.failed("load", exc)
+        failed = job.block_ids[loaded:]
+        with self._cv:
+            self.stats.add("blocks_loaded", loaded)
+            self.stats.add("load_errors", len(failed))
+            self.stats.add("load_seconds", time.perf_counter() - t0)
+            if answered and failed:
+                self.meta.missing.extend(job.keys[loaded:])
+        return failed
+
+    def _load_chunk(
+        self, client: KVStoreClient, copier: _LayerCopier, keys: list[bytes], ids: list[int]
+    ) -> int:
+        if client.uses_shared_memory:
+            with client.acquire(keys) as lease:
+                views = lease.views
+                for view, block_id in zip(views, ids, strict=False):
+                    copier.scatter(view, block_id)
+                # Checked after the copy: a slot that changed under us ends the run here, and
+                # vLLM recomputes from that block on.
+                return int(lease.intact())
+        got = client.get(keys, out=self._stage(len(keys)))
+        for i in range(got.shape[0]):
+            copier.scatter(got[i], ids[i])
+        return int(got.shape[0])
+
+    def _save(self, job: SaveJob) -> None:
+        t0 = time.perf_counter()
+        copier = self.copier
+        stored = done = 0
+        for attempt in range(2):
+            client = self.store.client() if copier is not None else None
+            if client is None or copier is None:
+                break
+            try:
+                for start in range(done, len(job.keys), CHUNK_BLOCKS):
+                    keys = job.keys[start : start + CHUNK_BLOCKS]
+                    ids = job.block_ids[start : start + CHUNK_BLOCKS]
+                    new = self._save_chunk(client, copier, keys, ids)
+                    stored += len(new)
+                    done = start + len(keys)
+                    with self._cv:
+                        self.meta.stored.extend(new)
+                break
+            except KVStoreError as exc:
+                if self.store.reused and attempt == 0:
+                    self.store.close()
+                    continue
+                self.store.failed("save", exc)
+                break
+        with self._cv:
+            self.stats.add("saves_dropped", len(job.keys) - done)
+        with self._cv:
+            self.stats.add("blocks_saved", stored)
+            self.stats.add("save_seconds", time.perf_counter() - t0)
+
+    def _save_chunk(
+        self, client: KVStoreClient, copier: _LayerCopier, keys: list[bytes], ids: list[int]
+    ) -> list[bytes]:
+        if client.uses_shared_memory:
+            # Only the keys the store lacks get slots, so a shared prefix is never copied again.
+            with client.reserve(keys) as reservation:
+                for i, view in zip(reservation.indices, reservation.views, strict=True):
+                    copier.gather(ids[i], view)
+            return [keys[i] for i in reservation.indices]
+        present = client.lookup(keys)  # leading run already stored (the common case)
+        keys, ids = keys[present:], ids[present:]
+        if not keys:
+            return []
+        stage = self._stage(len(keys))
+        for i, block_id in enumerate(ids):
+            copier.gather(block_id, stage[i])
+        client.put(keys, stage[: len(keys)])
+        return list(keys)
+
+    def _stage(self, n: int) -> torch.Tensor:
+        if self._staging is None or self._staging.shape[0] < n:
+            self._staging = torch.empty(
+                (max(n, CHUNK_BLOCKS), *self.ident.layout.block_shape),
+                dtype=self.ident.layout.dtype,
+            )
+        return self._staging[:n]
