@@ -30,7 +30,6 @@ between runs).
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import statistics
 import sys
@@ -42,27 +41,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm_con
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import KVStoreDaemon, Reporter, parse_args, print_header, run_main
-from harness import BLOCK, Engine, make_random_model, smollm2_dir
-
-LARGER = dict(
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=16,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=64,
-    vocab_size=2048,
-    max_position_embeddings=4096,
+from harness import (
+    RANDOM_200M,
+    Engine,
+    bench_spec,
+    make_random_model,
+    median_seconds,
+    prompt,
+    smollm2_dir,
+    worker_cpus,
 )
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 2000) for _ in range(n)]
-
-
-def _median(rows: list[dict[str, Any]]) -> float:
-    return statistics.median(r["seconds"] for r in rows)
 
 
 def bench_model(
@@ -70,21 +58,13 @@ def bench_model(
 ) -> dict[str, Any]:
     n = 2 if quick else 3
     length = 1024 if quick else 1536
-    stored = [{"ids": _ids(length, 100 + i)} for i in range(n)]
-    fresh = [{"ids": _ids(length, 200 + i)} for i in range(n)]
-    warm = [{"ids": _ids(64, 999)}]
+    stored = [{"ids": prompt(length, 100 + i)} for i in range(n)]
+    fresh = [{"ids": prompt(length, 200 + i)} for i in range(n)]
+    warm = [{"ids": prompt(64, 999)}]
     with KVStoreDaemon(2 << 30) as daemon:
         conn = {"address": daemon.address}
-        base = {
-            "model": str(model),
-            "dtype": "bfloat16",
-            "block_size": BLOCK,
-            "max_model_len": 4096,
-            "prefix_caching": False,
-            "kv_cache_gb": 2,
-        }
         Engine(
-            {**base, "connector": conn, "phases": [{"prompts": stored, "max_tokens": 1}]},
+            bench_spec(model, connector=conn, phases=[{"prompts": stored, "max_tokens": 1}]),
             work,
             f"{name}-store",
         ).result()
@@ -95,7 +75,7 @@ def bench_model(
         ]
         if full:
             for rep in range(3):
-                batch = [{"ids": _ids(256, 1000 * (rep + 1) + i)} for i in range(8)]
+                batch = [{"ids": prompt(256, 1000 * (rep + 1) + i)} for i in range(8)]
                 phases.append({"prompts": batch, "max_tokens": 32})
             turns = 3 if quick else 4
             chat = {"conversations": 4, "turns": turns, "user_tokens": 96, "reply_tokens": 32}
@@ -103,7 +83,7 @@ def bench_model(
         results = {}
         for label, connector in (("connector", conn), ("plain", None)):
             results[label] = Engine(
-                {**base, "connector": connector, "phases": phases}, work, f"{name}-{label}"
+                bench_spec(model, connector=connector, phases=phases), work, f"{name}-{label}"
             ).result()
     c, p = results["connector"]["phases"], results["plain"]["phases"]
     loaded = [o["num_cached_tokens"] for o in c[1]["outputs"]]
@@ -111,22 +91,19 @@ def bench_model(
         "model": name,
         "prompt_tokens": length,
         "loaded_tokens": loaded,
-        "ttft_loaded_s": _median(c[1]["outputs"]),
-        "ttft_recompute_s": _median(p[1]["outputs"]),
-        "ttft_no_reuse_connector_s": _median(c[2]["outputs"]),
-        "ttft_no_reuse_plain_s": _median(p[2]["outputs"]),
+        "ttft_loaded_s": median_seconds(c[1]["outputs"]),
+        "ttft_recompute_s": median_seconds(p[1]["outputs"]),
+        "ttft_no_reuse_connector_s": median_seconds(c[2]["outputs"]),
+        "ttft_no_reuse_plain_s": median_seconds(p[2]["outputs"]),
     }
-
-    def binding(result: dict[str, Any]) -> str:
-        return "; ".join(f"CPU {','.join(w['cpus'])}" for w in result.get("workers", []))
 
     out["workers_connector"] = results["connector"].get("workers")
     out["workers_plain"] = results["plain"].get("workers")
     rows = [
         [
             f"{name}: CPUs of the worker's threads",
-            binding(results["connector"]),
-            binding(results["plain"]),
+            worker_cpus(results["connector"]),
+            worker_cpus(results["plain"]),
             "",
         ],
         [
@@ -197,7 +174,7 @@ def main() -> int:
             bench_model("SmolLM2-135M", smollm2_dir(cache), work, args.quick, False, report),
             bench_model(
                 "random-200M",
-                make_random_model(work / "random-200m", **LARGER),
+                make_random_model(work / "random-200m", **RANDOM_200M),
                 work,
                 args.quick,
                 True,

