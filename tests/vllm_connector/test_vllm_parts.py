@@ -261,7 +261,7 @@ def test_scheduler_side_lookups_loads_salts_and_events(daemon_factory) -> None:
     assert [e.block_hashes[0] for e in events] == list(r1.block_hashes)
     assert [e.token_ids for e in events] == [ids[0:32], ids[32:64], ids[64:96]]
     assert list(sched.take_events()) == []
-    sched.store.close()
+    sched.stores.close()
 
 
 def _alloc(sched, req, first_block: int) -> list[bytes]:
@@ -373,3 +373,143 @@ def test_cpu_engines_are_told_the_reservation_that_keeps_their_cores(monkeypatch
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3|4-7")
     assert cpu_reserve_advice(config) is None  # explicit binding: nothing reserved for us
+
+
+# ---------------------------------------------------------------------------- salts -> tenants
+def test_salt_tenants_are_checked_and_route_each_salt() -> None:
+    with pytest.raises(ValueError, match="salt_tenants"):
+        ConnectorConfig.parse({"salt_tenants": ["a"]})
+    with pytest.raises(ValueError, match=r"salt_tenants\['a'\]"):
+        ConnectorConfig.parse({"salt_tenants": {"a": {"tenant": "t", "tok": "x"}}})
+    with pytest.raises(ValueError, match="two different tokens"):
+        ConnectorConfig.parse(
+            {
+                "salt_tenants": {
+                    "a": {"tenant": "t", "token": "x"},
+                    "b": {"tenant": "t", "token": "y"},
+                }
+            }
+        )
+    with pytest.raises(ValueError, match="unmapped_salt must be"):
+        ConnectorConfig.parse({"unmapped_salt": "guess"})
+    cfg = ConnectorConfig.parse(
+        {
+            "tenant": "eng",
+            "token": "engine-token",
+            "salt_tenants": {"a": "alice", "b": {"tenant": "bob", "token": "bob-token"}},
+        }
+    )
+    assert [cfg.tenant_of(s) for s in ("a", "b", None, "other")] == ["alice", "bob", "eng", "eng"]
+    assert [cfg.token_of(t) for t in ("eng", "alice", "bob")] == ["engine-token", None, "bob-token"]
+    refuse = ConnectorConfig.parse({"salt_tenants": {"a": "alice"}, "unmapped_salt": "refuse"})
+    assert [refuse.tenant_of(s) for s in ("a", None, "other")] == ["alice", "", None]
+    # Without a map every salt stays in the engine's tenant (keyed apart by vLLM's hashes).
+    assert ConnectorConfig.parse({"tenant": "eng"}).tenant_of("anything") == "eng"
+
+
+def test_salted_requests_look_up_load_and_save_in_their_tenants_namespace(daemon_factory) -> None:
+    from types import SimpleNamespace
+
+    from kvstore.integrations.vllm import _Scheduler
+
+    d = daemon_factory(cpu_capacity="16MiB", slab="1MiB")
+    extra = {
+        "address": d.address,
+        "lookup_timeout_s": 20,
+        "timeout_s": 20,
+        "salt_tenants": {"a": "alice", "b": "bob"},
+        "unmapped_salt": "refuse",
+    }
+    cfg = ConnectorConfig.parse(extra)
+    sched = _Scheduler(ident(), cfg, SimpleNamespace(cache_config=SimpleNamespace(block_size=32)))
+    ids = list(range(1, 101))
+    ra, rx = _request("ra", ids, salt="a"), _request("rx", ids, salt="x")
+    w = _Worker(ident(), cfg)
+    try:
+        w.register(_caches("cpu", nb=8))
+        # Salt a's blocks, saved as the scheduler schedules them: in alice's namespace.
+        keys = _alloc(sched, ra, 0)
+        assert sched.pending_loads[-1].tenant == "alice"
+        w.submit("save", SaveJob("ra", keys, [5, 6, 7], tenant="alice"))
+        w.drain()
+        assert w.take_meta().stored == keys
+        assert sched.get_num_new_matched_tokens(ra, 0) == (96, True)
+        # The same keys in bob's tenant: nothing (a salt routed elsewhere finds nothing).
+        bob_cfg = ConnectorConfig.parse({**extra, "salt_tenants": {"a": "bob"}})
+        bob = _Scheduler(
+            ident(), bob_cfg, SimpleNamespace(cache_config=SimpleNamespace(block_size=32))
+        )
+        assert bob.get_num_new_matched_tokens(ra, 0) == (0, False)
+        bob.stores.close()
+        # A load names its tenant: from bob's namespace it fails, from alice's it loads.
+        w.submit("load", LoadJob("l1", keys, [0, 1, 2], tenant="bob"))
+        w.submit("load", LoadJob("l2", keys, [0, 1, 2], tenant="alice"))
+        w.drain()
+        w.results()
+        assert w.take_errors() == {0, 1, 2}  # only l1's: l2 loaded the same blocks
+        stats = w.take_stats()
+        assert stats is not None and stats.data["blocks_loaded"] == 3
+        # An unmapped salt under "refuse": no lookup, no load, no save, and it is counted.
+        assert sched.get_num_new_matched_tokens(rx, 0) == (0, False)
+        _alloc(sched, rx, 3)  # even told of external tokens, it schedules no load
+        assert [job.req_id for job in sched.pending_loads] == ["ra"]
+        out = SimpleNamespace(preempted_req_ids=set(), num_scheduled_tokens={"rx": 100})
+        sched.kv_cache_manager = SimpleNamespace(get_block_ids=lambda req_id: ([3, 4, 5, 6],))
+        rx.num_computed_tokens = 0
+        assert sched.build_connector_meta(out).saves == []
+        assert sched.take_stats().data["salts_refused"] == 1
+    finally:
+        w.shutdown()
+        sched.stores.close()
+    # The daemon's namespaces: one of alice's, none of bob's or of the engine's tenant.
+    from kvstore.client.sync import KVStoreClient
+
+    with KVStoreClient(d.address, layout=LAYOUT, model="probe") as kv:
+        held = {ns.name: ns.blocks for ns in kv.stats().namespaces if ns.blocks}
+    assert len(held) == 1 and list(held.values()) == [3], held
+    assert "alice" in next(iter(held)), held
+
+
+# ---------------------------------------------------------------------------- layer-wise loads
+@pytest.mark.parametrize("transfers", ["inline", "thread"])
+def test_layerwise_loads_copy_each_layer_and_report_what_failed(daemon_factory, transfers) -> None:
+    d = daemon_factory(cpu_capacity="16MiB", slab="1MiB")
+    keys = [store_key(bytes([i]) * 32) for i in range(4)]
+    cfg = ConnectorConfig.parse(
+        {"address": d.address, "timeout_s": 20, "transfers": transfers, "layerwise": "on"}
+    )
+    src = _caches("cpu", nb=6)
+    w = _Worker(ident(), cfg)
+    try:
+        w.register(src)
+        w.submit("save", SaveJob("r1", keys[:3], [5, 4, 3]))
+        w.drain()
+        dst = {n: torch.zeros_like(t) for n, t in src.items()}
+        w.register(dst)
+        assert w.layerwise
+        # Blocks 0-2 stored, block 3's key never was: it fails (and so would any after it).
+        w.start_layered([LoadJob("r2", keys, [0, 1, 2, 3])])
+        for i, name in enumerate(NAMES):
+            w.wait_layer(name)
+            assert torch.equal(dst[name][:3], src[name][[5, 4, 3]]), name
+            if transfers == "inline":  # copied as each layer is reached, not before
+                later = [n for n in NAMES[i + 1 :] if dst[n].any()]
+                assert later == [], later
+        w.finish_layered()
+        assert w.take_errors() == {3}
+        assert w.take_meta().missing == [keys[3]]
+        stats = w.take_stats()
+        assert stats is not None and (stats.data["blocks_loaded"], stats.data["load_errors"]) == (
+            3,
+            1,
+        )
+        assert not dst[NAMES[0]][3].any()  # the failed block was left for vLLM to recompute
+        # A daemon that is gone: every block fails, nothing waits forever.
+        d.stop()
+        w.start_layered([LoadJob("r3", keys[:2], [4, 5])])
+        for name in NAMES:
+            w.wait_layer(name)
+        w.finish_layered()
+        assert w.take_errors() == {4, 5}
+    finally:
+        w.shutdown()

@@ -27,6 +27,14 @@ Options (``kv_connector_extra_config``; an unknown option is refused at start-up
   caches, on a transfer thread for CUDA caches), ``"inline"`` or ``"thread"``. On vLLM's CPU
   backend a thread copying during the forward pass stalls its OpenMP threads (measured: a
   no-reuse workload ran several times slower), so CPU engines copy at the step boundary.
+* ``layerwise``: ``"auto"`` (default: on where transfers run on the transfer thread), ``"on"``
+  or ``"off"``: synchronous loads copied layer by layer, ``wait_for_layer_load(layer)``
+  waiting only for that layer's blocks (``layerwise.py``).
+* ``salt_tenants``: ``{cache_salt: tenant}`` or ``{cache_salt: {"tenant": ..., "token": ...}}``:
+  a salted request's lookups, loads and saves go to its tenant's namespace, under that tenant's
+  quotas and credential; requests without a salt use ``tenant``. ``unmapped_salt``:
+  ``"default"`` (a salt not in the map uses ``tenant``) or ``"refuse"`` (no store access: no
+  lookup, load or save).
 
 What is stored, and under which keys:
 

@@ -102,21 +102,20 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         if meta.preempted:
             worker.drain()
-        for job in meta.loads:
-            if self.cfg.load == "sync":
-                worker._errors.update(worker.run_sync(job))
-            else:
+        if self.cfg.load != "sync":
+            for job in meta.loads:
                 worker.submit("load", job)
+        elif meta.loads and worker.layerwise:
+            worker.start_layered(meta.loads)
+        else:
+            for job in meta.loads:
+                worker._errors.update(worker.run_sync(job))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Not layer-wise, by choice. Async loads (the default) fill blocks of requests that
-        # are not in this forward pass, so no layer waits on them. Sync loads complete in
-        # start_load_kv before the forward pass: on vLLM's CPU backend a load is a memcpy on
-        # the same cores as the forward pass (the worker's threads are bound to them), so
-        # splitting it per layer can reorder the copies but not overlap them with compute.
-        # On CUDA a per-layer split would overlap host-to-device copies with the earlier
-        # layers' compute; that path has not run here (no GPU) and is not built.
-        return
+        # Async loads (the default) fill blocks of requests that are not in this forward
+        # pass: no layer waits on them. Layer-wise sync loads: this layer's blocks only.
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -129,6 +128,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         worker = self._worker
         if meta is None or worker is None:
             return
+        worker.finish_layered()
         if meta.saves and worker.copier is not None and worker.copier.device.type == "cuda":
             # The transfer thread copies on its own stream: the step's writes into the blocks
             # it saves must be complete first.
@@ -144,7 +144,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_errors() if self._worker is not None else set()
+        if self._worker is None:
+            return set()
+        self._worker.finish_layered()  # wait_for_save may be deferred past this call
+        return self._worker.take_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.take_meta() if self._worker is not None else None
@@ -174,7 +177,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:
-            self._scheduler.store.close()
+            self._scheduler.stores.close()
 
     # ------------------------------------------------------------------ scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

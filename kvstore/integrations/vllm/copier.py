@@ -69,16 +69,19 @@ class _LayerCopier:
                 slot[layer, p].copy_(part[block_id])
 
     def scatter(self, view: torch.Tensor, block_id: int) -> None:
+        for layer in range(self.layout.num_layers):
+            self.scatter_layer(view, block_id, layer)
+
+    def scatter_layer(self, view: torch.Tensor, block_id: int, layer: int) -> None:
+        """Copy one layer of the slot ``view`` into block ``block_id`` of that layer's cache."""
         slot = self._slot(view)
         if self.host:
             src = _raw(slot).numpy()
-            for layer, np_parts in enumerate(self.np_parts):
-                for p, np_part in enumerate(np_parts):
-                    np.copyto(np_part[block_id], src[layer, p])
+            for p, np_part in enumerate(self.np_parts[layer]):
+                np.copyto(np_part[block_id], src[layer, p])
             return
-        for layer, parts in enumerate(self.parts):
-            for p, part in enumerate(parts):
-                part[block_id].copy_(slot[layer, p])
+        for p, part in enumerate(self.parts[layer]):
+            part[block_id].copy_(slot[layer, p])
 
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

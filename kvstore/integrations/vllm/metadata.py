@@ -12,17 +12,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 
 @dataclass
-class LoadJob:
+class TransferJob:
+    """Blocks of one request to copy between vLLM's cache and the store: ``keys[i]`` is the
+    block in ``block_ids[i]``."""
+
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    tenant: str | None = None
+    """The tenant whose namespace holds the blocks (the request's ``cache_salt`` mapped by
+    ``salt_tenants``); None: the engine's own tenant."""
 
 
 @dataclass
-class SaveJob:
-    req_id: str
-    keys: list[bytes]
-    block_ids: list[int]
+class LoadJob(TransferJob):
+    pass
+
+
+@dataclass
+class SaveJob(TransferJob):
+    pass
 
 
 @dataclass

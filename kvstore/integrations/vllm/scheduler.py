@@ -21,7 +21,7 @@ from kvstore.integrations.vllm.metadata import (
 )
 from kvstore.integrations.vllm.options import ConnectorConfig
 from kvstore.integrations.vllm.stats import KVStoreConnectorStats
-from kvstore.integrations.vllm.store import _Store
+from kvstore.integrations.vllm.store import _Stores
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -59,6 +59,9 @@ class _Tracked:
     load: LoadJob | None = None
     holds: bool = False
     """A save was scheduled: request_finished keeps the blocks until the worker reports."""
+    tenant: str | None = None
+    """The tenant of the request's blocks (its ``cache_salt`` mapped by ``salt_tenants``);
+    None: the request has no store access (an unmapped salt under ``unmapped_salt="refuse"``)."""
 
 
 class _Scheduler:
@@ -66,7 +69,7 @@ class _Scheduler:
         self.ident = ident
         self.cfg = cfg
         self.block_size = ident.layout.block_size
-        self.store = _Store(ident, cfg, cfg.lookup_timeout_s)
+        self.stores = _Stores(ident, cfg, cfg.lookup_timeout_s)
         self.tracked: dict[str, _Tracked] = {}
         self.pending_loads: list[LoadJob] = []
         self.held: list[str] = []
@@ -92,6 +95,9 @@ class _Scheduler:
     ) -> tuple[int, bool]:
         if self.cfg.load == "none" or num_computed_tokens % self.block_size:
             return 0, False
+        tenant = self.cfg.tenant_of(request.cache_salt)
+        if tenant is None:
+            return 0, False
         bs = self.block_size
         start = num_computed_tokens // bs
         # Always leave the last token to compute: its logits are the output.
@@ -100,8 +106,9 @@ class _Scheduler:
             return 0, False
         keys = self.keys_of(request, start, stop)
         found = 0
+        store = self.stores.of(tenant)
         for attempt in range(2):
-            client = self.store.client()
+            client = store.client()
             if client is None:
                 return 0, False
             self.stats.add("lookups")
@@ -109,11 +116,11 @@ class _Scheduler:
                 found = client.lookup(keys)
                 break
             except KVStoreError as exc:
-                if self.store.reused and attempt == 0:
-                    self.store.close()
+                if store.reused and attempt == 0:
+                    store.close()
                     continue
                 self.stats.add("lookup_failures")
-                self.store.failed("lookup", exc)
+                store.failed("lookup", exc)
                 return 0, False
         if found == 0:
             return 0, False
@@ -124,16 +131,24 @@ class _Scheduler:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        state = self.tracked.setdefault(request.request_id, _Tracked(request))
+        state = self.tracked.get(request.request_id)
+        if state is None:
+            tenant = self.cfg.tenant_of(request.cache_salt)
+            state = self.tracked[request.request_id] = _Tracked(request, tenant=tenant)
+            if tenant is None:
+                self.stats.add("salts_refused")
         state.request = request
-        if num_external_tokens == 0:
+        if num_external_tokens == 0 or state.tenant is None:
             return
         bs = self.block_size
         block_ids = blocks.get_block_ids()[0]
         start = request.num_computed_tokens // bs
         stop = start + num_external_tokens // bs
         job = LoadJob(
-            request.request_id, self.keys_of(request, start, stop), list(block_ids[start:stop])
+            request.request_id,
+            self.keys_of(request, start, stop),
+            list(block_ids[start:stop]),
+            tenant=state.tenant,
         )
         state.load = job
         for i, key in enumerate(job.keys):
@@ -181,6 +196,8 @@ class _Scheduler:
                 continue
             req = state.request
             state.load = None  # running: any load it had is complete
+            if state.tenant is None:
+                continue  # no store access for this request
             done = req.num_computed_tokens + n_new  # tokens with KV once this step ran
             if self.cfg.store == "prompt":
                 done = min(done, req.num_prompt_tokens)
@@ -194,7 +211,9 @@ class _Scheduler:
             keys = self.keys_of(req, start, stop)
             for i, key in enumerate(keys):
                 self._remember(req, start + i, key)
-            meta.saves.append(SaveJob(req_id, keys, list(block_ids[start:stop])))
+            meta.saves.append(
+                SaveJob(req_id, keys, list(block_ids[start:stop]), tenant=state.tenant)
+            )
             state.saved = stop
             state.holds = True
         return meta

@@ -25,6 +25,7 @@ _COUNTERS = (
     "load_seconds",
     "save_seconds",
     "events_dropped",
+    "salts_refused",
 )
 
 
@@ -67,6 +68,7 @@ _HELP = {
     "load_seconds": "Seconds spent loading blocks from kvstore",
     "save_seconds": "Seconds spent saving blocks to kvstore",
     "events_dropped": "Block events lost because too many transfers were pending at once",
+    "salts_refused": "Requests given no store access: their cache_salt maps to no tenant",
 }
 
 

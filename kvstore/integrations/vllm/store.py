@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -22,6 +23,7 @@ class _Store:
         self.ident = ident
         self.cfg = cfg
         self.timeout_s = timeout_s
+        self.token = cfg.token_of(ident.tenant)
         self._client: KVStoreClient | None = None
         self._down_until = 0.0
         self._warned = False
@@ -47,7 +49,7 @@ class _Store:
                 tp_rank=ident.tp_rank,
                 tp_size=ident.tp_size,
                 timeout_s=self.timeout_s,
-                token=self.cfg.token,
+                token=self.token,
             )
         except (KVStoreError, OSError) as exc:
             self.failed("connect", exc)
@@ -72,3 +74,29 @@ class _Store:
                 client.close()
             except Exception:
                 logger.debug("closing the kvstore client failed", exc_info=True)
+
+
+class _Stores:
+    """One ``_Store`` per tenant the engine's requests use (the engine's own, and those its
+    ``salt_tenants`` map salts to): each tenant's blocks live in that tenant's namespace,
+    opened with that tenant's credential. Not thread-safe, like ``_Store``."""
+
+    def __init__(self, ident: StoreIdentity, cfg: ConnectorConfig, timeout_s: float) -> None:
+        self.ident = ident
+        self.cfg = cfg
+        self.timeout_s = timeout_s
+        self._stores: dict[str, _Store] = {}
+
+    def of(self, tenant: str | None) -> _Store:
+        """The store of ``tenant`` (None: the engine's own tenant)."""
+        name = self.cfg.tenant if tenant is None else tenant
+        store = self._stores.get(name)
+        if store is None:
+            ident = dataclasses.replace(self.ident, tenant=name)
+            store = _Store(ident, self.cfg, self.timeout_s)
+            self._stores[name] = store
+        return store
+
+    def close(self) -> None:
+        for store in self._stores.values():
+            store.close()

@@ -16,15 +16,13 @@ from kvstore.client.sync import KVStoreClient
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.copier import _LayerCopier
 from kvstore.integrations.vllm.identity import StoreIdentity
+from kvstore.integrations.vllm.layerwise import CHUNK_BLOCKS, LayeredLoad, LoadOutcome
 from kvstore.integrations.vllm.metadata import KVStoreWorkerMetadata, LoadJob, SaveJob
 from kvstore.integrations.vllm.options import ConnectorConfig
 from kvstore.integrations.vllm.stats import KVStoreConnectorStats
-from kvstore.integrations.vllm.store import _Store
+from kvstore.integrations.vllm.store import _Stores
 
 logger = logging.getLogger(__name__)
-
-
-CHUNK_BLOCKS = 32
 
 
 @dataclass
@@ -42,12 +40,15 @@ class _Worker:
         self.ident = ident
         self.cfg = cfg
         self.copier: _LayerCopier | None = None
-        self.store = _Store(ident, cfg, cfg.timeout_s)
+        self.stores = _Stores(ident, cfg, cfg.timeout_s)
         self.stats = KVStoreConnectorStats()
         self.meta = KVStoreWorkerMetadata()
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
-        self._queue: deque[tuple[str, LoadJob | SaveJob]] = deque()
+        self._queue: deque[tuple[str, LoadJob | SaveJob | LayeredLoad]] = deque()
+        self._layered: LayeredLoad | None = None
+        """This step's synchronous loads, copied layer by layer (``layerwise``)."""
+        self._layer_index = {name: i for i, name in enumerate(ident.layer_names)}
         self._busy = False
         self._done: list[_Done] = []
         self._pending_saves: dict[str, int] = {}
@@ -81,15 +82,108 @@ class _Worker:
             if self.inline:
                 self._busy = True
             else:
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._run, name="kvstore-vllm", daemon=True
-                    )
-                    self._thread.start()
+                self._ensure_thread()
                 self._queue.append((kind, job))
                 self._cv.notify_all()
                 return
         self._execute(kind, job)
+
+    @property
+    def layerwise(self) -> bool:
+        """Synchronous loads are copied layer by layer, each layer waited for by vLLM just
+        before its attention: by default on the transfer thread (CUDA caches: host copies
+        overlap the GPU's compute of earlier layers); CPU caches load whole before the forward
+        pass unless ``layerwise`` is on (see the README for what it was measured to cost)."""
+        mode = self.cfg.layerwise
+        if mode == "auto":
+            return not self.inline
+        return mode == "on"
+
+    def start_layered(self, jobs: list[LoadJob]) -> None:
+        """Start this step's synchronous loads layer by layer: on the transfer thread ahead of
+        everything queued, or (inline) fetched now and copied as ``wait_layer`` reaches each
+        layer."""
+        self.finish_layered()  # a previous step's, if vLLM never asked for its end
+        layered = LayeredLoad(jobs, self.ident.layout.num_layers)
+        self._layered = layered
+        if self.inline:
+            try:
+                layered.fetch(self.stores, self.copier)
+            except Exception:
+                logger.exception("kvstore load failed")
+                layered.abandon()
+            return
+        with self._cv:
+            self._ensure_thread()
+            self._queue.appendleft(("layered", layered))
+            self._cv.notify_all()
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Return once ``layer_name``'s blocks of this step's synchronous loads are copied."""
+        layered = self._layered
+        index = self._layer_index.get(layer_name)
+        if layered is None or index is None:
+            return
+        if self.inline:
+            self._copy_layers(layered, index + 1)
+            return
+        with self._cv:
+            while layered.layers_done <= index and not layered.finished:
+                self._cv.wait()
+
+    def finish_layered(self) -> None:
+        """End this step's layered loads: every layer copied, every lease checked and
+        released, the failed blocks recorded for ``take_errors``."""
+        layered, self._layered = self._layered, None
+        if layered is None:
+            return
+        if self.inline:
+            self._copy_layers(layered, layered.num_layers)
+            self._settle_layered(layered)
+        with self._cv:
+            while not layered.finished:
+                self._cv.wait()
+        for outcome in layered.outcomes:
+            self._errors.update(outcome.failed_block_ids)
+
+    def _copy_layers(self, layered: LayeredLoad, through: int) -> None:
+        copier = self.copier
+        try:
+            while layered.layers_done < through and copier is not None and layered.fetched:
+                layered.copy_layer(copier, layered.layers_done)
+                with self._cv:
+                    layered.layers_done += 1
+                    self._cv.notify_all()
+        except Exception:  # the blocks are reported failed: vLLM recomputes them
+            logger.exception("kvstore layered load failed")
+            layered.abandon()
+
+    def _settle_layered(self, layered: LayeredLoad) -> None:
+        """Check and release the leases, then count and report (on the thread that fetched)."""
+        t0 = time.perf_counter()
+        try:
+            outcomes = layered.finish()
+        except Exception:
+            logger.exception("kvstore layered load failed")
+            layered.abandon()
+            outcomes = [LoadOutcome(job, 0, False) for job in layered.jobs]
+        if len(outcomes) < len(layered.jobs):  # abandoned: nothing of those jobs loaded
+            outcomes += [LoadOutcome(job, 0, False) for job in layered.jobs[len(outcomes) :]]
+        with self._cv:
+            for outcome in outcomes:
+                self.stats.add("blocks_loaded", outcome.loaded)
+                self.stats.add("load_errors", len(outcome.failed_block_ids))
+                self.meta.missing.extend(outcome.missing_keys)
+                self.meta.settled.extend(outcome.job.keys)
+            self.stats.add("load_seconds", time.perf_counter() - t0 + layered.seconds)
+            layered.outcomes = outcomes
+            layered.finished = True
+            self._cv.notify_all()
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvstore-vllm", daemon=True)
+            self._thread.start()
 
     def hold(self, req_ids: Iterable[str]) -> None:
         with self._cv:
@@ -149,7 +243,7 @@ class _Worker:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        self.store.close()
+        self.stores.close()
 
     # -------------------------------------------------------------- transfer thread
     def _run(self) -> None:
@@ -163,7 +257,10 @@ class _Worker:
                 self._busy = True
             self._execute(kind, job)
 
-    def _execute(self, kind: str, job: LoadJob | SaveJob) -> None:
+    def _execute(self, kind: str, job: LoadJob | SaveJob | LayeredLoad) -> None:
+        if isinstance(job, LayeredLoad):
+            self._run_layered(job)
+            return
         try:
             if kind == "load":
                 assert isinstance(job, LoadJob)
@@ -188,6 +285,20 @@ class _Worker:
                 self._busy = False
                 self._cv.notify_all()
 
+    def _run_layered(self, layered: LayeredLoad) -> None:
+        """On the transfer thread: fetch, copy each layer in order (vLLM's forward pass waits
+        on each in ``wait_layer``), then check and release."""
+        try:
+            layered.fetch(self.stores, self.copier)
+        except Exception:
+            logger.exception("kvstore load failed")
+            layered.abandon()
+        self._copy_layers(layered, layered.num_layers)
+        self._settle_layered(layered)
+        with self._cv:
+            self._busy = False
+            self._cv.notify_all()
+
     def _load(self, job: LoadJob) -> list[int]:
         """Copy the job's blocks into vLLM's cache; returns the ids of the blocks not loaded
         (from the first one that failed on: a prefix must be whole)."""
@@ -195,8 +306,9 @@ class _Worker:
         copier = self.copier
         loaded = 0
         answered = False  # the store answered (a miss it reports means the block is gone)
+        store = self.stores.of(job.tenant)
         for attempt in range(2):
-            client = self.store.client() if copier is not None else None
+            client = store.client() if copier is not None else None
             if client is None or copier is None:
                 break
             try:
@@ -210,10 +322,10 @@ class _Worker:
                 answered = True
                 break
             except KVStoreError as exc:
-                if self.store.reused and attempt == 0:
-                    self.store.close()
+                if store.reused and attempt == 0:
+                    store.close()
                     continue
-                self.store.failed("load", exc)
+                store.failed("load", exc)
         failed = job.block_ids[loaded:]
         with self._cv:
             self.stats.add("blocks_loaded", loaded)
@@ -243,8 +355,9 @@ class _Worker:
         t0 = time.perf_counter()
         copier = self.copier
         stored = done = 0
+        store = self.stores.of(job.tenant)
         for attempt in range(2):
-            client = self.store.client() if copier is not None else None
+            client = store.client() if copier is not None else None
             if client is None or copier is None:
                 break
             try:
@@ -258,10 +371,10 @@ class _Worker:
                         self.meta.stored.extend(new)
                 break
             except KVStoreError as exc:
-                if self.store.reused and attempt == 0:
-                    self.store.close()
+                if store.reused and attempt == 0:
+                    store.close()
                     continue
-                self.store.failed("save", exc)
+                store.failed("save", exc)
                 break
         with self._cv:
             self.stats.add("saves_dropped", len(job.keys) - done)
