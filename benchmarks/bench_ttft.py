@@ -16,7 +16,8 @@ of its suffix) never turn into extra hits for a later run. Per model:
 
 * offload: a worker with a client serves the prefix alone (a 1920-token prefill; it doubles as
   the warm-up of the compute path) and offloads its 120 blocks; ``lookup`` then finds all 120;
-* warm-up: one untimed run each of (a), (b) and (c) on prompt 0 (no (a) with ``--quick``);
+* warm-up: one untimed run each of (a), (b) and (c) on prompt 0 (no (a) with ``--quick``, nor
+  for a slow model, below: the prefix's prefill has just warmed its compute path);
 * per run i (prompt i; the order of (a), (b), (c) rotates between runs):
 
   (a) recompute: a FRESH worker without a client serves prompt i (computes 2048 tokens);
@@ -353,13 +354,16 @@ def measure(subject: Subject, runs_a: int, runs: int, quick: bool, rep: Reporter
             assert (res.resident_tokens, res.store_tokens) == (PREFIX, 0), res
             return res
 
-        # Warm-up on prompt 0, untimed.
-        if not quick:
+        # Warm-up on prompt 0, untimed. A slow model's (a) is not warmed up: the prefix's
+        # prefill above already ran its compute path at nearly its length, and at 8K tokens
+        # one more (a) costs minutes of a shared machine.
+        warm_a = not quick and est_full <= SLOW_PREFILL_S
+        if warm_a:
             run_a(prompts[0])
         run_b(prompts[0])
         run_c(prompts[0])
         memcpy.samples(2 * len(memcpy.src))
-        rep.line(f"warm-up: {'' if quick else '(a), '}(b), (c) on prompt 0, untimed")
+        rep.line(f"warm-up: {'(a), ' if warm_a else ''}(b), (c) on prompt 0, untimed")
 
         cases: list[tuple[str, Callable[[list[int]], Result]]] = [
             (RECOMPUTE, run_a),

@@ -18,12 +18,14 @@ This package imports nothing from kvstore: it is the lowest layer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from . import fp8, reference
 from ._validate import (
     BlocksLike,
+    CacheGeometry,
     IdsLike,
     as_ids,
     check_attention,
@@ -52,6 +54,35 @@ __all__ = [
 ]
 
 
+def _block_ids(
+    kv_caches: Sequence[torch.Tensor],
+    block_ids: IdsLike,
+    check: bool,
+    *,
+    distinct: bool,
+) -> tuple[CacheGeometry, torch.Tensor]:
+    """The caches' geometry and ``block_ids`` as a tensor, range-checked (and, for a
+    destination, checked distinct) with ``check``: the part every block launcher shares."""
+    geom = check_caches(kv_caches)
+    ids = as_ids(block_ids, "block_ids")
+    if check:
+        check_id_range(ids, geom.num_blocks, "block_ids")
+        if distinct:
+            check_unique(ids, "block_ids")
+    return geom, ids
+
+
+def _launch(name: str, geom: CacheGeometry, *args: Any) -> None:
+    """Run kernel ``name`` where the caches live: the CUDA launcher (given ``geom`` first; CuPy
+    imported only then) or the torch reference of the same name."""
+    if geom.device.type == "cuda":
+        from . import cuda
+
+        getattr(cuda, name)(geom, *args)
+    else:
+        getattr(reference, name)(*args)
+
+
 def gather_blocks(
     kv_caches: Sequence[torch.Tensor], block_ids: IdsLike, out: BlocksLike, *, check: bool = True
 ) -> None:
@@ -61,19 +92,10 @@ def gather_blocks(
     tensors (e.g. views into shared-memory slots). With CUDA caches, ``out`` may be device memory
     or pinned host memory, written by the kernel directly (zero-copy); all layers go in one launch.
     """
-    geom = check_caches(kv_caches)
-    ids = as_ids(block_ids, "block_ids")
+    geom, ids = _block_ids(kv_caches, block_ids, check, distinct=False)
     check_blocks(out, geom, ids.numel(), "out")
-    if check:
-        check_id_range(ids, geom.num_blocks, "block_ids")
-    if ids.numel() == 0:
-        return
-    if geom.device.type == "cuda":
-        from . import cuda
-
-        cuda.gather_blocks(geom, kv_caches, ids, out)
-    else:
-        reference.gather_blocks(kv_caches, ids, out)
+    if ids.numel():
+        _launch("gather_blocks", geom, kv_caches, ids, out)
 
 
 def scatter_blocks(
@@ -84,20 +106,10 @@ def scatter_blocks(
 
     ``block_ids`` must be distinct (each destination written once).
     """
-    geom = check_caches(kv_caches)
-    ids = as_ids(block_ids, "block_ids")
+    geom, ids = _block_ids(kv_caches, block_ids, check, distinct=True)
     check_blocks(blocks, geom, ids.numel(), "blocks")
-    if check:
-        check_id_range(ids, geom.num_blocks, "block_ids")
-        check_unique(ids, "block_ids")
-    if ids.numel() == 0:
-        return
-    if geom.device.type == "cuda":
-        from . import cuda
-
-        cuda.scatter_blocks(geom, blocks, kv_caches, ids)
-    else:
-        reference.scatter_blocks(blocks, kv_caches, ids)
+    if ids.numel():
+        _launch("scatter_blocks", geom, blocks, kv_caches, ids)
 
 
 def fp8_payload_bytes(kv_caches: Sequence[torch.Tensor]) -> int:
@@ -113,19 +125,10 @@ def gather_fp8_payloads(
     for block ``block_ids[i]`` (byte for byte; P = ``fp8_payload_bytes``), ``out`` uint8
     ``[n, >= P]`` with contiguous rows. With CUDA caches ``out`` may be pinned host memory,
     written by the kernel directly, so only the payload (~0.53x the block) crosses PCIe."""
-    geom = check_caches(kv_caches)
-    ids = as_ids(block_ids, "block_ids")
+    geom, ids = _block_ids(kv_caches, block_ids, check, distinct=False)
     check_fp8_payloads(out, geom, ids.numel(), "out")
-    if check:
-        check_id_range(ids, geom.num_blocks, "block_ids")
-    if ids.numel() == 0:
-        return
-    if geom.device.type == "cuda":
-        from . import cuda
-
-        cuda.gather_fp8_payloads(geom, kv_caches, ids, out)
-    else:
-        reference.gather_fp8_payloads(kv_caches, ids, out)
+    if ids.numel():
+        _launch("gather_fp8_payloads", geom, kv_caches, ids, out)
 
 
 def scatter_fp8_payloads(
@@ -139,12 +142,9 @@ def scatter_fp8_payloads(
     the inverse of gather_fp8_payloads, and byte for byte what the ``fp8`` codec decodes.
     ``block_ids`` must be distinct. With ``check``, every payload's header must state this
     cache's block shape and dtype (ValueError otherwise; one copy of n headers to the host)."""
-    geom = check_caches(kv_caches)
-    ids = as_ids(block_ids, "block_ids")
+    geom, ids = _block_ids(kv_caches, block_ids, check, distinct=True)
     check_fp8_payloads(payloads, geom, ids.numel(), "payloads")
     if check:
-        check_id_range(ids, geom.num_blocks, "block_ids")
-        check_unique(ids, "block_ids")
         want = torch.frombuffer(
             bytearray(fp8.header(geom.block_shape, geom.dtype)), dtype=torch.uint8
         )
@@ -155,14 +155,8 @@ def scatter_fp8_payloads(
                 f"payloads[{int(bad[0])}] is not the fp8 payload of a {geom.dtype} block of shape "
                 f"{geom.block_shape}"
             )
-    if ids.numel() == 0:
-        return
-    if geom.device.type == "cuda":
-        from . import cuda
-
-        cuda.scatter_fp8_payloads(geom, payloads, kv_caches, ids)
-    else:
-        reference.scatter_fp8_payloads(payloads, kv_caches, ids)
+    if ids.numel():
+        _launch("scatter_fp8_payloads", geom, payloads, kv_caches, ids)
 
 
 def copy_blocks(
@@ -190,14 +184,8 @@ def copy_blocks(
         check_unique(dst, "dst_block_ids")
         if src.numel() and bool(torch.isin(dst, src.to(dst.device)).any()):
             raise ValueError("dst_block_ids overlap src_block_ids; a block cannot be both")
-    if src.numel() == 0:
-        return
-    if geom.device.type == "cuda":
-        from . import cuda
-
-        cuda.copy_blocks(geom, kv_caches, src, dst)
-    else:
-        reference.copy_blocks(kv_caches, src, dst)
+    if src.numel():
+        _launch("copy_blocks", geom, kv_caches, src, dst)
 
 
 def paged_attention(

@@ -307,3 +307,29 @@ async def test_an_async_call_whose_reply_a_slab_request_read_is_woken(daemon) ->
         session._read_reply = read_after_a_slab_request
         assert await kv.lookup(keys) == 3  # woken: at its deadline the call would raise
         assert stolen == [True]
+
+
+def test_a_frame_sent_during_a_call_is_answered_after_it_in_order(daemon) -> None:
+    # One call in flight per connection: a frame that comes while a call waits (a reserve that
+    # meets keys another client is writing) is held, not run beside it, and answered after it.
+    with client(daemon) as writer, client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(4))
+        reservation = writer.reserve(keys)  # being written, not committed
+        session = kv._session
+        assert session is not None
+        packed = pack_keys(keys)
+        reserve = pb.ReserveRequest(handle=kv._handle, keys=packed).SerializeToString()
+        lookup = pb.LookupRequest(handle=kv._handle, keys=packed).SerializeToString()
+        with session._lock:
+            session._sock.send(wire.encode_request(wire.METHOD_INDEX["Reserve"], 1, 1.0, reserve))
+            session._sock.send(wire.encode_request(LOOKUP, 2, 10.0, lookup))
+            replies = [
+                wire.decode_reply(memoryview(session._sock.recv(wire.MAX_REPLY_BYTES)))
+                for _ in range(2)
+            ]
+        assert [(status, call_id) for status, call_id, _ in replies] == [(0, 1), (0, 2)]
+        assert pb.ReserveResponse.FromString(replies[0][2]).pending == 4  # it waited
+        assert pb.LookupResponse.FromString(replies[1][2]).found == 0
+        reservation.abort()
+        assert kv.put(keys, random_blocks(SMALL_LAYOUT, 4)) == 4  # the session serves on
+        assert kv.lookup(keys) == 4

@@ -50,72 +50,72 @@ class LocalCallError(grpc.RpcError):
         return (("kvstore-error", self._name),) if self._name else ()
 
 
-class LocalStub:
-    """Blocking: each method waits for its reply on the session socket."""
+class _LocalStubBase:
+    """What both faces share: one method per local call, bound to the stub's gRPC method for
+    the fallback; a face turns ``(index, reply type, gRPC method)`` into its call (``_bind``)."""
 
     def __init__(self, stub: Any, session: Callable[[], ClientSession | None]) -> None:
         self._stub = stub
         self._session = session
         for name in local_calls.METHODS:
-            setattr(self, name, self._method(name))
+            index = local_calls.METHOD_INDEX[name]
+            setattr(self, name, self._bind(index, _REPLY_TYPES[name], getattr(stub, name)))
 
-    def _method(self, name: str) -> Callable[..., Any]:
-        index = local_calls.METHOD_INDEX[name]
-        reply_type = _REPLY_TYPES[name]
-        grpc_method = getattr(self._stub, name)
+    def _bind(self, index: int, reply_type: Any, grpc_method: Any) -> Callable[..., Any]:
+        raise NotImplementedError
 
+    def _local(self, request: Any) -> tuple[ClientSession, bytes] | None:
+        """The session and the serialized request when this call may go local, else None."""
+        session = self._session()
+        if session is None or not session.calls:
+            return None
+        body = request.SerializeToString()
+        return (session, body) if len(body) <= _LIMIT else None
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:  # for type checkers: set above
+        raise AttributeError(name)
+
+
+def _parse(reply_type: Any, status: int, reply: memoryview | bytes) -> Any:
+    if status != local_calls.STATUS_OK:
+        raise LocalCallError(status, reply)
+    return reply_type.FromString(reply)
+
+
+class LocalStub(_LocalStubBase):
+    """Blocking: each method waits for its reply on the session socket."""
+
+    def _bind(self, index: int, reply_type: Any, grpc_method: Any) -> Callable[..., Any]:
         def call(request: Any, timeout: float) -> Any:
-            session = self._session()
-            if session is not None and session.calls:
-                body = request.SerializeToString()
-                if len(body) <= _LIMIT:
-                    try:
-                        status, reply = session.call(index, body, timeout)
-                    except SessionBroken:
-                        session.calls = False  # this session is over: gRPC from now on
-                    else:
-                        if status != local_calls.STATUS_OK:
-                            raise LocalCallError(status, reply)
-                        return reply_type.FromString(reply)
+            local = self._local(request)
+            if local is not None:
+                session, body = local
+                try:
+                    status, reply = session.call(index, body, timeout)
+                except SessionBroken:
+                    session.calls = False  # this session is over: gRPC from now on
+                else:
+                    return _parse(reply_type, status, reply)
             return grpc_method(request, timeout=timeout)
 
         return call
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:  # for type checkers: set above
-        raise AttributeError(name)
 
-
-class AsyncLocalStub:
+class AsyncLocalStub(_LocalStubBase):
     """Asyncio: each method awaits its reply on the event loop (``ClientSession.acall``), so a
     local call never blocks the loop; the fallback is the ``grpc.aio`` stub."""
 
-    def __init__(self, stub: Any, session: Callable[[], ClientSession | None]) -> None:
-        self._stub = stub
-        self._session = session
-        for name in local_calls.METHODS:
-            setattr(self, name, self._method(name))
-
-    def _method(self, name: str) -> Callable[..., Any]:
-        index = local_calls.METHOD_INDEX[name]
-        reply_type = _REPLY_TYPES[name]
-        grpc_method = getattr(self._stub, name)
-
+    def _bind(self, index: int, reply_type: Any, grpc_method: Any) -> Callable[..., Any]:
         async def call(request: Any, timeout: float) -> Any:
-            session = self._session()
-            if session is not None and session.calls:
-                body = request.SerializeToString()
-                if len(body) <= _LIMIT:
-                    try:
-                        status, reply = await session.acall(index, body, timeout)
-                    except SessionBroken:
-                        session.calls = False  # this session is over: gRPC from now on
-                    else:
-                        if status != local_calls.STATUS_OK:
-                            raise LocalCallError(status, reply)
-                        return reply_type.FromString(reply)
+            local = self._local(request)
+            if local is not None:
+                session, body = local
+                try:
+                    status, reply = await session.acall(index, body, timeout)
+                except SessionBroken:
+                    session.calls = False  # this session is over: gRPC from now on
+                else:
+                    return _parse(reply_type, status, reply)
             return await grpc_method(request, timeout=timeout)
 
         return call
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:  # for type checkers: set above
-        raise AttributeError(name)

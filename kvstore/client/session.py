@@ -142,20 +142,9 @@ class ClientSession:
                 if self._sock.gettimeout() != wait:
                     self._sock.settimeout(wait)
                 self._sock.send(frame)
-                while True:
-                    kept = self._take_kept(call_id)
-                    if kept is not None:
-                        status, _, body = local_calls.decode_reply(kept)
-                        return status, body
-                    n = self._sock.recv_into(self._reply)
-                    if n == 0:
-                        raise SessionBroken("the daemon closed the session")
-                    reply = memoryview(self._reply)[:n]
-                    if reply[0] != local_calls.MAGIC:
-                        continue  # not a call reply (none is expected): skip it
-                    status, got_id, body = local_calls.decode_reply(reply)
-                    if got_id == call_id:
-                        return status, body
+                got = self._read_reply(call_id, wait=True)
+                assert got is not None  # waiting: a reply, or an exception
+                return got
             except TimeoutError:  # as a gRPC deadline: the call may have run; never retried
                 raise UnavailableError(
                     f"kvstore daemon unreachable: no reply to a local call within {timeout_s}s"
@@ -181,17 +170,18 @@ class ClientSession:
             return None
         return memoryview(kept[1])
 
-    def _read_reply(self, call_id: int) -> tuple[int, memoryview] | None:
+    def _read_reply(self, call_id: int, wait: bool = False) -> tuple[int, memoryview] | None:
         """The reply to ``call_id`` if it is here (kept, or queued on the socket); None when
-        it has not come yet. Called with the lock held, the socket readable or not."""
+        it has not come yet. ``wait``: read until it comes (the socket's timeout bounds each
+        read). Called with the lock held, the socket readable or not."""
         while True:
             kept = self._take_kept(call_id)
             if kept is not None:
                 status, _, body = local_calls.decode_reply(kept)
                 return status, body
-            # A zero-timeout poll first: the socket has a timeout, so a read of an empty queue
-            # would wait for it (MSG_DONTWAIT does not stop Python's own wait).
-            if not self._readable.poll(0):
+            # Not waiting: a zero-timeout poll first, since the socket has a timeout and a read
+            # of an empty queue would wait for it (MSG_DONTWAIT does not stop Python's own wait).
+            if not wait and not self._readable.poll(0):
                 return None
             n = self._sock.recv_into(self._reply)
             if n == 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -23,6 +24,7 @@ from kvstore.daemon.service import Undecodable
 from kvstore.v1 import kvstore_pb2 as pb
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
+log = logging.getLogger(__name__)
 
 
 class LocalAbort(Exception):
@@ -59,6 +61,7 @@ class LocalContext:
 
 
 Observe = Callable[[str, float, "grpc.StatusCode | None"], None]
+Answer = Callable[[bytes], None]
 
 
 class LocalCalls:
@@ -73,10 +76,14 @@ class LocalCalls:
             request_type = getattr(pb, _SERVICE.methods_by_name[name].input_type.name)
             self._methods.append((name, getattr(servicer, name), request_type, reply_type))
 
-    def serve(self, token: str, frame: bytes) -> bytes | Awaitable[bytes]:
+    def serve(
+        self, token: str, frame: bytes, answer: Answer | None = None
+    ) -> bytes | Awaitable[bytes]:
         """The reply frame to one request frame of the session ``token``: an error frame at
         once for a frame that does not decode, else a task that runs the servicer method under
-        the call's deadline and gives the reply frame.
+        the call's deadline and gives the reply frame. ``answer``, if given, gets the reply
+        frame from inside the task as soon as it is made (sent then, not a loop pass later
+        by a done callback).
 
         The method runs in a task of its own, as it does under gRPC, never stepped by hand from
         the socket's callback: servicer and tier code may use what asyncio gives a task
@@ -99,7 +106,8 @@ class LocalCalls:
         # contextvar.
         ctx = contextvars.copy_context()
         return asyncio.get_running_loop().create_task(
-            self._finish(name, start, call_id, timeout_s, method(request, context)), context=ctx
+            self._finish(name, start, call_id, timeout_s, method(request, context), answer),
+            context=ctx,
         )
 
     async def _finish(
@@ -109,14 +117,19 @@ class LocalCalls:
         call_id: int,
         timeout_s: float,
         call: Coroutine[Any, Any, Any],
+        answer: Answer | None,
     ) -> bytes:
         try:
             left = timeout_s - (time.perf_counter() - start)
             async with asyncio.timeout(max(0.0, left)):
                 reply = await call
         except BaseException as exc:
-            return self._reply(name, start, call_id, None, exc)
-        return self._reply(name, start, call_id, reply, None)
+            frame = self._reply(name, start, call_id, None, exc)
+        else:
+            frame = self._reply(name, start, call_id, reply, None)
+        if answer is not None:
+            answer(frame)
+        return frame
 
     def _reply(
         self, name: str, start: float, call_id: int, reply: Any, error: BaseException | None
@@ -138,6 +151,10 @@ class LocalCalls:
                     call_id, code.value[0], "", "reply too large for a local call: use gRPC"
                 )
             return data
+        except Exception as exc:  # escaped the servicer's own handling: as grpc.aio answers
+            log.exception("local call %s failed", name)
+            code = grpc.StatusCode.UNKNOWN
+            return wire.encode_error(call_id, code.value[0], "", f"Unexpected {type(exc)}: {exc}")
         finally:
             if self._observe is not None:
                 self._observe(name, time.perf_counter() - start, code)
