@@ -58,6 +58,8 @@ of the medians. ``--quick``: SmolLM2 only, one run of each. ``--model smollm2|ll
 model only. torch runs with its default thread count (2 on the development VM; ``--threads`` to
 change it; with 1 the stalls go, measured here); the daemon and the client share the cores.
 Full run: ~3 minutes on a quiet VM (up to ~6 under load); the 1B model needs ~3 GB.
+``--context 8176 --model smollm2 --runs 3``: 48 minutes on the 2-vCPU VM at load 4-12 (two
+8K prefills to set up, the prefix's offload and the floor's, then three 8K recomputes).
 
 Needs the model packages of ``bench_kv_compression.py``::
 
