@@ -333,3 +333,25 @@ def test_a_frame_sent_during_a_call_is_answered_after_it_in_order(daemon) -> Non
         reservation.abort()
         assert kv.put(keys, random_blocks(SMALL_LAYOUT, 4)) == 4  # the session serves on
         assert kv.lookup(keys) == 4
+
+
+async def test_an_error_that_escapes_the_servicer_answers_unknown_as_grpc_does() -> None:
+    # The servicer turns its errors into statuses itself; one that escapes it (here a reply
+    # that does not serialize) ended the session, and the client then sent the call again over
+    # gRPC. grpc.aio answers UNKNOWN; so does a local call now, and the session serves on.
+    from kvstore.daemon.local_calls import LocalCalls
+
+    class Servicer:
+        def __getattr__(self, name: str):
+            async def method(request, context):
+                return object()  # not a message
+
+            return method
+
+    calls = LocalCalls(Servicer())
+    request = pb.LookupRequest(handle=b"h", keys=b"").SerializeToString()
+    served = calls.serve("token", wire.encode_request(LOOKUP, 5, 10.0, request))
+    assert not isinstance(served, bytes)
+    status, call_id, body = wire.decode_reply(memoryview(await served))
+    assert status_name(status) == "UNKNOWN" and call_id == 5
+    assert "Unexpected" in wire.decode_error(body)[1]
