@@ -52,8 +52,10 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def wait_healthy(
-    address: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None
+    address: str, timeout_s: float = 120.0, proc: subprocess.Popen | None = None
 ) -> None:
+    # A hang guard, not a speed check: on two busy cores a daemon's start (imports, tier
+    # recovery) has taken over 30 s.
     wait_for_daemon(address, timeout_s, proc)
 
 
