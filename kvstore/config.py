@@ -89,6 +89,9 @@ class RedisTierConfig:
     max_bytes_per_namespace: int = 0  # 0: no per-namespace bound (use Redis's maxmemory)
     key_prefix: str = "kvs"
     codec: str = "none"  # of the values this host writes; [[codecs]] overrides per namespace
+    # A file holding a secret shared by every daemon of the Redis: values carry a keyed MAC
+    # and only values with a right one are read. Empty: xxh3 checksums only (Redis ACL/TLS).
+    mac_key_file: str = ""
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
@@ -542,6 +545,7 @@ _KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "max_bytes_per_namespace": ("max_bytes_per_namespace", parse_size),
         "key_prefix": ("key_prefix", str),
         "codec": ("codec", str),
+        "mac_key_file": ("mac_key_file", str),
     },
 }
 

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -138,6 +139,7 @@ class DaemonProcess:
 def config_toml(
     cpu_capacity: str = "16MiB",
     redis_url: str | None = None,
+    redis_mac_key_file: str | Path | None = None,
     slab: str = "1MiB",
     policy: str = "lru",
     lease_ttl_s: float = 30.0,
@@ -179,6 +181,8 @@ high_watermark = {high_watermark}
 url = "{redis_url}"
 timeout_s = 0.5
 """
+        if redis_mac_key_file is not None:
+            text += f'mac_key_file = "{redis_mac_key_file}"\n'
     if nvme_path is not None:
         text += f"""
 [nvme]
@@ -205,6 +209,27 @@ def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     for d in started:
         if d.alive():
             d.stop()
+
+
+@pytest.fixture
+def open_daemon_factory() -> Iterator:
+    """Like ``daemon_factory``, for tests whose clients run under other uids: the daemon's
+    directory is under a /tmp directory others may traverse (pytest's are owner-only)."""
+    started: list[tuple[DaemonProcess, Path]] = []
+
+    def start(**kwargs: object) -> DaemonProcess:
+        base = Path(tempfile.mkdtemp(prefix="kvopen-", dir="/tmp"))
+        base.chmod(0o711)
+        d = DaemonProcess(base / "d", config_toml(**kwargs))  # type: ignore[arg-type]
+        d.directory.mkdir()
+        started.append((d, base))
+        return d.start()
+
+    yield start
+    for d, base in started:
+        if d.alive():
+            d.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture

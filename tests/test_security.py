@@ -92,6 +92,39 @@ def policy_daemon(open_dir: Path) -> Iterator[DaemonProcess]:
 def run_as(uid: int, address: str, body: str) -> dict:
     """Run ``body`` as ``uid`` (and gid ``uid``, no other groups) in a fresh interpreter; it
     ends by printing one JSON line, which is returned."""
+    args, env = _as_uid(uid, address, body)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd="/tmp")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class RunningAs:
+    """``body`` running as another uid (``start_as``): ``result`` is the first JSON line it
+    printed; it runs on (holding what it holds) until ``finish`` closes its stdin."""
+
+    def __init__(self, uid: int, address: str, body: str) -> None:
+        args, env = _as_uid(uid, address, body)
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env, cwd="/tmp",
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.finish()
+            raise AssertionError(f"the client under uid {uid} failed: {self.stderr[-3000:]}")
+        self.result: dict = json.loads(line)
+
+    def finish(self) -> None:
+        """Close its stdin (the body's ``sys.stdin.read()`` returns) and wait for it."""
+        _, self.stderr = self.proc.communicate(timeout=120)
+
+
+def start_as(uid: int, address: str, body: str) -> RunningAs:
+    return RunningAs(uid, address, body)
+
+
+def _as_uid(uid: int, address: str, body: str) -> tuple[list[str], dict[str, str]]:
     code = textwrap.dedent(
         """
         import json, mmap, os, sys, torch
@@ -112,13 +145,9 @@ def run_as(uid: int, address: str, body: str) -> dict:
         """
     ) + textwrap.dedent(body)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
-    proc = subprocess.run(
-        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-         sys.executable, "-c", code, address],
-        capture_output=True, text=True, timeout=120, env=env, cwd="/tmp",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    args = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+            sys.executable, "-c", code, address]  # fmt: skip
+    return args, env
 
 
 # ----------------------------------------------------------------- unix: tenants apart

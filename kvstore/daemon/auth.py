@@ -39,6 +39,10 @@ class Principal:
     readable: frozenset[str] | None = None
     writable: frozenset[str] | None = None
     operator: bool = False
+    # The tenants its rules name (None: every tenant). It pays for its own calls (keys per
+    # second, leases) from these tenants' budgets, also when it reads a shared tenant: a reader
+    # never spends the owner's (``Quotas.payer``).
+    own: frozenset[str] | None = None
     # The session that authenticated it (unix socket): handles it opens are that session's
     # alone, even against another session of the same process.
     session: str = ""
@@ -113,6 +117,7 @@ class Policy:
             frozenset(readable),
             frozenset(writable),
             operator=any(r.role == "operator" for r in rules),
+            own=frozenset(own),
         )
 
     def for_unix_peer(self, uid: int, gid: int) -> Principal | None:

@@ -45,6 +45,7 @@ from kvstore.tiers.gpu import DevicePool, cuda_usable
 
 if TYPE_CHECKING:
     from kvstore.config import GpuTierConfig
+    from kvstore.daemon.quotas import Usage
     from kvstore.daemon.store import BlockStore
 
 log = logging.getLogger(__name__)
@@ -495,12 +496,12 @@ class DeviceTier:
         return batch
 
     # ----------------------------------------------------------------- up
-    def prefetch(self, ns_id: int, keys: list[bytes]) -> int:
+    def prefetch(self, ns_id: int, keys: list[bytes], payer: Usage | None = None) -> int:
         """Start promoting the run's blocks into the pool in prefix order; returns how many
         were queued (blocks an earlier prefetch queued and has not reached are not queued
-        again). Spends the keys like a lookup (``keys_per_s``)."""
+        again). Spends the keys like a lookup (``keys_per_s``; the ``payer``'s, if any)."""
         store = self.store
-        store.quotas.take_keys(store.names[ns_id], len(keys))
+        store.quotas.take_keys(store.names[ns_id], len(keys), payer)
         if self.pool is None:
             return 0
         index = store.index

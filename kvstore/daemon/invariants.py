@@ -153,9 +153,15 @@ def _check_quotas(store: BlockStore) -> None:
     for record in store.names.records():
         assert record.owner is not None, f"namespace {record.name} has no tenant books"
         owners[id(record.owner)] = owners.get(id(record.owner), 0) + 1
-    for books in [*quotas.tenants(), quotas.unowned]:
+    paying: dict[int, int] = {}
+    for handle in store.names.handles():
+        if handle.payer is not None:
+            paying[id(handle.payer)] = paying.get(id(handle.payer), 0) + 1
+    for books in [*quotas.tenants(), quotas.unowned, *quotas.callers()]:
         assert books.records == owners.get(id(books), 0), f"tenant {books.name}: record count"
+        assert books.payers == paying.get(id(books), 0), f"tenant {books.name}: payer count"
     books_all = [r.usage for r in store.names.records()] + quotas.tenants() + [quotas.unowned]
+    books_all += quotas.callers()
     for books in books_all:
         assert books.cpu_bytes == cpu.get(id(books), 0), (
             f"quota books of {books.name}: {books.cpu_bytes} cpu bytes counted, "

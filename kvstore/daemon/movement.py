@@ -654,12 +654,12 @@ class Mover:
                 store.unpin(eid)
         return results
 
-    def prefetch(self, ns_id: int, keys: list[bytes]) -> int:
+    def prefetch(self, ns_id: int, keys: list[bytes], payer: Usage | None = None) -> int:
         """Start promoting the run's disk-only blocks in prefix order; returns how many were
         queued (blocks an earlier prefetch queued and has not reached are not queued again).
-        Spends the keys like a lookup (``keys_per_s``)."""
+        Spends the keys like a lookup (``keys_per_s``; the ``payer``'s, if any)."""
         store, index = self.store, self.store.index
-        store.quotas.take_keys(store.names[ns_id], len(keys))
+        store.quotas.take_keys(store.names[ns_id], len(keys), payer)
         if store.nvme is None:
             return 0
         run = store.leading_run(ns_id, keys)

@@ -10,7 +10,13 @@ Invariants (kept here; ``kvstore.daemon.invariants`` checks them with the rest):
 - every open handle is in the table under its token and names a live record;
 - ``record.handles`` counts the open handles naming it; a record with no handle and no entry
   is not in the table;
-- ``by_name`` and ``by_fingerprint`` index live records only.
+- ``by_identity`` and ``by_fingerprint`` index live records only.
+
+A namespace's identity (``identity``: model, revision, tenant, tensor-parallel rank and size, as
+a tuple) is what the registry is keyed by, never its human-readable ``name``, which is
+ambiguous (model "m@r" vs model "m" revision "r"; tenant "" vs "-"; "/" in a model or tenant):
+keyed by the name, an opener could register a name another tenant's namespace also prints as,
+and that tenant's own open was then refused. The name is for display only.
 
 Event-loop only. Block state (what a closed handle's reservations and leases held) is the
 store's: it reclaims those before calling ``release``.
@@ -46,6 +52,9 @@ class NamespaceRecord:
     blocks: int = 0  # COMMITTED entries
     entries: int = 0  # keyed entries (reserved or committed) and orphans
     handles: int = 0
+    # A caller that may write it opened it: only then does it hold its identity against an
+    # open with another layout (a reader of a shared tenant cannot squat the owner's).
+    claimed: bool = False
     lookup_hits: int = 0
     lookup_misses: int = 0
     # Its books and its tenant's (``kvstore.daemon.quotas.Usage``), given by the store's
@@ -96,6 +105,9 @@ class Handle:
     # What its leases and reservations pin (``kvstore.daemon.quotas.Usage``), where handles
     # have a pinned bound of their own; None otherwise.
     books: Any = None
+    # The books its keys per second and leases are charged to when its caller is not of the
+    # namespace's tenant (``Quotas.payer``); None: the namespace's and its tenant's.
+    payer: Any = None
 
     @property
     def ns_id(self) -> int:
@@ -107,6 +119,16 @@ class Handle:
             rid = secrets.randbits(63) or 1
             if rid not in table:
                 return rid
+
+
+Identity = tuple[str, str, str, int, int]
+
+
+def identity(namespace: Namespace) -> Identity:
+    """What names a namespace unambiguously, short of its layout (which clients that claim one
+    namespace must agree on): the registry's key."""
+    ns = namespace
+    return (ns.model, ns.revision, ns.tenant, ns.tp_rank, ns.tp_size)
 
 
 def describe(layout: KVLayout) -> str:
@@ -129,15 +151,16 @@ class NamespaceTable:
         self._tenants: dict[int, str] = {}  # the reverse of _domains
         self._records: dict[int, NamespaceRecord] = {}
         self._free_ids: list[int] = []
-        self._by_name: dict[str, NamespaceRecord] = {}
+        self._by_identity: dict[Identity, NamespaceRecord] = {}
         self._by_fingerprint: dict[bytes, NamespaceRecord] = {}
         self._handles: dict[bytes, Handle] = {}
 
     # ----------------------------------------------------------------- handles
-    def open(self, namespace: Namespace, priority: int) -> Handle:
-        """A new handle to ``namespace``, registering or joining it. A name already registered
-        with another fingerprint is refused: clients that claim to share blocks must compute
-        the same keys."""
+    def open(self, namespace: Namespace, priority: int, writer: bool = True) -> Handle:
+        """A new handle to ``namespace``, registering or joining it. An identity already
+        registered with another fingerprint is refused (clients that claim to share blocks must
+        compute the same keys) once a ``writer`` (a caller that may write it) opened that
+        record or it holds blocks; one only readers hold gives way to the new layout."""
         if not 0 <= priority <= 255:
             raise ValueError(f"priority must be in [0, 255], got {priority}")
         if len(self._handles) >= self.limits.max_handles:
@@ -145,6 +168,7 @@ class NamespaceTable:
                 f"too many open namespace handles ({self.limits.max_handles}, limits.max_handles)"
             )
         record = self._record_for(namespace, priority)
+        record.claimed = record.claimed or writer
         token = secrets.token_bytes(HANDLE_BYTES)
         while token in self._handles:  # pragma: no cover - 2^-128
             token = secrets.token_bytes(HANDLE_BYTES)
@@ -186,17 +210,22 @@ class NamespaceTable:
     def _record_for(self, namespace: Namespace, priority: int) -> NamespaceRecord:
         block_bytes = namespace.layout.block_bytes
         fingerprint = namespace.fingerprint
-        existing = self._by_name.get(namespace.name)
-        if existing is not None:
-            if existing.fingerprint != fingerprint:
-                assert existing.namespace is not None
-                raise NamespaceMismatchError(
-                    f"namespace {namespace.name!r} is registered with layout "
-                    f"{describe(existing.namespace.layout)}; this client claims "
-                    f"{describe(namespace.layout)} (hash version {namespace.hash_version})"
-                )
+        key = identity(namespace)
+        existing = self._by_identity.get(key)
+        if existing is not None and existing.fingerprint == fingerprint:
             return existing
+        if existing is not None and (existing.claimed or existing.entries):
+            assert existing.namespace is not None
+            raise NamespaceMismatchError(
+                f"namespace {namespace.name!r} is registered with layout "
+                f"{describe(existing.namespace.layout)}; this client claims "
+                f"{describe(namespace.layout)} (hash version {namespace.hash_version})"
+            )
         recovered = self._by_fingerprint.get(fingerprint)
+        if recovered is not None and recovered.namespace is not None:
+            # Live, and given way by readers' records of another layout since: it again.
+            self._by_identity[key] = recovered
+            return recovered
         if recovered is not None:
             # Blocks of this namespace were found on disk at start-up: bind them to it.
             if recovered.block_bytes != block_bytes:
@@ -208,12 +237,12 @@ class NamespaceTable:
             recovered.namespace = namespace
             recovered.priority = priority
             recovered.domain = self.domain_for(namespace.tenant)
-            self._by_name[namespace.name] = recovered
+            self._by_identity[key] = recovered
             return recovered
         self.check_share(namespace.tenant)
         record = self._new(namespace, fingerprint, block_bytes, priority)
         record.domain = self.domain_for(namespace.tenant)
-        self._by_name[namespace.name] = record
+        self._by_identity[key] = record
         return record
 
     def check_share(self, tenant: str) -> None:
@@ -288,8 +317,9 @@ class NamespaceTable:
         del self._records[record.ns_id]
         self._free_ids.append(record.ns_id)
         self._by_fingerprint.pop(record.fingerprint, None)
-        if record.namespace is not None and self._by_name.get(record.namespace.name) is record:
-            del self._by_name[record.namespace.name]
+        key = identity(record.namespace) if record.namespace is not None else None
+        if key is not None and self._by_identity.get(key) is record:
+            del self._by_identity[key]
 
     def __getitem__(self, ns_id: int) -> NamespaceRecord:
         return self._records[ns_id]
@@ -313,5 +343,6 @@ class NamespaceTable:
             assert record.handles or record.entries, f"namespace {record.name} not freed"
         for record in self._by_fingerprint.values():
             assert self._records.get(record.ns_id) is record, "by_fingerprint names a dead record"
-        for record in self._by_name.values():
-            assert self._records.get(record.ns_id) is record, "by_name names a dead record"
+        for key, record in self._by_identity.items():
+            assert self._records.get(record.ns_id) is record, "by_identity names a dead record"
+            assert record.namespace is not None and identity(record.namespace) == key

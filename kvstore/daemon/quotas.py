@@ -25,6 +25,13 @@ blocks live in slabs of their own and room for another tenant is made a slab at 
 tenant's pinned footprint is counted in whole slabs (a lease on one block of a slab keeps the
 whole slab from being drained).
 
+Who pays: byte quotas, reservations and guarantees are the namespace's tenant's (the blocks
+are its). Keys per second and leases are the caller's: a caller whose rules do not name the
+namespace's tenant (a reader or writer of a shared tenant) spends its own tenant's budget
+(``payer``), never the owner's, so the readers of a shared prompt cannot throttle or starve the
+tenant that owns it. A lease's pinned bytes count in the payer's ``max_pinned`` and guarantee
+room: pinning another tenant's blocks narrows only the pinner's own room.
+
 Tenants the config does not name get no byte quota, no guarantee and the default pinned share.
 Without a tenant policy the tenant is what the client says, so these bounds order fairness
 between cooperating clients; with one they bind every authenticated tenant. Event-loop only.
@@ -76,6 +83,7 @@ class Usage:
     bucket: TokenBucket | None = None
     refused_keys: int = 0  # keys refused by the rate limit (Stats)
     records: int = 0  # namespace records whose tenant books these are
+    payers: int = 0  # open handles of other tenants' namespaces paying from these (``payer``)
     # Entries these books' leases pin -> how many of those leases name each: a block leased
     # many times is pinned (and counted in ``pinned_bytes``) once.
     leased: dict[int, int] = field(default_factory=dict)
@@ -133,6 +141,8 @@ class Quotas:
         self._clock = clock
         self.domains = domains
         self._tenants: dict[str, Usage] = {}
+        # Books of callers whose rules name no tenant (they read shared tenants only).
+        self._callers: dict[str, Usage] = {}
         # Blocks of namespaces recovered from disk and not opened yet (tenant unknown).
         self.unowned = Usage("(recovered)", Quota())
         self.total_pinned = 0
@@ -157,6 +167,10 @@ class Quotas:
     def tenants(self) -> list[Usage]:
         return list(self._tenants.values())
 
+    def callers(self) -> list[Usage]:
+        """Books of callers whose rules name no tenant (``payer``)."""
+        return list(self._callers.values())
+
     def new_books(self, record: NamespaceRecord) -> None:
         """Give a record its namespace books and its tenant's (``unowned`` until a client
         opens a recovered namespace)."""
@@ -165,6 +179,30 @@ class Quotas:
         record.usage = Usage(record.name, spec.namespace if spec else Quota())
         record.owner = self.tenant(ns.tenant) if ns is not None else self.unowned
         record.owner.records += 1
+
+    def payer(self, record: NamespaceRecord, principal: object) -> Usage | None:
+        """The books a handle's keys per second and leases are charged to, when its caller's
+        rules do not name the namespace's tenant (a reader or writer of a shared tenant): its
+        own tenant's (the first by name if its rules name several), or books of the caller
+        alone if they name none. None: the namespace's and its tenant's, as for the tenant's
+        own callers. Held (``payers``) until ``unpay``, so the books and their bucket stay."""
+        ns = record.namespace
+        own: frozenset[str] | None = getattr(principal, "own", None)
+        if ns is None or own is None or ns.tenant in own:
+            return None
+        if own:
+            books = self.tenant(min(own))
+        else:
+            name = f"({getattr(principal, 'name', 'caller')})"
+            books = self._callers.setdefault(name, Usage(name, Quota()))
+        books.payers += 1
+        return books
+
+    def unpay(self, books: Usage | None) -> None:
+        """A handle that paid from ``books`` (``payer``) is closed."""
+        if books is not None:
+            books.payers -= 1
+            self._drop_if_idle(books)
 
     def handle_books(self) -> Usage | None:
         """The books of a new handle's pins, when handles have a pinned bound of their own."""
@@ -179,14 +217,20 @@ class Quotas:
         owner: Usage = record.owner
         record.owner = None
         owner.records -= 1
+        self._drop_if_idle(owner)
+
+    def _drop_if_idle(self, owner: Usage) -> None:
         if (
             owner.records == 0
+            and owner.payers == 0
             and owner is not self.unowned
             and owner.name not in self._policy
             and not (owner.cpu_bytes or owner.nvme_bytes or owner.pinned_bytes)
-            and self._tenants.get(owner.name) is owner
         ):
-            del self._tenants[owner.name]
+            if self._tenants.get(owner.name) is owner:
+                del self._tenants[owner.name]
+            elif self._callers.get(owner.name) is owner:
+                del self._callers[owner.name]
 
     def bind(self, record: NamespaceRecord) -> None:
         """A recovered namespace was opened: its blocks move to its tenant's books."""
@@ -215,12 +259,20 @@ class Quotas:
         record.owner.nvme_bytes += delta
 
     # ----------------------------------------------------------------- keys per second
-    def take_keys(self, record: NamespaceRecord, n: int) -> None:
-        """Spend ``n`` keys from the namespace's and the tenant's buckets, or refuse the call
-        (nothing is spent then)."""
+    def _charged(
+        self, record: NamespaceRecord, payer: Usage | None
+    ) -> tuple[tuple[Usage, str], ...]:
+        """The books a call's keys and leases are charged to (``payer``)."""
+        if payer is None:
+            return ((record.usage, "namespace"), (record.owner, "tenant"))
+        return ((payer, "tenant"),)
+
+    def take_keys(self, record: NamespaceRecord, n: int, payer: Usage | None = None) -> None:
+        """Spend ``n`` keys from the namespace's and the tenant's buckets (``payer``'s alone
+        for a caller from another tenant), or refuse the call (nothing is spent then)."""
         buckets = []
         now = 0.0
-        for books, where in ((record.usage, "namespace"), (record.owner, "tenant")):
+        for books, where in self._charged(record, payer):
             rate = books.quota.keys_per_s
             if not rate:
                 continue
@@ -269,12 +321,15 @@ class Quotas:
         slabs: list[int] = (),  # type: ignore[assignment]
         handle: Usage | None = None,
         eids: list[int] | None = None,
+        payer: Usage | None = None,
     ) -> None:
         """Refuse (CapacityError naming the bound) a lease or reservation of ``nbytes`` CPU
-        bytes in ``slabs`` that would take its namespace or tenant past a bound, or its
-        ``handle`` (its books, ``handle_books``) past the share one handle may pin. A lease
-        gives its ``eids`` (of ``nbytes / len(eids)`` bytes each): only the blocks the books do
-        not already lease count."""
+        bytes in ``slabs`` that would take its namespace or tenant (a lease: its ``payer``)
+        past a bound, or its ``handle`` (its books, ``handle_books``) past the share one
+        handle may pin. A lease gives its ``eids`` (of ``nbytes / len(eids)`` bytes each):
+        only the blocks the books do not already lease count."""
+        if kind != "leases":
+            payer = None
         bb = nbytes // len(eids) if eids else 0
 
         def new(books: Usage | None) -> int:
@@ -291,7 +346,7 @@ class Quotas:
                 "unless limits.max_pinned_share is set): release leases or commit reservations "
                 "first, or ask for fewer blocks at once"
             )
-        for books, where in ((record.usage, "namespace"), (record.owner, "tenant")):
+        for books, where in self._charged(record, payer):
             limit = getattr(books.quota, kind)
             if limit and getattr(books, kind) >= limit:
                 raise CapacityError(
@@ -309,8 +364,8 @@ class Quotas:
                     "release leases or commit reservations first"
                 )
         if nbytes and self.guaranteed_cpu:
-            owner = record.owner
-            more = new(owner)  # an entry is leased through its own tenant's books only
+            owner = payer or record.owner
+            more = new(owner)  # an entry is leased through one tenant's books only
             floor = self.total_pinned + more
             for name in self.guaranteed_cpu:
                 other = self.tenant(name)
@@ -330,10 +385,13 @@ class Quotas:
         slabs: list[int],
         handle: Usage | None = None,
         eids: list[int] | None = None,
+        payer: Usage | None = None,
     ) -> Pin:
         """Charge a reservation of ``nbytes``, or a lease of ``eids`` (``nbytes`` together:
-        each block counts once per books however many leases name it), in ``slabs``."""
-        books = (record.usage, record.owner) + ((handle,) if handle is not None else ())
+        each block counts once per books however many leases name it), in ``slabs``; a lease
+        to its ``payer``'s books where it has one."""
+        charged = self._charged(record, payer if kind == "leases" else None)
+        books = tuple(b for b, _ in charged) + ((handle,) if handle is not None else ())
         bb = nbytes // len(eids) if eids else 0
         for b in books:
             setattr(b, kind, getattr(b, kind) + 1)

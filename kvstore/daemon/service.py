@@ -59,6 +59,7 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+MIN_CHUNK_BYTES = 4096  # PutBlocks: a block may take ceil(block / this) + 1 messages at most
 
 # The authenticated caller of the RPC running in this task (each RPC runs in its own task).
 _caller: contextvars.ContextVar[Principal] = contextvars.ContextVar("kvstore_caller")
@@ -270,7 +271,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     f"{principal.name} holds {held} open namespace handles, a quarter of "
                     f"limits.max_handles ({self.limits.max_handles}): close some first"
                 )
-            handle = self.store.open_namespace(namespace, request.priority)
+            handle = self.store.open_namespace(namespace, request.priority, principal)
             self._handles_of[principal.name] = held + 1
             handle.principal = principal
             handle.writable = principal.may_write(namespace.tenant)
@@ -397,12 +398,23 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         chunks: list[bytes] = []
         have = checksum = 0
         priority = -1
-        block_bytes = 0
+        block_bytes = max_chunks = 0
         async for message in request_iterator:
             _check_decoded(message, "PutBlocks")
             if handle is None:
                 handle = self._handle(message.handle, write=True)
                 block_bytes = handle.record.block_bytes
+                # Every message must carry bytes, and a block at most this many: else a
+                # stream of empty (or 1-byte) messages costs the daemon without bound.
+                max_chunks = -(-block_bytes // min(MIN_CHUNK_BYTES, chunk_limit)) + 1
+            if not message.data:
+                raise ValueError(f"block {received}: a message without data (an empty chunk)")
+            if len(chunks) >= max_chunks:
+                raise ValueError(
+                    f"block {received} took more than {max_chunks} messages: send it in chunks "
+                    f"of at least {min(MIN_CHUNK_BYTES, chunk_limit)} bytes (at most "
+                    "limits.chunk_bytes)"
+                )
             if len(message.data) > chunk_limit:
                 raise ValueError(
                     f"a data field of {len(message.data)} bytes, more than limits.chunk "
@@ -523,14 +535,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             )
         # The most used namespaces first, at most max_stats_namespaces of them (names are
         # bounded too), so the reply stays small whatever clients open.
-        # A caller sees only the namespaces of tenants it may read, unless it is an operator.
+        # A caller sees only its own tenants' namespaces, unless it is an operator.
         caller = _caller.get(OWNER)
         records = sorted(
             (
                 r
                 for r in self.store.namespaces()
-                if caller.operator
-                or (r.namespace is not None and caller.may_read(r.namespace.tenant))
+                if caller.operator or (r.namespace is not None and _owns(caller, r.namespace))
             ),
             key=lambda r: -r.blocks * r.block_bytes,
         )
@@ -556,7 +567,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         reply.namespaces_omitted = max(0, len(records) - limit)
         quotas = self.store.quotas
         for books in quotas.tenants():
-            if caller.operator or caller.may_read(books.name):
+            if caller.operator or caller.own is None or books.name in caller.own:
                 q = books.quota
                 reply.tenants.add(
                     name=books.name,
@@ -573,7 +584,25 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     keys_per_s=q.keys_per_s,
                     refused_keys=books.refused_keys,
                 )
+        if not caller.operator:
+            _hide_global_counters(reply)
         return reply
+
+
+def _owns(caller: Principal, namespace: Namespace) -> bool:
+    return caller.own is None or namespace.tenant in caller.own
+
+
+def _hide_global_counters(reply: pb.StatsResponse) -> None:
+    """What a caller without operator rights may not see: the tiers' counters (blocks, hits,
+    evictions: every tenant's activity together) and the daemon's leases, reservations and
+    handles. The tiers' names, capacities and health stay; its own namespaces and tenants'
+    books (above) carry its own occupancy and hits."""
+    tiers = [(t.name, t.capacity_bytes, t.up) for t in reply.tiers]
+    del reply.tiers[:]
+    for name, capacity, up in tiers:
+        reply.tiers.add(name=name, capacity_bytes=capacity, up=up)
+    reply.active_leases = reply.active_reservations = reply.open_handles = 0
 
 
 class _Everyone:

@@ -87,6 +87,7 @@ class SharedTier:
             ttl_s=self.config.ttl_s or None,
             max_bytes_per_namespace=self.config.max_bytes_per_namespace or None,
             key_prefix=self.config.key_prefix,
+            mac_secret=read_mac_secret(self.config.mac_key_file),
         )
         await self.tier.start()  # a Redis that is down now is not fatal: it reconnects
         self._putter = asyncio.create_task(self._put_loop())
@@ -296,3 +297,19 @@ class SharedTier:
         if self.tier is None:
             return {}
         return dict(self.tier.stats())
+
+
+def read_mac_secret(path: str) -> bytes | None:
+    """The Redis values' MAC secret from ``redis.mac_key_file`` (stripped), None without one.
+    A file that cannot be read or holds under 16 bytes refuses the start: a daemon that wrote
+    unkeyed values, or keyed them with an empty secret, would silently give up the promise."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"redis.mac_key_file: cannot read {path}: {exc}") from None
+    if len(secret) < 16:
+        raise ValueError(f"redis.mac_key_file: {path} holds fewer than 16 bytes of secret")
+    return secret

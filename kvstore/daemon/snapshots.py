@@ -53,6 +53,7 @@ def tier_snapshots(store: BlockStore) -> list[TierSnapshot]:
                 "errors",
                 "reconnects",
                 "unavailable",
+                "mac_failures",
             )
         }
         extra["skipped_while_down"] = float(store.shared.skipped)

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, cast
 
 from kvstore.checksum import block_checksum
 from kvstore.config import DaemonConfig
+from kvstore.daemon.auth import Principal
 from kvstore.daemon.cpu_tier import CpuSlots
 from kvstore.daemon.disk_tier import DiskSlots
 from kvstore.daemon.namespaces import (
@@ -215,15 +216,22 @@ class BlockStore:
         self.cpu_slots.close()
 
     # ----------------------------------------------------------------- namespaces and handles
-    def open_namespace(self, namespace: Namespace, priority: int = 0) -> Handle:
-        """Register or join a namespace and hand out a new handle to it (``NamespaceTable``)."""
+    def open_namespace(
+        self, namespace: Namespace, priority: int = 0, principal: Principal | None = None
+    ) -> Handle:
+        """Register or join a namespace and hand out a new handle to it (``NamespaceTable``)
+        for ``principal`` (``kvstore.daemon.auth.Principal``; None: a caller of every tenant),
+        whose own budget its keys and leases are charged to (``Quotas.payer``)."""
         self.allocator.check_fits(namespace.layout.block_bytes)
-        handle = self.names.open(namespace, priority)
+        writer = principal is None or principal.may_write(namespace.tenant)
+        handle = self.names.open(namespace, priority, writer)
         handle.books = self.quotas.handle_books()
         if handle.record.usage is None:
             self.quotas.new_books(handle.record)
         else:
             self.quotas.bind(handle.record)
+        handle.principal = principal
+        handle.payer = self.quotas.payer(handle.record, principal)
         return handle
 
     def recovered_namespace(self, fingerprint: bytes, block_bytes: int) -> NamespaceRecord:
@@ -262,6 +270,8 @@ class BlockStore:
             self._unpin(lease.pin)
         self.names.release(handle)
         self._maybe_forget_books(handle.record)
+        self.quotas.unpay(handle.payer)
+        handle.payer = None
         return len(reservations), len(leases)
 
     def block_bytes_of(self, eid: int) -> int:
@@ -347,7 +357,7 @@ class BlockStore:
     async def lookup(self, handle: Handle, keys: Sequence[bytes]) -> int:
         self.check_keys(keys, "lookup")
         record = handle.record
-        self.quotas.take_keys(record, len(keys))
+        self.quotas.take_keys(record, len(keys), handle.payer)
         ns_id = record.ns_id
         run = self.leading_run(ns_id, keys)
         local = len(run)
@@ -402,8 +412,8 @@ class BlockStore:
                 "(limits.max_leases_per_handle): release some first"
             )
         record = handle.record
-        self.quotas.take_keys(record, len(keys))
-        self.quotas.check_pin(record, "leases", 0)
+        self.quotas.take_keys(record, len(keys), handle.payer)
+        self.quotas.check_pin(record, "leases", 0, payer=handle.payer)
         ns_id = record.ns_id
         wait = self.limits.write_wait_s if wait_s is None else wait_s
         eids = self.leading_run(ns_id, keys)
@@ -470,13 +480,20 @@ class BlockStore:
                 slabs,
                 self._bound(handle),
                 arena_eids,
+                handle.payer,
             )
         except CapacityError:
             for eid in held:
                 self._drop_one_lease(eid)
             raise
         pin = self.quotas.pin(
-            record, "leases", len(in_arena) * record.block_bytes, slabs, handle.books, arena_eids
+            record,
+            "leases",
+            len(in_arena) * record.block_bytes,
+            slabs,
+            handle.books,
+            arena_eids,
+            handle.payer,
         )
         self.mover.note_read(eids)
         # Committed only: an entry deleted during an await above is an orphan, out of policies.
@@ -575,7 +592,7 @@ class BlockStore:
                 f"this handle holds {len(handle.reservations)} reservations "
                 "(limits.max_reservations_per_handle): commit or abort some first"
             )
-        self.quotas.take_keys(record, len(keys))
+        self.quotas.take_keys(record, len(keys), handle.payer)
         self.quotas.check_pin(record, "reservations", 0)
         if not record.entries and record.namespace is not None:
             # Its first block: past its tenant's share of namespaces holding blocks, refused.
@@ -646,8 +663,8 @@ class BlockStore:
         that maps it; else into the CPU tier); returns how many blocks were queued."""
         self.check_keys(keys, "prefetch")
         if gpu and self._maps_pool(handle):
-            return self.device.prefetch(handle.ns_id, keys)
-        return self.mover.prefetch(handle.ns_id, keys)
+            return self.device.prefetch(handle.ns_id, keys, handle.payer)
+        return self.mover.prefetch(handle.ns_id, keys, handle.payer)
 
     def _maps_pool(self, handle: Handle) -> bool:
         """Whether ``handle``'s caller may be given GPU pool slots: the pool is one undivided

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import random
 import time
@@ -115,6 +116,7 @@ class RedisTier:
         key_prefix: str = "kvs",
         driver: str = "auto",
         max_connections: int = 8,
+        mac_secret: bytes | None = None,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -130,6 +132,9 @@ class RedisTier:
         self.max_bytes_per_namespace = max_bytes_per_namespace
         self.key_prefix = fmt.check_key_prefix(key_prefix)
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        # With a shared secret every value written is keyed and only keyed values verified
+        # with it are read (``value``): Redis writers without it cannot forge a block.
+        self._mac_key = fmt.mac_key(mac_secret) if mac_secret is not None else None
         self._driver: Driver = make_driver(
             url, driver=driver, timeout_s=timeout_s, max_connections=max_connections
         )
@@ -147,6 +152,7 @@ class RedisTier:
                 "logical_bytes_written",
                 "bytes_read",
                 "checksum_failures",
+                "mac_failures",
                 "errors",
                 "reconnects",
                 "evictions",
@@ -302,9 +308,9 @@ class RedisTier:
                 raise ValueError(f"block {key.hex()} does not match its checksum")
             views.append((key, view, checksum))
         planned = [codecs.plan(codec, block_format, len(v))[0] for _, v, _ in views]
-        if any(p != CODEC_NONE for p in planned):
+        if self._mac_key is not None or any(p != CODEC_NONE for p in planned):
             values = await asyncio.to_thread(
-                _encode_values, namespace, views, planned, block_format
+                _encode_values, namespace, views, planned, block_format, self._mac_key
             )
         else:
             values = [[fmt.pack_header(k, namespace, len(v), c), v] for k, v, c in views]
@@ -416,12 +422,26 @@ class RedisTier:
         ):
             h = None
             if type(result) is int:  # the value's length
-                h = fmt.parse_header(head, key, namespace, len(out), expected)
+                h = fmt.parse_header(
+                    head, key, namespace, len(out), expected, self._mac_key is not None
+                )
+                if h is None and self._mac_key is not None and not fmt.is_keyed(head):
+                    self._counters["mac_failures"] += 1  # a value without a MAC
                 if h is not None and result != h.header_bytes + h.stored_length:
                     h = None
                 if h is not None and (h.codec != CODEC_NONE or h.header_bytes != len(head)):
                     decode.append((i, h))
             stated.append(h)
+        if self._mac_key is not None:  # before anything else of a value is trusted
+            keyed = [(i, h) for i, h in enumerate(stated) if h is not None]
+            macs = await asyncio.to_thread(
+                _check_macs, self._mac_key, namespace, heads, outs, keyed
+            )
+            for (i, _), ok in zip(keyed, macs, strict=True):
+                if not ok:
+                    stated[i] = None
+                    self._counters["mac_failures"] += 1
+            decode = [(i, h) for i, h in decode if stated[i] is not None]
         if decode:  # payloads that are not the block itself: decoded off the event loop
             done = await asyncio.to_thread(_decode_values, namespace, items, heads, outs, decode)
             for (i, _), ok in zip(decode, done, strict=True):
@@ -491,19 +511,21 @@ def _encode_values(
     views: list[tuple[bytes, memoryview, int]],
     planned: list[int],
     block_format: BlockFormat | None,
+    mac_key: bytes | None = None,
 ) -> list[list[Any]]:
     """Each block's value parts, [header, payload], encoded with its planned codec (on a
     thread). A lossy payload is decoded once here, so its header states the checksum of the
-    block a read will yield."""
+    block a read will yield. ``mac_key``: keyed values (``value``)."""
     out: list[list[Any]] = []
     for (key, view, checksum), codec in zip(views, planned, strict=True):
+        raw = (mac_key, view) if mac_key is not None else None
         if codec == CODEC_NONE:
-            out.append([fmt.pack_header(key, namespace, len(view), checksum), view])
+            out.append([fmt.pack_header(key, namespace, len(view), checksum, keyed=raw), view])
             continue
         scratch = memoryview(bytearray(codecs.scratch_bytes(len(view))))
         used, payload = codecs.encode(codec, view, block_format, scratch)
         if used == CODEC_NONE:
-            out.append([fmt.pack_header(key, namespace, len(view), checksum), view])
+            out.append([fmt.pack_header(key, namespace, len(view), checksum, keyed=raw), view])
             continue
         decoded = checksum
         if used in codecs.LOSSY:
@@ -515,9 +537,27 @@ def _encode_values(
             decoded = block_checksum(back, namespace, key)
         data = bytes(payload)
         stored = block_checksum(data, namespace, key)
-        head = fmt.pack_header(key, namespace, len(view), decoded, used, len(data), stored)
+        keyed = (mac_key, data) if mac_key is not None else None
+        head = fmt.pack_header(key, namespace, len(view), decoded, used, len(data), stored, keyed)
         out.append([head, data])
     return out
+
+
+def _check_macs(
+    mac_key: bytes,
+    namespace: bytes,
+    heads: list[memoryview],
+    outs: list[memoryview],
+    todo: list[tuple[int, fmt.ValueHeader]],
+) -> list[bool]:
+    """Whether each keyed value's MAC is right (on a thread). A keyed value has a full-size
+    header, so its payload is the head of ``outs[i]``."""
+    return [
+        hmac.compare_digest(
+            h.mac, fmt.mac(mac_key, namespace, heads[i], outs[i][: h.stored_length])
+        )
+        for i, h in todo
+    ]
 
 
 def _decode_values(
