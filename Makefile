@@ -50,6 +50,7 @@ test-vllm: vllm-env
 bench-vllm: vllm-env
 	$(VLLM_PY) benchmarks/bench_vllm.py
 	$(VLLM_PY) benchmarks/bench_vllm_binding.py
+	$(VLLM_PY) benchmarks/bench_vllm_layerwise.py
 
 proto: setup
 	PYTHON=$(PY) scripts/gen_proto.sh

@@ -11,7 +11,8 @@ or null for an engine without the connector), optional ``max_num_batched_tokens`
 ``{"prompts": [{"ids": [...], "salt": str|null}], "max_tokens": int, "wait_for": path|null,
 "signal": path|null, "one_by_one": bool}``. A phase waits for its ``wait_for`` file before it
 runs and touches its ``signal`` file after, so a test can act on the daemon in between.
-Optional: ``connector_class`` (``[module, class]``, default kvstore's), ``num_gpu_blocks``
+Optional: ``tensor_parallel_size`` (ranks in processes of their own), ``connector_class``
+(``[module, class]``, default kvstore's), ``num_gpu_blocks``
 (a KV cache of that many blocks, to force preemption), ``log_stats`` (the result gets
 ``counters``: vLLM's Prometheus counters, e.g. ``vllm:num_preemptions``),
 ``check_blocks_free`` (the result gets ``blocks_free``: whether every KV block was free once
@@ -49,6 +50,9 @@ def main() -> None:
         skip_tokenizer_init=not spec.get("tokenizer", False),
         disable_log_stats=not spec.get("log_stats", False),
     )
+    if spec.get("tensor_parallel_size", 1) > 1:
+        kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
+        kwargs["distributed_executor_backend"] = "mp"
     if spec.get("num_gpu_blocks"):
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
     if spec.get("max_num_batched_tokens"):

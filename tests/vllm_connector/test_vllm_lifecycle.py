@@ -121,34 +121,6 @@ def test_sync_loads_answer_identically(
     assert_same_answers(got, outputs(reference, 0), "engine S (sync loads)")
 
 
-def test_a_failed_layerwise_sync_load_is_recomputed(
-    stored: dict, reference: dict, model: Path, work: Path, daemon: DaemonProcess
-) -> None:
-    """Sync loads copied layer by layer (``layerwise: "on"``, each layer copied as vLLM's
-    forward pass reaches it); the third block of each load is deleted from the daemon just
-    before it loads, so the load fails there: the connector reports the blocks from it on, and
-    vLLM recomputes them, with answers unchanged."""
-    del stored  # X is in the store
-    errors = work / "F.errors"
-    f = Engine(
-        spec(
-            model,
-            conn(daemon, load="sync", layerwise="on"),
-            [X_PHASE],
-            connector_class=["deleting_connector", "DeletingKVStoreConnector"],
-            check_blocks_free=True,
-            env={"KVSTORE_TEST_LOAD_ERRORS": str(errors)},
-        ),
-        work,
-        "F",
-    ).result()
-    reported = [line.split() for line in errors.read_text().splitlines()]
-    # One report per prompt: its blocks from the third on (6 and 4 blocks load).
-    assert [len(r) for r in reported] == [4, 2], reported
-    assert_same_answers(outputs(f), outputs(reference, 0), "engine F (a failed sync load)")
-    assert f["blocks_free"]
-
-
 def test_abort_while_loading_leaks_nothing_and_the_engine_keeps_serving(
     stored: dict, reference: dict, model: Path, work: Path, daemon: DaemonProcess
 ) -> None:
@@ -180,3 +152,32 @@ def test_abort_while_loading_leaks_nothing_and_the_engine_keeps_serving(
     assert [o["num_cached_tokens"] for o in got] == X_CACHED
     assert_same_answers(got, outputs(reference, 0), "engine G after the abort")
     assert g["blocks_free"], "the aborted request's blocks (or others) were never freed"
+
+
+def test_a_failed_layerwise_sync_load_is_recomputed(
+    stored: dict, reference: dict, model: Path, work: Path, daemon: DaemonProcess
+) -> None:
+    """Sync loads copied layer by layer (``layerwise: "on"``, each layer copied as vLLM's
+    forward pass reaches it); the third block of each load is deleted from the daemon just
+    before it loads, so the load fails there: the connector reports the blocks from it on, and
+    vLLM recomputes them, with answers unchanged."""
+    # X is in the store. Runs last: it deletes blocks of X that the other tests load.
+    del stored
+    errors = work / "F.errors"
+    f = Engine(
+        spec(
+            model,
+            conn(daemon, load="sync", layerwise="on"),
+            [X_PHASE],
+            connector_class=["deleting_connector", "DeletingKVStoreConnector"],
+            check_blocks_free=True,
+            env={"KVSTORE_TEST_LOAD_ERRORS": str(errors)},
+        ),
+        work,
+        "F",
+    ).result()
+    reported = [line.split() for line in errors.read_text().splitlines()]
+    # One report per prompt: its blocks from the third on (6 and 4 blocks load).
+    assert [len(r) for r in reported] == [4, 2], reported
+    assert_same_answers(outputs(f), outputs(reference, 0), "engine F (a failed sync load)")
+    assert f["blocks_free"]

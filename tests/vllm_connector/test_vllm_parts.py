@@ -513,3 +513,33 @@ def test_layerwise_loads_copy_each_layer_and_report_what_failed(daemon_factory, 
         assert w.take_errors() == {4, 5}
     finally:
         w.shutdown()
+
+
+def test_a_block_whose_sync_load_failed_is_not_saved_in_the_same_step(daemon_factory) -> None:
+    """Regression: vLLM schedules a sync-loaded request's saves in the step of its load, before
+    it learns that a block failed to load; the connector saved that block's (stale) cache
+    contents under its valid key, and a later engine loaded them (answers drifted)."""
+    d = daemon_factory(cpu_capacity="16MiB", slab="1MiB")
+    keys = [store_key(bytes([40 + i]) * 32) for i in range(4)]
+    cfg = ConnectorConfig.parse({"address": d.address, "timeout_s": 20, "layerwise": "on"})
+    w = _Worker(ident(), cfg)
+    try:
+        w.register(_caches("cpu", nb=6))
+        w.submit("save", SaveJob("r1", keys[:2], [4, 5]))  # the store has blocks 0 and 1
+        w.drain()
+        w.take_meta()
+        w.start_layered([LoadJob("r2", keys[:3], [0, 1, 2])])  # block 2 is not stored
+        w.finish_layered()
+        w.save_step([SaveJob("r2", keys, [0, 1, 2, 3])])  # as vLLM schedules it, same step
+        w.drain()
+        assert w.take_errors() == {2}
+        stats = w.take_stats()
+        assert stats is not None and stats.data["saves_dropped"] == 2
+        assert w.take_meta().settled[-4:] == [keys[2], keys[3], keys[0], keys[1]]
+    finally:
+        w.shutdown()
+    from kvstore.client.sync import KVStoreClient
+
+    with KVStoreClient(d.address, layout=LAYOUT, model="m", revision=ident().revision) as kv:
+        assert kv.lookup(keys[:2]) == 2
+        assert kv.lookup(keys[2:3]) == 0 and kv.lookup(keys[3:]) == 0

@@ -133,7 +133,8 @@ class Server:
         self.log.close()
 
     def tail(self, n: int = 60) -> str:
-        self.log.flush()
+        if not self.log.closed:  # stop() closes it; the file keeps what was written
+            self.log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 

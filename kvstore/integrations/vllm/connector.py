@@ -133,8 +133,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             # The transfer thread copies on its own stream: the step's writes into the blocks
             # it saves must be complete first.
             torch.cuda.current_stream(worker.copier.device).synchronize()
-        for job in meta.saves:
-            worker.submit("save", job)
+        worker.save_step(meta.saves)
         worker.hold(meta.held)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

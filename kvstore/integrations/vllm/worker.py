@@ -75,6 +75,23 @@ class _Worker:
             return self.copier is None or self.copier.device.type == "cpu"
         return mode == "inline"
 
+    def save_step(self, jobs: list[SaveJob]) -> None:
+        """Submit this step's saves, less every block from the first one whose synchronous load
+        failed in this step: vLLM scheduled the save with the load, before it learns of the
+        failure, and that block (and each computed after it) holds no valid KV until vLLM
+        recomputes it; stored, it would poison the store under a valid key. The blocks
+        dropped are counted in ``saves_dropped`` (a later miss, never a wrong answer)."""
+        failed = self._errors  # this step's sync load failures (async ones come later)
+        for job in jobs:
+            cut = next((i for i, b in enumerate(job.block_ids) if b in failed), None)
+            if cut is not None:
+                dropped = job.keys[cut:]
+                job = SaveJob(job.req_id, job.keys[:cut], job.block_ids[:cut], job.tenant)
+                with self._cv:
+                    self.stats.add("saves_dropped", len(dropped))
+                    self.meta.settled.extend(dropped)
+            self.submit("save", job)
+
     def submit(self, kind: str, job: LoadJob | SaveJob) -> None:
         with self._cv:
             if kind == "save":
