@@ -133,7 +133,7 @@ def main() -> int:
     report.table(
         f"vLLM CPU, random-200M, TTFT of {length}-token prompts (median of {n}) and a 4 x 128"
         f" + 32 batch; load {load_before[0]:.1f} before, {load_after[0]:.1f} after",
-        ["engine", "engines", "worker's CPUs", "TTFT (median)", "vs none", "batch tok/s", "vs none"],
+        ["engine", "engines", "worker's CPUs", "TTFT", "vs none", "batch tok/s", "vs none"],
         rows,
     )
     if args.json:
