@@ -66,15 +66,23 @@ def main() -> int:
     load_before = os.getloadavg()
     try:
         model = make_random_model(work / "random-200m", **RANDOM_200M)
-        phases: list[dict[str, Any]] = [
-            {"prompts": [{"ids": prompt(64, 999)}], "max_tokens": 1},
-            {
-                "prompts": [{"ids": prompt(length, 300 + i)} for i in range(n)],
-                "max_tokens": 1,
-                "one_by_one": True,
-            },
-            {"prompts": [{"ids": prompt(128, 500 + i)} for i in range(4)], "max_tokens": 32},
-        ]
+
+        def phases(seed: int) -> list[dict[str, Any]]:
+            # Prompts no engine of the run has seen: the daemon outlives the engines, and a
+            # kvstore engine given the prompts an earlier one stored would load them.
+            return [
+                {"prompts": [{"ids": prompt(64, seed + 999)}], "max_tokens": 1},
+                {
+                    "prompts": [{"ids": prompt(length, seed + 300 + i)} for i in range(n)],
+                    "max_tokens": 1,
+                    "one_by_one": True,
+                },
+                {
+                    "prompts": [{"ids": prompt(128, seed + 500 + i)} for i in range(4)],
+                    "max_tokens": 32,
+                },
+            ]
+
         noop = {"connector": {}, "connector_class": ["noop_connector", "NoopConnector"]}
         with KVStoreDaemon(2 << 30) as daemon:
             arms: list[tuple[str, dict[str, Any]]] = [
@@ -92,7 +100,9 @@ def main() -> int:
                 arms = [arms[0], arms[3]] * args.rounds
             runs: dict[str, list[dict[str, Any]]] = {}
             for i, (label, extra) in enumerate(arms):
-                r = Engine(bench_spec(model, phases=phases, **extra), work, f"arm{i}").result()
+                # Each engine its own prompts (seeds 10,000 apart), the same lengths in every arm.
+                spec = bench_spec(model, phases=phases(10_000 * i), **extra)
+                r = Engine(spec, work, f"arm{i}").result()
                 batch = r["phases"][2]
                 tokens = sum(len(o["tokens"]) for o in batch["outputs"]) + 4 * 128
                 runs.setdefault(label, []).append(
