@@ -118,6 +118,16 @@ def _count(leased: dict[int, int], eids: tuple[int, ...] | list[int], step: int)
     return changed
 
 
+def _drop_slabs(books: Usage, slabs: list[int]) -> None:
+    """One pinned block fewer in each of ``slabs`` for ``books``."""
+    for s in slabs:
+        left = books.slabs[s] - 1
+        if left:
+            books.slabs[s] = left
+        else:
+            del books.slabs[s]
+
+
 class Quotas:
     """See the module docstring. ``slab_of``: a CPU offset's slab; ``domains``: tenants have
     slabs of their own (a tenant policy), so pins are counted in slabs too."""
@@ -429,14 +439,24 @@ class Quotas:
             pin.eids = ()
         for b in pin.books:
             b.pinned_bytes -= nbytes
-            for s in slabs:
-                left = b.slabs[s] - 1
-                if left:
-                    b.slabs[s] = left
-                else:
-                    del b.slabs[s]
+            _drop_slabs(b, slabs)
         pin.nbytes -= nbytes
         self.total_pinned -= nbytes
+
+    def unpin_leased(self, pin: Pin, eids: list[int]) -> None:
+        """Part of a lease ended (``Lease.cut``): those of ``eids`` it pinned in the CPU tier
+        leave its charge, with their slabs; the lease itself stays outstanding."""
+        gone = set(eids)
+        mine = [e for e in pin.eids if e in gone]
+        # A lease's slabs (where pins count slabs) are those of its CPU entries, in order.
+        slabs = [s for e, s in zip(pin.eids, pin.slabs, strict=False) if e in gone]
+        for b in pin.books:
+            b.pinned_bytes -= pin.block_bytes * _count(b.leased, mine, -1)
+            _drop_slabs(b, slabs)
+        self.total_pinned -= pin.block_bytes * _count(self._leased, mine, -1)
+        if pin.slabs:
+            pin.slabs = [s for e, s in zip(pin.eids, pin.slabs, strict=True) if e not in gone]
+        pin.eids = tuple(e for e in pin.eids if e not in gone)
 
     def slabs_of(self, offsets: list[int]) -> list[int]:
         """The CPU slabs of ``offsets`` where pins count slabs (memory domains), else none."""
