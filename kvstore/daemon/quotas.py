@@ -28,9 +28,10 @@ whole slab from being drained).
 Who pays: byte quotas, reservations and guarantees are the namespace's tenant's (the blocks
 are its). Keys per second and leases are the caller's: a caller whose rules do not name the
 namespace's tenant (a reader or writer of a shared tenant) spends its own tenant's budget
-(``payer``), never the owner's, so the readers of a shared prompt cannot throttle or starve the
-tenant that owns it. A lease's pinned bytes count in the payer's ``max_pinned`` and guarantee
-room: pinning another tenant's blocks narrows only the pinner's own room.
+(``payer``: the one the ``[shared.NAME]`` declaration names), never the owner's, so the
+readers of a shared prompt cannot throttle or starve the tenant that owns it. A lease's pinned
+bytes count in the payer's ``max_pinned`` and guarantee room: pinning another tenant's blocks
+narrows only the pinner's own room.
 
 Tenants the config does not name get no byte quota, no guarantee and the default pinned share.
 Without a tenant policy the tenant is what the client says, so these bounds order fairness
@@ -192,16 +193,19 @@ class Quotas:
 
     def payer(self, record: NamespaceRecord, principal: object) -> Usage | None:
         """The books a handle's keys per second and leases are charged to, when its caller's
-        rules do not name the namespace's tenant (a reader or writer of a shared tenant): its
-        own tenant's (the first by name if its rules name several), or books of the caller
-        alone if they name none. None: the namespace's and its tenant's, as for the tenant's
-        own callers. Held (``payers``) until ``unpay``, so the books and their bucket stay."""
+        rules do not name the namespace's tenant (a reader or writer of a shared tenant): those
+        of its own tenant through which the policy lets it reach that one
+        (``Principal.paying_tenant``), or books of the caller alone if its rules name no
+        tenant. None: the namespace's and its tenant's, as for the tenant's own callers (a
+        caller of several tenants pays, in each, from that one). Held (``payers``) until
+        ``unpay``, so the books and their bucket stay."""
         ns = record.namespace
         own: frozenset[str] | None = getattr(principal, "own", None)
         if ns is None or own is None or ns.tenant in own:
             return None
-        if own:
-            books = self.tenant(min(own))
+        tenant = principal.paying_tenant(ns.tenant)  # type: ignore[attr-defined]
+        if tenant is not None:
+            books = self.tenant(tenant)
         else:
             name = f"({getattr(principal, 'name', 'caller')})"
             books = self._callers.setdefault(name, Usage(name, Quota()))
