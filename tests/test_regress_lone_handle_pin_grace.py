@@ -66,13 +66,18 @@ def content(k: bytes) -> bytes:
     return k * (BB // len(k))
 
 
-async def put(s: BlockStore, h: Handle, ks: list[bytes]) -> None:
-    rid, offsets, _ = await s.reserve(h, ks)
+def write(s: BlockStore, offsets: list[int], ks: list[bytes]) -> list[int]:
+    """Fill reserved slots as a client does; returns what its commit carries."""
     sums = []
     for off, k in zip(offsets, ks, strict=True):
         s.arena.view[off : off + BB] = content(k)
         sums.append(block_checksum(content(k), NS.fingerprint, k))
-    s.commit(h, rid, sums)
+    return sums
+
+
+async def put(s: BlockStore, h: Handle, ks: list[bytes]) -> None:
+    rid, offsets, _ = await s.reserve(h, ks)
+    s.commit(h, rid, write(s, offsets, ks))
 
 
 async def test_a_newcomer_gets_room_within_the_grace_and_the_first_keeps_half() -> None:
@@ -130,11 +135,8 @@ async def test_reservations_past_half_expire_within_the_grace_and_free_their_slo
         await put(s, newcomer, keys(8, start=100))
         s.check()
         kept, gone = held[:2], held[2:]
-        for r in kept:  # its first half commits as it would have
-            sums = []
-            for off, k in zip(r.offsets, keys(4, start=4 * held.index(r)), strict=True):
-                s.arena.view[off : off + BB] = content(k)
-                sums.append(block_checksum(content(k), NS.fingerprint, k))
+        for i, r in enumerate(kept):  # its first half commits as it would have
+            sums = write(s, r.offsets, keys(4, start=4 * i))
             assert s.commit(greedy, r.reservation_id, sums) == 4
         for r in gone:
             with pytest.raises(LeaseExpiredError):
