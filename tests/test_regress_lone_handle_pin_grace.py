@@ -94,7 +94,7 @@ async def test_a_newcomer_gets_room_within_the_grace_and_the_first_keeps_half() 
         s.check()
 
         newcomer = s.open_namespace(NS)
-        with pytest.raises(CapacityError):
+        with pytest.raises(CapacityError, match="this handle pins 0B"):
             await put(s, newcomer, keys(4, start=100))  # everything is leased, for now
         clock.now = GRACE  # the part past half expires
         s.reap()

@@ -372,10 +372,16 @@ class Quotas:
             after = self.footprint(books, new(books), slabs if where == "tenant" else [])
             cap = self.pinned_cap(books) if where == "tenant" or books.quota.pinned_bytes else 0
             if cap and after > cap:
+                # Its other clients may hold the pins (one user's clients share one tenant).
+                mine = (
+                    ""
+                    if handle is None
+                    else f"; this handle pins {format_size(handle.pinned_bytes)}"
+                )
                 raise CapacityError(
                     f"{where} {books.name!r} would pin {format_size(after)} of the cpu tier "
-                    f"(leased, reserved and quarantined), more than its {self._cap_name(books)}: "
-                    "release leases or commit reservations first"
+                    f"(leased, reserved and quarantined), more than its {self._cap_name(books)}"
+                    f"{mine}: its clients must release leases or commit reservations first"
                 )
         if nbytes and self.guaranteed_cpu:
             owner = payer or record.owner
