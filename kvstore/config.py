@@ -202,6 +202,11 @@ class LimitsConfig:
     # tenant policy or [tenants] tables; on a single-user daemon the whole tier, and half of it
     # per handle while other handles are open (DaemonConfig.handle_pinned_share).
     max_pinned_share: float = 0.0
+    # On a single-user daemon, when a second handle opens while one handle pins more than its
+    # half of the CPU tier, the leases and reservations past that half expire this soon (or
+    # when they would anyway, if sooner): the newcomer gets room within a bounded time, and a
+    # handle alone on the daemon may still use the whole tier (BlockStore.open_namespace).
+    pin_grace_s: float = 2.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -493,6 +498,7 @@ _KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "write_wait_s": ("write_wait_s", float),
         "chunk": ("chunk_bytes", parse_size),
         "max_pinned_share": ("max_pinned_share", float),
+        "pin_grace_s": ("pin_grace_s", float),
     },
     "auth": {
         "tls_cert": ("tls_cert", str),

@@ -43,6 +43,9 @@ class Principal:
     # second, leases) from these tenants' budgets, also when it reads a shared tenant: a reader
     # never spends the owner's (``Quotas.payer``).
     own: frozenset[str] | None = None
+    # Shared tenant -> the tenant of its own that pays for its calls there: the one the
+    # ``[shared.NAME]`` declaration names (the first by name if it names several of them).
+    pays_for_shared: tuple[tuple[str, str], ...] = ()
     # The session that authenticated it (unix socket): handles it opens are that session's
     # alone, even against another session of the same process.
     session: str = ""
@@ -56,6 +59,18 @@ class Principal:
     @property
     def all_tenants(self) -> bool:
         return self.readable is None
+
+    def paying_tenant(self, tenant: str) -> str | None:
+        """The tenant of its own whose budget (keys per second, leases) its calls in a
+        namespace of ``tenant`` spend: ``tenant`` itself when it is one of its own, else the
+        one through which the policy lets it reach ``tenant`` (a shared tenant), else the
+        first of its own by name. None: it names no tenant of its own (or every tenant)."""
+        if self.own is None or tenant in self.own:
+            return tenant if self.own is not None else None
+        for shared, payer in self.pays_for_shared:
+            if shared == tenant:
+                return payer
+        return min(self.own) if self.own else None
 
 
 OWNER = Principal("owner", operator=True)
@@ -106,18 +121,22 @@ class Policy:
         rules = [self.config.access[i] for i in matches]
         own = {t for r in rules for t in r.tenants}
         readable, writable = set(own), set(own)
+        pays: dict[str, str] = {}
         for tenant, shared in self.config.shared:
             if own & set(shared.writers):
                 readable.add(tenant)
                 writable.add(tenant)
+                pays[tenant] = min(own & set(shared.writers))
             elif own & set(shared.readers):
                 readable.add(tenant)
+                pays[tenant] = min(own & set(shared.readers))
         return Principal(
             name,
             frozenset(readable),
             frozenset(writable),
             operator=any(r.role == "operator" for r in rules),
             own=frozenset(own),
+            pays_for_shared=tuple(sorted(pays.items())),
         )
 
     def for_unix_peer(self, uid: int, gid: int) -> Principal | None:

@@ -75,6 +75,9 @@ class Reservation:
     expires_at: float
     gpu: bool = False  # the slots are in the GPU pool (the commit carries device checksums)
     pin: Any = None  # its charge in the quotas' books (``kvstore.daemon.quotas.Pin``)
+    # Its expiry was brought forward to make room for another handle (``pin_grace_s``): its
+    # slots are quarantined for that long, not ``reservation_ttl_s``, once it expires.
+    shortened: bool = False
 
 
 @dataclass
@@ -85,6 +88,22 @@ class Lease:
     keys: list[bytes]
     expires_at: float
     pin: Any = None  # its charge in the quotas' books (``kvstore.daemon.quotas.Pin``)
+    # Blocks ``cut`` on expire at ``cut_expires_at``, before the rest: the part that took its
+    # handle past its pinned bound when another handle opened (``BlockStore``). The leading
+    # part, a usable prefix, keeps the lease's own expiry.
+    cut: int | None = None
+    cut_expires_at: float = 0.0
+
+    def shorten(self, cut: int, until: float) -> None:
+        """Let blocks ``cut`` on expire by ``until`` (never later than they would have)."""
+        if cut == 0:
+            self.expires_at = min(self.expires_at, until)
+        elif cut < len(self.eids):
+            if self.cut is None or cut < self.cut:
+                old = self.cut_expires_at if self.cut is not None else self.expires_at
+                self.cut, self.cut_expires_at = cut, min(old, until)
+            else:
+                self.cut_expires_at = min(self.cut_expires_at, until)
 
 
 @dataclass(eq=False)

@@ -28,9 +28,10 @@ whole slab from being drained).
 Who pays: byte quotas, reservations and guarantees are the namespace's tenant's (the blocks
 are its). Keys per second and leases are the caller's: a caller whose rules do not name the
 namespace's tenant (a reader or writer of a shared tenant) spends its own tenant's budget
-(``payer``), never the owner's, so the readers of a shared prompt cannot throttle or starve the
-tenant that owns it. A lease's pinned bytes count in the payer's ``max_pinned`` and guarantee
-room: pinning another tenant's blocks narrows only the pinner's own room.
+(``payer``: the one the ``[shared.NAME]`` declaration names), never the owner's, so the
+readers of a shared prompt cannot throttle or starve the tenant that owns it. A lease's pinned
+bytes count in the payer's ``max_pinned`` and guarantee room: pinning another tenant's blocks
+narrows only the pinner's own room.
 
 Tenants the config does not name get no byte quota, no guarantee and the default pinned share.
 Without a tenant policy the tenant is what the client says, so these bounds order fairness
@@ -118,6 +119,16 @@ def _count(leased: dict[int, int], eids: tuple[int, ...] | list[int], step: int)
     return changed
 
 
+def _drop_slabs(books: Usage, slabs: list[int]) -> None:
+    """One pinned block fewer in each of ``slabs`` for ``books``."""
+    for s in slabs:
+        left = books.slabs[s] - 1
+        if left:
+            books.slabs[s] = left
+        else:
+            del books.slabs[s]
+
+
 class Quotas:
     """See the module docstring. ``slab_of``: a CPU offset's slab; ``domains``: tenants have
     slabs of their own (a tenant policy), so pins are counted in slabs too."""
@@ -182,16 +193,19 @@ class Quotas:
 
     def payer(self, record: NamespaceRecord, principal: object) -> Usage | None:
         """The books a handle's keys per second and leases are charged to, when its caller's
-        rules do not name the namespace's tenant (a reader or writer of a shared tenant): its
-        own tenant's (the first by name if its rules name several), or books of the caller
-        alone if they name none. None: the namespace's and its tenant's, as for the tenant's
-        own callers. Held (``payers``) until ``unpay``, so the books and their bucket stay."""
+        rules do not name the namespace's tenant (a reader or writer of a shared tenant): those
+        of its own tenant through which the policy lets it reach that one
+        (``Principal.paying_tenant``), or books of the caller alone if its rules name no
+        tenant. None: the namespace's and its tenant's, as for the tenant's own callers (a
+        caller of several tenants pays, in each, from that one). Held (``payers``) until
+        ``unpay``, so the books and their bucket stay."""
         ns = record.namespace
         own: frozenset[str] | None = getattr(principal, "own", None)
         if ns is None or own is None or ns.tenant in own:
             return None
-        if own:
-            books = self.tenant(min(own))
+        tenant = principal.paying_tenant(ns.tenant)  # type: ignore[attr-defined]
+        if tenant is not None:
+            books = self.tenant(tenant)
         else:
             name = f"({getattr(principal, 'name', 'caller')})"
             books = self._callers.setdefault(name, Usage(name, Quota()))
@@ -358,10 +372,16 @@ class Quotas:
             after = self.footprint(books, new(books), slabs if where == "tenant" else [])
             cap = self.pinned_cap(books) if where == "tenant" or books.quota.pinned_bytes else 0
             if cap and after > cap:
+                # Its other clients may hold the pins (one user's clients share one tenant).
+                mine = (
+                    ""
+                    if handle is None
+                    else f"; this handle pins {format_size(handle.pinned_bytes)}"
+                )
                 raise CapacityError(
                     f"{where} {books.name!r} would pin {format_size(after)} of the cpu tier "
-                    f"(leased, reserved and quarantined), more than its {self._cap_name(books)}: "
-                    "release leases or commit reservations first"
+                    f"(leased, reserved and quarantined), more than its {self._cap_name(books)}"
+                    f"{mine}: its clients must release leases or commit reservations first"
                 )
         if nbytes and self.guaranteed_cpu:
             owner = payer or record.owner
@@ -429,14 +449,24 @@ class Quotas:
             pin.eids = ()
         for b in pin.books:
             b.pinned_bytes -= nbytes
-            for s in slabs:
-                left = b.slabs[s] - 1
-                if left:
-                    b.slabs[s] = left
-                else:
-                    del b.slabs[s]
+            _drop_slabs(b, slabs)
         pin.nbytes -= nbytes
         self.total_pinned -= nbytes
+
+    def unpin_leased(self, pin: Pin, eids: list[int]) -> None:
+        """Part of a lease ended (``Lease.cut``): those of ``eids`` it pinned in the CPU tier
+        leave its charge, with their slabs; the lease itself stays outstanding."""
+        gone = set(eids)
+        mine = [e for e in pin.eids if e in gone]
+        # A lease's slabs (where pins count slabs) are those of its CPU entries, in order.
+        slabs = [s for e, s in zip(pin.eids, pin.slabs, strict=False) if e in gone]
+        for b in pin.books:
+            b.pinned_bytes -= pin.block_bytes * _count(b.leased, mine, -1)
+            _drop_slabs(b, slabs)
+        self.total_pinned -= pin.block_bytes * _count(self._leased, mine, -1)
+        if pin.slabs:
+            pin.slabs = [s for e, s in zip(pin.eids, pin.slabs, strict=True) if e not in gone]
+        pin.eids = tuple(e for e in pin.eids if e not in gone)
 
     def slabs_of(self, offsets: list[int]) -> list[int]:
         """The CPU slabs of ``offsets`` where pins count slabs (memory domains), else none."""

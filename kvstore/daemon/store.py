@@ -51,8 +51,8 @@ up is dropped and counted: a miss, never wrong data.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -162,8 +162,10 @@ class BlockStore:
             domains=config.auth.has_policy,
         )
         # (until, in the GPU pool, offset, block bytes, its reservation's pin) of slots of
-        # expired reservations: charged to their tenant until they are reusable.
-        self._quarantine: deque[tuple[float, bool, int, int, Pin | None]] = deque()
+        # expired reservations: charged to their tenant until they are reusable. A heap by
+        # ``until`` (a shortened reservation's quarantine ends sooner than others'); no two
+        # items share a slot, so the comparison never reaches the pin.
+        self._quarantine: list[tuple[float, bool, int, int, Pin | None]] = []
         # Waiters for the commit (or the end) of RESERVED entries, by entry id.
         self._written: dict[int, asyncio.Future[None]] = {}
         self._reserved_blocks = 0
@@ -232,7 +234,49 @@ class BlockStore:
             self.quotas.bind(handle.record)
         handle.principal = principal
         handle.payer = self.quotas.payer(handle.record, principal)
+        if handle.books is not None and len(self.names) == 2:
+            # The bound of one handle's pins starts now (``_bound``): a handle pins past it
+            # only while alone, so the other one is the only handle that may be past it.
+            for other in self.names.handles():
+                if other is not handle:
+                    self._shorten_excess(other)
         return handle
+
+    def _shorten_excess(self, handle: Handle) -> None:
+        """Bring forward, to ``limits.pin_grace_s`` from now, the expiry of what takes
+        ``handle`` past the pinned bound of one handle (it pinned more while it was alone), so
+        that a newcomer finds room within a bounded time. It keeps, untouched, its
+        reservations in order while they fit the bound, then the leading blocks of its leases
+        in order (a lease is cut: its leading blocks are a usable prefix); only the rest
+        expires sooner. A reservation is kept or shortened whole (its commit is). Shortening
+        never extends an expiry and never goes below the bound, so a caller opening and
+        closing handles over and over cannot take from the first what the bound gives it."""
+        books = handle.books
+        bound = self.quotas.handle_pinned
+        if books is None or books.pinned_bytes <= bound:
+            return
+        until = self._clock() + self.limits.pin_grace_s
+        room = bound
+        for reservation in handle.reservations.values():
+            nbytes = reservation.pin.nbytes if reservation.pin is not None else 0
+            if nbytes <= room:
+                room -= nbytes
+            elif until < reservation.expires_at:
+                reservation.expires_at = until
+                reservation.shortened = True
+        kept: set[int] = set()  # a block leased twice counts once (``Quotas.pin``)
+        for lease in handle.leases.values():
+            pinned = set(lease.pin.eids) if lease.pin is not None else set()
+            bb = lease.pin.block_bytes if lease.pin is not None else 0
+            cut = len(lease.eids)
+            for i, eid in enumerate(lease.eids):
+                if eid in pinned and eid not in kept:
+                    if bb > room:
+                        cut = i
+                        break
+                    room -= bb
+                    kept.add(eid)
+            lease.shorten(cut, until)
 
     def recovered_namespace(self, fingerprint: bytes, block_bytes: int) -> NamespaceRecord:
         record = self.names.recovered(fingerprint, block_bytes)
@@ -548,7 +592,7 @@ class BlockStore:
         holds the key it was leased for, committed, in the CPU tier. LeaseExpiredError
         otherwise, never another block's bytes."""
         lease = handle.leases.get(lease_id)
-        if lease is None:
+        if lease is None or i >= len(lease.eids):  # expired (or its block ``i`` was cut)
             raise LeaseExpiredError(f"lease {lease_id} expired while its blocks were streamed")
         eid, key = lease.eids[i], lease.keys[i]
         index = self.index
@@ -1041,12 +1085,13 @@ class BlockStore:
         stay counted as used, and as pinned by its tenant (``pin``), until ``until``."""
         index, bb = self.index, self.block_bytes_of(eid)
         if index.tier[eid] & IN_CPU:
-            self._quarantine.append((until, False, index.offset[eid], bb, pin))
+            heapq.heappush(self._quarantine, (until, False, index.offset[eid], bb, pin))
             self.cpu_slots.quarantine(index.offset[eid], bb)
             index.offset[eid] = -1
             index.tier[eid] &= ~IN_CPU
         if index.tier[eid] & IN_GPU:
-            self._quarantine.append((until, True, self.device.take_slot_away(eid), bb, None))
+            slot = self.device.take_slot_away(eid)
+            heapq.heappush(self._quarantine, (until, True, slot, bb, None))
             index.tier[eid] &= ~IN_GPU
 
     def _free_entry(self, eid: int) -> None:
@@ -1078,7 +1123,7 @@ class BlockStore:
         block into a miss; the quarantine keeps such late copies harmless."""
         now = self._clock()
         while self._quarantine and self._quarantine[0][0] <= now:
-            _, gpu, offset, block_bytes, pin = self._quarantine.popleft()
+            _, gpu, offset, block_bytes, pin = heapq.heappop(self._quarantine)
             if gpu:
                 self.device.unalloc(offset, block_bytes)
             else:
@@ -1087,13 +1132,17 @@ class BlockStore:
                     self.quotas.unpin(pin, block_bytes, self.quotas.slabs_of([offset]))
                     for books in pin.books:
                         books.cpu_bytes -= block_bytes
-        until = now + self.config.reservation_ttl_s
         reservations = leases = 0
         for handle in self.names.handles():
             for rid in [r for r, v in handle.reservations.items() if v.expires_at <= now]:
                 reservation = handle.reservations.pop(rid)
                 if reservation.pin is not None:
                     self.quotas.uncount(reservation.pin)  # its slots stay pinned, quarantined
+                # A shortened one (``_shorten_excess``) frees its room for a newcomer sooner.
+                quarantine_s = self.config.reservation_ttl_s
+                if reservation.shortened:
+                    quarantine_s = min(quarantine_s, self.limits.pin_grace_s)
+                until = now + quarantine_s
                 for eid in reservation.eids:
                     self._quarantine_slots(eid, until, reservation.pin)
                     self._free_entry(eid)
@@ -1104,7 +1153,22 @@ class BlockStore:
                     self._drop_one_lease(eid)
                 self._unpin(lease.pin)
                 leases += 1
+            for lease in handle.leases.values():
+                if lease.cut is not None and lease.cut_expires_at <= now:
+                    self._end_cut(lease)
         return reservations, leases
+
+    def _end_cut(self, lease: Lease) -> None:
+        """The cut part of a lease (``Lease.cut``) expired: its blocks are no longer leased;
+        its leading part stays leased until the lease's own expiry."""
+        assert lease.cut is not None
+        gone = lease.eids[lease.cut :]
+        del lease.eids[lease.cut :], lease.keys[lease.cut :]
+        lease.cut = None
+        if lease.pin is not None:
+            self.quotas.unpin_leased(lease.pin, gone)
+        for eid in gone:
+            self._drop_one_lease(eid)
 
     # ----------------------------------------------------------------- the checker
     def check(self, io_idle: bool = True) -> None:
