@@ -451,3 +451,20 @@ async def test_a_call_that_waits_is_handed_to_a_task_under_its_deadline() -> Non
         assert not isinstance(served, bytes)
         status, _, _ = wire.decode_reply(memoryview(await asyncio.wait_for(served, 30)))
         assert status_name(status) == "DEADLINE_EXCEEDED" and cleaned == [True]
+
+
+def test_a_late_reply_to_an_abandoned_call_is_dropped_and_the_next_call_gets_its_own(
+    daemon,
+) -> None:
+    # A reply still queued from a call that stopped waiting (here: sent raw, never read) is
+    # the first datagram the next call reads; it is dropped, and the call reads its own.
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(2))
+        assert kv.put(keys, random_blocks(SMALL_LAYOUT, 2)) == 2
+        session = kv._session
+        assert session is not None
+        stale = pb.LookupRequest(handle=kv._handle, keys=pack_keys(keys[:1])).SerializeToString()
+        with session._lock:
+            session._sock.send(wire.encode_request(LOOKUP, 0xFFFF_FFF0, 10.0, stale))
+        assert kv.lookup(keys) == 2  # not the stale reply's 1
+        assert kv.lookup(keys[:1]) == 1
