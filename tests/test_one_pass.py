@@ -196,3 +196,22 @@ def test_a_split_batch_round_trips_and_its_first_corrupt_block_ends_the_get(daem
                 kv._arena.slot(lease.offsets[b], BIG.block_bytes)[-1] ^= 0xFF
         got = kv.get(keys)
         assert got.shape[0] == 7 and same_bytes(got, blocks[:7])
+
+
+def test_a_split_paged_load_counts_up_to_its_first_corrupt_block(daemon) -> None:
+    # 24 blocks of 512 KiB (the test daemon holds 16 MiB): two runs of back-to-back slots,
+    # scattered by two threads; the first bad block is the count, wherever the thread that
+    # found it stood.
+    n = 24
+    src, dst = paged(n, seed=2), paged(n, seed=None)
+    with big_client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(n))
+        assert kv.offload(src, list(range(n)), keys) == n
+        assert kv.load(dst, list(range(n)), keys) == n
+        assert all(torch.equal(a, b) for a, b in zip(src, dst, strict=True))
+        with kv.acquire(keys) as lease:
+            for b in (19, 22):
+                kv._arena.slot(lease.offsets[b], BIG.block_bytes)[BIG.block_bytes // 3] ^= 0x01
+        fresh = paged(n, seed=None)
+        assert kv.load(fresh, list(range(n)), keys) == 19
+        assert all(torch.equal(paged_block(fresh, b), paged_block(src, b)) for b in range(19))
