@@ -91,6 +91,7 @@ def main() -> int:
     args = p.parse_args()
     sides = {"before": (args.before, {}), "after": (args.after, parse_env(args.env_after))}
     samples: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
+    loads = [os.getloadavg()]  # the figures mean little without the load they ran under
     for i in range(args.runs):
         order = ["before", "after"] if i % 2 == 0 else ["after", "before"]
         for name in args.only:
@@ -101,6 +102,7 @@ def main() -> int:
                     continue
                 for k, v in figures(name, doc).items():
                     samples[side].setdefault(k, []).append(v)
+                loads.append(os.getloadavg())
                 print(f"run {i + 1} {name} {side} done", file=sys.stderr, flush=True)
     keys = sorted(set(samples["before"]) | set(samples["after"]))
     table = {
@@ -117,7 +119,9 @@ def main() -> int:
         fb = f"{b:.2f}" if b is not None else "-"
         fa = f"{a:.2f}" if a is not None else "-"
         print(f"{k:<36} {fb:>10} {fa:>10} {ratio:>12}")
-    print(json.dumps({"runs": args.runs, "medians": table, "samples": samples}))
+    one_min = [load[0] for load in loads]
+    print(f"load average (1 min) over the run: {min(one_min):.2f}-{max(one_min):.2f}")
+    print(json.dumps({"runs": args.runs, "medians": table, "samples": samples, "loads": loads}))
     return 0
 
 

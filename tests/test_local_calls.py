@@ -355,3 +355,116 @@ async def test_an_error_that_escapes_the_servicer_answers_unknown_as_grpc_does()
     status, call_id, body = wire.decode_reply(memoryview(await served))
     assert status_name(status) == "UNKNOWN" and call_id == 5
     assert "Unexpected" in wire.decode_error(body)[1]
+
+
+class _InProcess:
+    """A real ``BlockStore`` and ``KVStoreServicer`` in this process, served by ``LocalCalls``
+    (``servicer``: the servicer class, a subclass to add a call that waits)."""
+
+    def __init__(self, servicer=None) -> None:
+        from kvstore import KVLayout
+        from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig
+        from kvstore.daemon.local_calls import LocalCalls
+        from kvstore.daemon.service import KVStoreServicer
+        from kvstore.daemon.store import BlockStore
+        from kvstore.keys import Namespace
+
+        cpu = CpuTierConfig(capacity_bytes=4 << 20, prefault=False)
+        self.store = BlockStore(DaemonConfig(gpu=GpuTierConfig(enabled="off"), cpu=cpu))
+        self.calls = LocalCalls((servicer or KVStoreServicer)(self.store))
+        self.namespace = Namespace(
+            model="m", layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=64)
+        )
+
+    async def __aenter__(self) -> _InProcess:
+        await self.store.start()
+        self.handle = self.store.open_namespace(self.namespace)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.store.stop()
+        self.store.close()
+
+    def keys(self, n: int, offset: int = 0) -> list[bytes]:
+        from kvstore.keys import block_hashes
+
+        return block_hashes(self.namespace.seed, list(range(offset, offset + 16 * n)), 16)
+
+    def serve(self, method: str, request, timeout_s: float = 10.0):
+        frame = wire.encode_request(
+            wire.METHOD_INDEX[method], 7, timeout_s, request.SerializeToString()
+        )
+        return self.calls.serve("token", frame)
+
+
+async def test_a_call_that_does_not_wait_is_answered_without_a_task() -> None:
+    # A lookup (and every call that finds what it needs in memory) is run to its end in the
+    # socket's callback: the reply frame comes back at once, no task, no timer, no loop pass.
+    # The servicer is the same, so are its errors.
+    async with _InProcess() as kv:
+        keys = kv.keys(3)
+        reserved = await kv.store.reserve(kv.handle, keys)
+        kv.store.commit(kv.handle, reserved.reservation_id, [0, 0, 0])
+        lookup = pb.LookupRequest(handle=kv.handle.token, keys=pack_keys(keys + kv.keys(1, 99)))
+        served = kv.serve("Lookup", lookup)
+        assert isinstance(served, bytes)
+        status, call_id, body = wire.decode_reply(memoryview(served))
+        assert (status, call_id) == (0, 7)
+        assert pb.LookupResponse.FromString(body).found == 3
+        # An unknown handle: the same status and error name as over gRPC, also at once.
+        served = kv.serve("Lookup", pb.LookupRequest(handle=b"x" * 16, keys=pack_keys(keys)))
+        assert isinstance(served, bytes)
+        status, _, body = wire.decode_reply(memoryview(served))
+        assert status_name(status) == "NOT_FOUND"
+        assert wire.decode_error(body)[0] == "UnknownNamespaceError"
+
+
+async def test_a_call_that_waits_is_handed_to_a_task_under_its_deadline() -> None:
+    # A call stepped in the callback that then waits is finished by a task, from where it
+    # stopped: a reserve that meets keys being written waits for them; a call that would wait
+    # past its deadline is cancelled there (its cleanup runs) and answers DEADLINE_EXCEEDED.
+    import asyncio
+
+    from kvstore.daemon.service import KVStoreServicer
+
+    cleaned = []
+
+    class Waits(KVStoreServicer):
+        async def Abort(self, request, context):
+            try:
+                await asyncio.Event().wait()
+            finally:
+                cleaned.append(True)
+
+    async with _InProcess(Waits) as kv:
+        keys = kv.keys(2)
+        writing = await kv.store.reserve(kv.handle, keys)
+        reserve = pb.ReserveRequest(handle=kv.handle.token, keys=pack_keys(keys))
+        served = kv.serve("Reserve", reserve, timeout_s=0.5)
+        assert not isinstance(served, bytes)
+        status, call_id, body = wire.decode_reply(memoryview(await served))
+        assert (status, call_id) == (0, 7)
+        assert pb.ReserveResponse.FromString(body).pending == 2  # it waited for the writer
+        kv.store.abort(kv.handle, writing.reservation_id)
+
+        served = kv.serve("Abort", pb.AbortRequest(handle=kv.handle.token), timeout_s=0.2)
+        assert not isinstance(served, bytes)
+        status, _, _ = wire.decode_reply(memoryview(await asyncio.wait_for(served, 30)))
+        assert status_name(status) == "DEADLINE_EXCEEDED" and cleaned == [True]
+
+
+def test_a_late_reply_to_an_abandoned_call_is_dropped_and_the_next_call_gets_its_own(
+    daemon,
+) -> None:
+    # A reply still queued from a call that stopped waiting (here: sent raw, never read) is
+    # the first datagram the next call reads; it is dropped, and the call reads its own.
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(2))
+        assert kv.put(keys, random_blocks(SMALL_LAYOUT, 2)) == 2
+        session = kv._session
+        assert session is not None
+        stale = pb.LookupRequest(handle=kv._handle, keys=pack_keys(keys[:1])).SerializeToString()
+        with session._lock:
+            session._sock.send(wire.encode_request(LOOKUP, 0xFFFF_FFF0, 10.0, stale))
+        assert kv.lookup(keys) == 2  # not the stale reply's 1
+        assert kv.lookup(keys[:1]) == 1

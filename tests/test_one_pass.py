@@ -132,3 +132,86 @@ def test_a_load_of_a_prompts_prefix_is_one_acquire(daemon) -> None:
         assert kv.load(dst, list(range(120)), keys) == 120
         assert calls == [120]
         assert all(torch.equal(a[:, :120], b[:, :120]) for a, b in zip(src, dst, strict=True))
+
+
+def test_a_large_batch_is_copied_by_two_threads_at_once() -> None:
+    # Each of two blocks waits until the other is being copied too: only two threads at once
+    # get past the barrier (its timeout guards against a hang, never decides the outcome).
+    import threading
+
+    from kvstore.client import _parallel
+
+    if not _parallel._SPLIT:
+        pytest.skip("one core: batches are copied on the calling thread")
+    both = threading.Barrier(2, timeout=60)
+    threads = set()
+
+    def work(i: int) -> None:
+        threads.add(threading.current_thread().name)
+        both.wait()
+
+    _parallel.each_block(2, _parallel.SPLIT_MIN_BYTES, work)
+    assert len(threads) == 2
+
+
+def test_an_error_in_a_split_copy_is_raised_after_both_threads_stopped() -> None:
+    import threading
+    import time
+
+    from kvstore.client import _parallel
+
+    running, done = [0], []
+    lock = threading.Lock()
+
+    def work(i: int) -> None:
+        with lock:
+            running[0] += 1
+        try:
+            if i == 3:
+                raise ValueError("block 3")
+            time.sleep(0.01)
+            done.append(i)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    with pytest.raises(ValueError, match="block 3"):
+        _parallel.each_block(64, _parallel.SPLIT_MIN_BYTES, work)
+    assert running[0] == 0  # nothing still writes into the caller's buffers
+    assert len(done) < 63  # the other thread stopped taking blocks
+
+
+def test_a_split_batch_round_trips_and_its_first_corrupt_block_ends_the_get(daemon) -> None:
+    from kvstore.client import _parallel
+
+    n = 12  # 6 MiB of 512 KiB blocks: copied by two threads
+    assert n * BIG.block_bytes >= _parallel.SPLIT_MIN_BYTES
+    with big_client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(n))
+        blocks = random_blocks(BIG, n)
+        assert kv.put(keys, blocks) == n
+        assert same_bytes(kv.get(keys), blocks)
+        with kv.acquire(keys) as lease:
+            for b in (7, 10):
+                kv._arena.slot(lease.offsets[b], BIG.block_bytes)[-1] ^= 0xFF
+        got = kv.get(keys)
+        assert got.shape[0] == 7 and same_bytes(got, blocks[:7])
+
+
+def test_a_split_paged_load_counts_up_to_its_first_corrupt_block(daemon) -> None:
+    # 24 blocks of 512 KiB (the test daemon holds 16 MiB): two runs of back-to-back slots,
+    # scattered by two threads; the first bad block is the count, wherever the thread that
+    # found it stood.
+    n = 24
+    src, dst = paged(n, seed=2), paged(n, seed=None)
+    with big_client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(n))
+        assert kv.offload(src, list(range(n)), keys) == n
+        assert kv.load(dst, list(range(n)), keys) == n
+        assert all(torch.equal(a, b) for a, b in zip(src, dst, strict=True))
+        with kv.acquire(keys) as lease:
+            for b in (19, 22):
+                kv._arena.slot(lease.offsets[b], BIG.block_bytes)[BIG.block_bytes // 3] ^= 0x01
+        fresh = paged(n, seed=None)
+        assert kv.load(fresh, list(range(n)), keys) == 19
+        assert all(torch.equal(paged_block(fresh, b), paged_block(src, b)) for b in range(19))

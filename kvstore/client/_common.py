@@ -21,6 +21,7 @@ import torch
 import xxhash
 
 from kvstore.checksum import checksum_seed, seeded_checksum
+from kvstore.client._parallel import each_block
 from kvstore.client.session import ClientSession, SlabUnavailable
 from kvstore.errors import ERRORS_BY_NAME, KVStoreError, UnavailableError
 from kvstore.keys import Namespace, pack_keys
@@ -293,15 +294,21 @@ class MappedArena:
         meanwhile can make it vouch for other bytes."""
         nbytes = rows.shape[1]
         rows_np = rows.numpy()
-        checksums = []
+        todo = []  # (row, destination, seed): every slot resolved before any copy
         for i, address in enumerate(offsets):
             if address < 0:
                 continue
             slab, offset = self._where(address, nbytes)
             if not slab.writable:
                 raise KVStoreError("the daemon reserved a slot in memory this client may only read")
-            dst = slab.np[offset : offset + nbytes]
-            checksums.append(copy_hashing_source(dst, rows_np[i], seeds[i]))
+            todo.append((i, slab.np[offset : offset + nbytes], seeds[i]))
+        checksums = [0] * len(todo)
+
+        def copy(j: int) -> None:
+            i, dst, seed = todo[j]
+            checksums[j] = copy_hashing_source(dst, rows_np[i], seed)
+
+        each_block(len(todo), len(todo) * nbytes, copy)
         return checksums
 
     def copy_out(
@@ -319,17 +326,23 @@ class MappedArena:
         everything after it."""
         nbytes = rows.shape[1]
         rows_np = rows.numpy()
-        for i, address in enumerate(offsets):
+        sources = []  # every slot resolved before any copy, up to one that is gone
+        for address in offsets:
             try:
                 slab, offset = self._where(address, nbytes)
             except SlabUnavailable:  # retired since the lease was granted: a miss
-                return i
-            src = slab.np[offset : offset + nbytes]
+                break
+            sources.append(slab.np[offset : offset + nbytes])
+        intact = [True] * len(sources)
+
+        def copy(i: int) -> None:
             if not verify:
-                np.copyto(rows_np[i], src)
-            elif copy_hashing_copy(rows_np[i], src, seeds[i]) != checksums[i]:
-                return i
-        return len(offsets)
+                np.copyto(rows_np[i], sources[i])
+            elif copy_hashing_copy(rows_np[i], sources[i], seeds[i]) != checksums[i]:
+                intact[i] = False
+
+        each_block(len(sources), len(sources) * nbytes, copy)
+        return intact.index(False) if False in intact else len(sources)
 
     def intact(
         self, offsets: Sequence[int], checksums: Sequence[int], seeds: Sequence[int], nbytes: int

@@ -21,6 +21,7 @@ import xxhash
 
 from kvstore import kernels
 from kvstore.client._common import MappedArena
+from kvstore.client._parallel import each_block
 from kvstore.kernels import _validate
 from kvstore.layout import KVLayout
 
@@ -137,9 +138,10 @@ def scatter_with_checksums(
     """Scatter leased arena slots (``views``) into CPU caches, verifying each block right after
     its copy: the xxh3 of the slot, read again while it is still in cache (one pass over memory
     where a check after the whole batch made two), against the lease's checksum for the key
-    asked (``seeds``). Returns how many leading blocks arrived intact; the copy stops at the
-    first that did not (the caller recomputes from there). None for CUDA caches: they are
-    verified on the slots after the kernel (``ReadLease.intact``)."""
+    asked (``seeds``). Returns how many leading blocks arrived intact (the caller recomputes
+    from there; blocks past the first bad one may have been copied too, by the other thread of
+    a large load). None for CUDA caches: they are verified on the slots after the kernel
+    (``ReadLease.intact``)."""
     if not views:
         return 0
     if kv_caches[0].device.type != "cpu":
@@ -150,9 +152,16 @@ def scatter_with_checksums(
     _validate.check_id_range(ids, geom.num_blocks, "block_ids")
     caches = [kernels.reference.raw(c.detach()).numpy() for c in kv_caches]
     slots = [kernels.reference.raw(v).numpy() for v in views]  # [layers, 2, bs, H, D] each
+    runs = []  # (first block, [k, *block] view over slots that lie back to back)
     i = 0
     while i < len(slots):
         run = _slot_run(slots, block_ids, i)
+        runs.append((i, run))
+        i += len(run)
+    first_bad = [len(views)] * len(runs)
+
+    def scatter_run(r: int) -> None:
+        i, run = runs[r]
         k = len(run)
         # Blocks in consecutive slots (the usual case: one reservation's slots) are copied a
         # layer at a time, one numpy call for the whole run instead of one per block and layer.
@@ -169,9 +178,12 @@ def scatter_with_checksums(
                 cache[:, dst_ids] = part
         for j in range(k):  # each slot again while the run is in cache
             if xxhash.xxh3_64_intdigest(run[j].data, seed=seeds[i + j]) != checksums[i + j]:
-                return i + j
-        i += k
-    return len(views)
+                first_bad[r] = i + j
+                return
+
+    # Runs go to two threads for a large load (``each_block``): their blocks are distinct.
+    each_block(len(runs), len(slots) * (slots[0].nbytes if slots else 0), scatter_run)
+    return min(first_bad)
 
 
 RUN_BLOCKS = 16

@@ -29,6 +29,8 @@ from kvstore.errors import (
 )
 
 MAX_MESSAGE = 4096
+_REPLY_BYTES = local_calls.REPLY.size
+_unpack_reply = local_calls.REPLY.unpack_from
 
 
 class SlabUnavailable(KVStoreError):
@@ -142,6 +144,17 @@ class ClientSession:
                 if self._sock.gettimeout() != wait:
                     self._sock.settimeout(wait)
                 self._sock.send(frame)
+                if self._kept is None:
+                    # The usual case, read inline: the next datagram is this call's reply.
+                    n = self._sock.recv_into(self._reply)
+                    if n >= _REPLY_BYTES and self._reply[0] == local_calls.MAGIC:
+                        _, status, got_id = _unpack_reply(self._reply)
+                        if got_id == call_id:
+                            return status, memoryview(self._reply)[_REPLY_BYTES:n]
+                    if n == 0:
+                        raise SessionBroken("the daemon closed the session")
+                    # Not it (a late reply to a call that stopped waiting, a stray message):
+                    # dropped, as ``_read_reply`` drops them.
                 got = self._read_reply(call_id, wait=True)
                 assert got is not None  # waiting: a reply, or an exception
                 return got

@@ -13,7 +13,7 @@ import asyncio
 import contextvars
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any
 
 import grpc
@@ -21,6 +21,7 @@ import grpc
 from kvstore import local_calls as wire
 from kvstore.daemon.auth import SESSION_METADATA
 from kvstore.daemon.service import Undecodable
+from kvstore.daemon.shared import SharedTier
 from kvstore.v1 import kvstore_pb2 as pb
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
@@ -60,6 +61,39 @@ class LocalContext:
         raise LocalAbort(code, details, name)
 
 
+_NEVER_WAIT = frozenset(("Release", "Abort", "Delete", "Prefetch"))
+"""Local calls whose servicer method awaits nothing that can wait, on any path."""
+
+
+class _Rest:
+    """Awaits the rest of a coroutine that was stepped by hand until it first waited on
+    ``waits_on``: what the coroutine yields goes to the task that awaits this, and what the
+    task sends or throws (a result, a cancellation) goes back into the coroutine."""
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], waits_on: Any) -> None:
+        self._coro = coro
+        self._waits_on = waits_on
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, waits_on = self._coro, self._waits_on
+        while True:
+            try:
+                sent = yield waits_on
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # a cancellation, the deadline's included
+                try:
+                    waits_on = coro.throw(exc)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    waits_on = coro.send(sent)
+                except StopIteration as done:
+                    return done.value
+
+
 Observe = Callable[[str, float, "grpc.StatusCode | None"], None]
 Answer = Callable[[bytes], None]
 
@@ -70,6 +104,10 @@ class LocalCalls:
 
     def __init__(self, servicer: Any, observe: Observe | None = None) -> None:
         self._observe = observe
+        # The store's Redis tier (``SharedTier``), which decides what may be stepped inline;
+        # None for a servicer without a ``BlockStore``: then every call runs in a task.
+        shared = getattr(getattr(servicer, "store", None), "shared", None)
+        self._shared = shared if isinstance(shared, SharedTier) else None
         self._methods = []
         for name in wire.METHODS:
             reply_type = getattr(pb, _SERVICE.methods_by_name[name].output_type.name)
@@ -79,16 +117,19 @@ class LocalCalls:
     def serve(
         self, token: str, frame: bytes, answer: Answer | None = None
     ) -> bytes | Awaitable[bytes]:
-        """The reply frame to one request frame of the session ``token``: an error frame at
-        once for a frame that does not decode, else a task that runs the servicer method under
-        the call's deadline and gives the reply frame. ``answer``, if given, gets the reply
-        frame from inside the task as soon as it is made (sent then, not a loop pass later
-        by a done callback).
+        """The reply frame to one request frame of the session ``token``: the reply frame at
+        once when the call finished without waiting (or did not decode), else a task that
+        finishes it under the call's deadline and gives the reply frame. ``answer``, if given,
+        gets the reply frame from inside that task as soon as it is made (sent then, not a loop
+        pass later by a done callback).
 
-        The method runs in a task of its own, as it does under gRPC, never stepped by hand from
-        the socket's callback: servicer and tier code may use what asyncio gives a task
-        (``asyncio.timeout``, ``current_task``), and a coroutine stepped outside any task has
-        neither (a lookup that reached the Redis tier failed with INTERNAL that way)."""
+        A call is first stepped right here, in the socket's callback, when ``_steps_inline``
+        says nothing it can reach before its first wait needs a task: most calls (a lookup, a
+        release, a commit) never wait, and are answered with no task, no timer and no extra
+        loop pass. One that does wait is handed, as it stands, to a task of its own (as under
+        gRPC), which runs the rest under the deadline. Code that needs a task before it
+        first waits (``asyncio.timeout``, ``current_task``: redis-py does) is never stepped
+        here: a lookup that reached the Redis tier failed with INTERNAL when it was."""
         try:
             index, call_id, timeout_s, body = wire.decode_request(frame)
         except ValueError as exc:
@@ -105,10 +146,26 @@ class LocalCalls:
         # Its own context, as a gRPC call's task has: the servicer sets the caller in a
         # contextvar.
         ctx = contextvars.copy_context()
+        coro = method(request, context)
+        rest: Awaitable[Any] = coro
+        if self._steps_inline(name):
+            try:
+                waits_on = ctx.run(coro.send, None)
+            except StopIteration as done:
+                return self._reply(name, start, call_id, done.value, None)
+            except Exception as exc:
+                return self._reply(name, start, call_id, None, exc)
+            rest = _Rest(coro, waits_on)
         return asyncio.get_running_loop().create_task(
-            self._finish(name, start, call_id, timeout_s, method(request, context), answer),
-            context=ctx,
+            self._finish(name, start, call_id, timeout_s, rest, answer), context=ctx
         )
+
+    def _steps_inline(self, name: str) -> bool:
+        """Whether call ``name`` may be stepped outside a task (see ``serve``). Without a
+        Redis tier nothing a call reaches needs one (the daemon's own waits are futures,
+        events and executor jobs); with one, only the calls that never wait at all."""
+        shared = self._shared
+        return shared is not None and (name in _NEVER_WAIT or not shared.enabled)
 
     async def _finish(
         self,
@@ -116,7 +173,7 @@ class LocalCalls:
         start: float,
         call_id: int,
         timeout_s: float,
-        call: Coroutine[Any, Any, Any],
+        call: Awaitable[Any],
         answer: Answer | None,
     ) -> bytes:
         try:
