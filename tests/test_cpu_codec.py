@@ -5,6 +5,7 @@ scatter run the kernels' torch reference; the CUDA kernels are covered by tests/
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import grpc
@@ -281,3 +282,27 @@ async def test_store_keeps_its_invariants_with_payload_entries() -> None:
         assert store.cpu_slots.payload_savings == 0 and not store.payload_sums
     finally:
         store.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and importlib.util.find_spec("cupy")),
+    reason="needs a CUDA device and CuPy",
+)
+def test_cuda_paged_round_trip_matches_the_torch_reference(daemon_factory) -> None:
+    """The GPU path: the gather kernel quantizes a CUDA cache into the pinned payload slots
+    and the scatter kernel dequantizes them back; the oracle is the torch reference (the
+    codec's decode of its encode), as on a CPU cache."""
+    d = daemon_factory(extra=RULE)
+    with client(d) as kv:
+        host = paged_cache(8, seed=9)
+        dev = [c.cuda() for c in host]
+        keys = kv.hash_tokens(tokens(4))
+        assert kv.offload(dev, [0, 2, 4, 6], keys) == 4
+        want = fp8_form(blocks_of(host, [0, 2, 4, 6]))
+        assert same_bytes(kv.get(keys), want)
+        fresh = [torch.zeros_like(c) for c in dev]
+        assert kv.load(fresh, [1, 3, 5, 7], keys) == 4
+        torch.cuda.synchronize()
+        got = blocks_of([c.cpu() for c in fresh], [1, 3, 5, 7])
+        assert same_bytes(got, want)
