@@ -306,3 +306,54 @@ def test_cuda_paged_round_trip_matches_the_torch_reference(daemon_factory) -> No
         torch.cuda.synchronize()
         got = blocks_of([c.cpu() for c in fresh], [1, 3, 5, 7])
         assert same_bytes(got, want)
+
+
+# ----------------------------------------------------------------- the NVMe tier, in-process
+@pytest.mark.parametrize("codec", ["fp8", "fp8+lz4"])
+async def test_nvme_tier_stores_a_payload_as_it_is_and_reads_it_back(tmp_path, codec) -> None:
+    """Write-back of a payload entry: stored without re-encoding (lz4 over it for fp8+lz4),
+    refused when it is not a payload of the block or does not decode to its checksum; read
+    back as the payload (promotion into a payload slot) or decoded (a lossless reader)."""
+    from kvstore.checksum import block_checksum
+    from kvstore.tiers.nvme import NvmeTier
+
+    fmt = block_format_of(SMALL_LAYOUT)
+    ns, key = b"n" * 16, b"k" * 32
+    block = torch.zeros(SMALL_LAYOUT.block_shape, dtype=SMALL_LAYOUT.dtype)
+    block[0, 0, :4] = torch.randn(4, SMALL_LAYOUT.num_kv_heads, SMALL_LAYOUT.head_dim)
+    raw = block.view(torch.uint8).numpy().tobytes()
+    payload = memoryview(bytearray(PAYLOAD))
+    decoded_sum, payload_sum = codecs.encode_payload(raw, fmt, payload, ns, key)
+    tier = NvmeTier(tmp_path / "nvme", 8 << 20, slab_bytes=1 << 20, codec=codec)
+    await tier.open()
+    try:
+        for bad, why in ((payload[:-1], "cannot be stored"), (payload, "does not decode")):
+            slot = tier.allocate(BB)
+            assert slot is not None
+            with pytest.raises(ValueError, match=why):
+                checksum = decoded_sum if why != "does not decode" else decoded_sum ^ 1
+                await tier.write(
+                    slot, key, ns, bad, checksum, codec=codec, block_format=fmt, encoded_length=BB
+                )  # and the slot is free again
+        slot = tier.allocate(BB)
+        await tier.write(
+            slot, key, ns, payload, decoded_sum, codec=codec, block_format=fmt, encoded_length=BB
+        )
+        stats = tier.stats()
+        used = "records_fp8_lz4" if codec == "fp8+lz4" else "records_fp8"
+        assert stats[used] == 1
+        back = bytearray(PAYLOAD)
+        assert await tier.read_payload_into(slot, key, ns, decoded_sum, back) == (
+            decoded_sum,
+            payload_sum,
+        )
+        assert bytes(back) == bytes(payload)
+        out = bytearray(BB)
+        assert await tier.read_into_checked(slot, key, ns, decoded_sum, out) == decoded_sum
+        assert block_checksum(out, ns, key) == decoded_sum
+        assert same_bytes(
+            torch.frombuffer(out, dtype=SMALL_LAYOUT.dtype).view(1, *SMALL_LAYOUT.block_shape),
+            fp8_form(block.unsqueeze(0)),
+        )
+    finally:
+        await tier.close()
