@@ -107,14 +107,28 @@ class CodecRule:
     """``[[codecs]]``: the codecs of the namespaces whose model and tenant match (an empty
     ``model`` or ``tenant`` matches any) in the NVMe and Redis tiers; an empty codec keeps that
     tier's default (``nvme.codec``, ``redis.codec``). The first matching rule applies. A lossy
-    codec (fp8) applies only where an operator names it here or as a tier's default."""
+    codec (fp8) applies only where an operator names it here or as a tier's default.
+
+    ``cpu = "fp8"`` (opt-in; default lossless) lets the matching namespaces' CPU-tier entries
+    hold the fp8 payload of a block instead of the block: slots of ~0.5x, filled by the
+    writer (on the GPU path by the quantizing gather kernel, so only the payload crosses PCIe)
+    and written down to NVMe as they are. Every reader gets the block's deterministic fp8 form.
+    It needs the NVMe tier to keep that form (an ``nvme`` codec of fp8 or fp8+lz4) and is not
+    built for the Redis tier (the daemon refuses such a configuration) nor the GPU pool (such
+    a namespace's blocks stay in the CPU arena)."""
 
     model: str = ""
     tenant: str = ""
     nvme: str = ""
     redis: str = ""
+    cpu: str = ""
 
     def __post_init__(self) -> None:
+        if self.cpu not in CPU_CODECS:
+            raise ValueError(
+                f"codecs rule (model {self.model!r}, tenant {self.tenant!r}): cpu codec "
+                f"{self.cpu!r} unknown; choose one of {CPU_CODECS}"
+            )
         for tier in ("nvme", "redis"):
             codec = getattr(self, tier)
             if codec and codec not in CODECS:
@@ -126,6 +140,9 @@ class CodecRule:
     def matches(self, model: str, tenant: str) -> bool:
         return self.model in ("", model) and self.tenant in ("", tenant)
 
+
+CPU_CODECS = ("", "none", "fp8")
+"""What a ``[[codecs]]`` rule's ``cpu`` may name ("" and "none": the block itself)."""
 
 GPU_MODES = ("auto", "on", "off")
 
@@ -441,6 +458,22 @@ class DaemonConfig:
             except ValueError as exc:
                 raise ValueError(f"metrics_address: {exc}") from None
         self._check_tenants()
+        self._check_cpu_codecs()
+
+    def _check_cpu_codecs(self) -> None:
+        """A ``cpu = "fp8"`` rule needs tiers below that keep the fp8 form as it is."""
+        for rule in self.codecs:
+            if rule.cpu != "fp8":
+                continue
+            where = f"codecs rule (model {rule.model!r}, tenant {rule.tenant!r})"
+            nvme = rule.nvme or self.nvme.codec
+            if self.nvme.path and nvme not in LOSSY_CODECS:
+                raise ValueError(
+                    f'{where}: cpu = "fp8" needs an nvme codec that keeps the fp8 form '
+                    f"(fp8 or fp8+lz4), not {nvme!r}"
+                )
+            if self.redis.url:
+                raise ValueError(f'{where}: cpu = "fp8" is not built for the redis tier')
 
     def _check_tenants(self) -> None:
         """Guarantees must fit their tier together, and a bound must be one the tier can

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvstore.checksum import block_checksum
 from kvstore.kernels import fp8
 
 CODEC_NONE, CODEC_LZ4, CODEC_FP8, CODEC_FP8_LZ4 = 0, 1, 2, 3
@@ -262,6 +263,21 @@ def decode(codec: int, payload: memoryview, out: memoryview, scratch: memoryview
         n = lz4_decompress_into(payload, frame)
         return n > 0 and fp8_decode(frame[:n], out)
     return False
+
+
+def encode_payload(
+    block: Any, fmt: BlockFormat, out: memoryview, namespace: bytes, key: bytes
+) -> tuple[int, int]:
+    """Encode a block as its fp8 payload into ``out`` (exactly ``fp8_payload_bytes(fmt)``), for
+    a CPU tier of payloads (``cpu = "fp8"``): (checksum of its decoded form, checksum of the
+    payload), both bound to ``namespace`` and ``key`` (``kvstore.checksum.block_checksum``).
+    The decoded form is what every reader gets; it is decoded here once to take its checksum."""
+    data = memoryview(block).cast("B")
+    fp8_encode(data, fmt, out)
+    decoded = memoryview(bytearray(data.nbytes))
+    if not fp8_decode(out, decoded):
+        raise AssertionError("a fresh fp8 payload failed to decode")
+    return block_checksum(decoded, namespace, key), block_checksum(out, namespace, key)
 
 
 def round_trip(codec: int, data: memoryview, fmt: BlockFormat | None) -> bytes:

@@ -459,10 +459,15 @@ class PoolLink:
 
 
 def commit_request(
-    reply: pb.ReserveResponse, checksums: list[int], handle: bytes, release: Sequence[int] = ()
+    reply: pb.ReserveResponse,
+    checksums: list[int],
+    handle: bytes,
+    release: Sequence[int] = (),
+    payload_checksums: Sequence[int] = (),
 ) -> pb.CommitRequest:
     """The commit of a reservation: GPU pool slots carry device checksums, arena slots xxh3
-    (both bound to namespace and key)."""
+    (both bound to namespace and key); payload slots (``reply.codec``) name their codec and
+    length, the decoded forms' checksums and the payloads'."""
     if reply.gpu:
         return pb.CommitRequest(
             reservation_id=reply.reservation_id,
@@ -475,6 +480,9 @@ def commit_request(
         checksums=checksums,
         handle=handle,
         release_leases=release,
+        codec=reply.codec,
+        payload_bytes=reply.payload_bytes,
+        payload_checksums=payload_checksums,
     )
 
 

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvstore.client import paged_io
+from kvstore.client import paged_io, payloads
 from kvstore.client._common import (
     Credentials,
     MappedArena,
@@ -306,7 +306,14 @@ class ClientCore:
             try:
                 ids_new = [cids[i] for i in reservation.indices]
                 checksums = None
-                if not reservation.on_gpu:
+                if reservation.codec:  # payload slots: the gather kernel quantizes
+                    paged_io.ensure_pinned(reservation.arena, kv_caches)
+                    checksums = yield Blocking(
+                        partial(reservation.gather_payloads, list(kv_caches), ids_new),
+                        thread=True,
+                        stream=stream,
+                    )
+                elif not reservation.on_gpu:
                     paged_io.ensure_pinned(reservation.arena, kv_caches)
                     views, seeds = reservation.views, reservation.seeds_new
                     checksums = yield Blocking(
@@ -367,6 +374,26 @@ class ClientCore:
         stream: Any,
     ) -> Op[int]:
         """Copy a lease into physical blocks ``ids``; how many leading blocks are intact."""
+        if lease.codecs:  # payload slots: the scatter kernel dequantizes
+            paged_io.ensure_pinned(lease.arena, kv_caches)
+            return int(
+                (
+                    yield Blocking(
+                        partial(
+                            payloads.scatter_from_slots,
+                            lease.arena,
+                            lease.offsets,
+                            lease.payload_checksums,
+                            lease.seeds,
+                            lease.payload_bytes,
+                            kv_caches,
+                            ids,
+                        ),
+                        thread=True,
+                        stream=stream,
+                    )
+                )
+            )
         views = lease.views
         # CPU caches: each block verified right after its copy, while in cache (one pass).
         intact = yield Blocking(
@@ -423,9 +450,12 @@ class ClientCore:
         pool = self._pool_link.for_device(device) if reply.gpu else None
 
         def commit(checksums: list[int]) -> Op[int]:
+            payload_sums = reservation.payload_sums or []
             reply_c = yield Call(
                 "Commit",
-                lambda: commit_request(reply, checksums, handle, self._take_releases()),
+                lambda: commit_request(
+                    reply, checksums, handle, self._take_releases(), payload_sums
+                ),
             )
             return int(reply_c.committed)
 
@@ -447,6 +477,7 @@ class ClientCore:
             pool,
         )
         reservation.pending = reply.pending
+        reservation.codec, reservation.payload_bytes = reply.codec, reply.payload_bytes
         return reservation
 
     def _acquire(
@@ -497,6 +528,9 @@ class ClientCore:
         )
         if lookup:
             lease.found = int(reply.found)
+        lease.codecs = list(reply.codecs)
+        lease.payload_checksums = list(reply.payload_checksums)
+        lease.payload_bytes = reply.payload_bytes
         return lease
 
     # ------------------------------------------------------------------ bytes path

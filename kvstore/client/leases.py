@@ -21,6 +21,7 @@ import torch
 
 from kvstore import kernels
 from kvstore.checksum import seeded_checksum
+from kvstore.client import payloads
 from kvstore.client._common import MappedArena
 from kvstore.errors import KVStoreError
 from kvstore.layout import KVLayout
@@ -68,6 +69,12 @@ class _ReservationState:
         """Keys another client was still writing when the daemon stopped waiting for them."""
         self.done = not self.indices
         self._checksums: list[int] | None = None
+        self.codec = 0
+        """What the arena slots take (``ReserveResponse.codec``): 0 the block, else its fp8
+        payload of ``payload_bytes`` (a ``cpu = "fp8"`` namespace; ``kvstore.client.payloads``)."""
+        self.payload_bytes = 0
+        self.payload_sums: list[int] | None = None
+        """With ``codec``: each payload's checksum, committed beside its decoded form's."""
         self._commit_step: Callable[[list[int]], Any] = lambda checksums: iter(())
         self._abort_step: Callable[[], Any] = lambda: iter(())
 
@@ -79,7 +86,10 @@ class _ReservationState:
     def views(self) -> list[torch.Tensor]:
         """A ``[*block_shape]`` tensor over shared memory (or, ``on_gpu``, over the GPU pool)
         per key to write (``indices`` order). Writes on a CUDA stream must be complete (the
-        stream synchronized) before ``commit``, which checksums what the slots hold then."""
+        stream synchronized) before ``commit``, which checksums what the slots hold then.
+        With ``codec``: a ``[payload_bytes]`` uint8 tensor per slot, for the payload."""
+        if self.codec:
+            return [self.arena.slot(off, self.payload_bytes) for off in self.offsets_new]
         nbytes = self.layout.block_bytes
         space: MappedArena | MappedDevicePool = self.pool if self.pool is not None else self.arena
         return [
@@ -89,13 +99,32 @@ class _ReservationState:
 
     def fill_from(self, rows: torch.Tensor) -> None:
         """Copy ``rows[i]`` (``[n, block_bytes]`` uint8, one per key passed to reserve) into the
-        slots of the keys to write."""
+        slots of the keys to write (with ``codec``, each row's fp8 payload)."""
+        if self.codec:
+            self._checksums, self.payload_sums = payloads.encode_into(
+                self.arena, self.layout, rows, self.offsets, self.seeds, self.payload_bytes
+            )
+            return
         if self.pool is None:
             self._checksums = self.arena.copy_in(rows, self.offsets, self.seeds)
             return
         nbytes = self.layout.block_bytes
         for i, off in zip(self.indices, self.offsets_new, strict=True):
             self.pool.slot(off, nbytes).copy_(rows[i])
+
+    def gather_payloads(self, kv_caches: list[torch.Tensor], block_ids: list[int]) -> list[int]:
+        """Fill payload slots (``codec``) from physical blocks ``block_ids`` of a paged cache
+        with the quantizing gather kernel; returns the checksums the commit carries."""
+        self._checksums, self.payload_sums = payloads.gather_into_slots(
+            kv_caches,
+            block_ids,
+            self.arena,
+            self.layout,
+            self.offsets_new,
+            self.seeds_new,
+            self.payload_bytes,
+        )
+        return self._checksums
 
     def use_checksums(self, checksums: list[int]) -> None:
         """Checksums the writer took from its source as it copied (one per block to write)."""
@@ -114,6 +143,11 @@ class _ReservationState:
         ``views`` (the zero-copy path, where this client's own kernels filled the slots), the
         checksum of each arena slot, or, ``on_gpu``, the device checksum of each pool slot."""
         if self._checksums is not None:
+            return self._checksums
+        if self.codec:  # the decoded forms' (and, in ``payload_sums``, the payloads')
+            self._checksums, self.payload_sums = payloads.slot_checksums(
+                self.arena, self.layout, self.offsets_new, self.seeds_new, self.payload_bytes
+            )
             return self._checksums
         nbytes = self.layout.block_bytes
         seeds = [self.seeds[i] for i in self.indices]
@@ -265,6 +299,11 @@ class _LeaseState:
             pool.retain()  # mapped until this lease is released
         self.released = False
         self._release_step: Callable[[], Any] = lambda: iter(())
+        self.codecs: list[int] = []
+        """Per block, where any slot holds an fp8 payload (``AcquireResponse.codecs``; empty:
+        every slot holds its block): its codec; ``checksums`` are then the decoded forms'."""
+        self.payload_checksums: list[int] = []
+        self.payload_bytes = 0
         self.found: int | None = None
         """With ``acquire(..., lookup=True)``: how many leading keys are stored in any tier
         (what ``lookup`` answers), which may be more than the leased run."""
@@ -294,7 +333,10 @@ class _LeaseState:
     @property
     def views(self) -> list[torch.Tensor]:
         """One read-only-by-contract ``[*block_shape]`` tensor per block, over shared memory or,
-        where ``on_gpu``, over the GPU pool."""
+        where ``on_gpu``, over the GPU pool (where ``codecs``: a ``[payload_bytes]`` uint8
+        tensor per slot, the payload)."""
+        if self.codecs:
+            return [self.arena.slot(off, self.payload_bytes) for off in self.offsets]
         return [
             self._slot(i).view(self.layout.dtype).view(self.layout.block_shape)
             for i in range(len(self.offsets))
@@ -310,12 +352,13 @@ class _LeaseState:
         gpu = [i for i, g in enumerate(self.on_gpu) if g]
         sums = kernels.device_checksums([self._slot(i) for i in gpu]) if gpu else []
         device_sums = dict(zip(gpu, sums, strict=True))
-        nbytes = self.layout.block_bytes
+        nbytes = self.payload_bytes if self.codecs else self.layout.block_bytes
+        expected = self.payload_checksums if self.codecs else self.checksums
         for i, offset in enumerate(self.offsets):
             if self.on_gpu[i]:
                 ok = device_sums[i] ^ self.seeds[i] == self.checksums[i]
             else:
-                ok = self.arena.checksum(offset, nbytes, self.seeds[i]) == self.checksums[i]
+                ok = self.arena.checksum(offset, nbytes, self.seeds[i]) == expected[i]
             if not ok:
                 return i
         return len(self.offsets)
@@ -330,6 +373,17 @@ class _LeaseState:
         leading blocks arrived intact (a checksum mismatch ends the run)."""
         if any(self.on_gpu):
             raise KVStoreError("copy_into reads the arena; this lease holds GPU pool slots")
+        if self.codecs:
+            return payloads.decode_out(
+                self.arena,
+                self.offsets,
+                self.checksums,
+                self.payload_checksums,
+                self.seeds,
+                self.payload_bytes,
+                rows,
+                verify,
+            )
         return self.arena.copy_out(self.offsets, self.checksums, self.seeds, rows, verify)
 
 

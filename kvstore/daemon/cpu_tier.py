@@ -49,6 +49,9 @@ class CpuSlots:
         self._owner: dict[int, int] = {}  # slot offset -> the entry whose copy is in it
         self.used_bytes = 0
         self.clean_bytes = 0  # bytes of blocks here that also have a disk copy
+        # How much more its entries are as readers get them than as stored (fp8 payloads of a
+        # ``cpu = "fp8"`` namespace): Stats' logical bytes are used bytes plus this.
+        self.payload_savings = 0
         self.quarantined_bytes = 0
 
     def close(self) -> None:
@@ -151,6 +154,8 @@ class CpuSlots:
             self.used_bytes,
             blocks,
             self.counters,
+            logical_bytes=self.used_bytes + self.payload_savings,
+            stored_bytes=self.used_bytes,
             extra={
                 "reserved_blocks": float(reserved_blocks),
                 "clean_bytes": float(self.clean_bytes),

@@ -41,7 +41,7 @@ def check_store(store: BlockStore, io_idle: bool = True) -> None:
     blocks: dict[int, int] = {}
     in_cpu: set[int] = set()
     in_nvme: set[int] = set()
-    cpu_bytes = clean = 0
+    cpu_bytes = clean = savings = 0
     n_reserved = 0
     for eid in range(index.capacity):
         state = index.state[eid]
@@ -51,7 +51,7 @@ def check_store(store: BlockStore, io_idle: bool = True) -> None:
         ns = index.ns[eid]
         assert store.names.get(ns) is not None, f"entry {eid} of unknown namespace {ns}"
         entries[ns] = entries.get(ns, 0) + 1
-        bb = store.names[ns].block_bytes
+        bb = store.names[ns].cpu_bytes
         tier = index.tier[eid]
         if tier & IN_NVME:
             assert store.disk_owner(index.disk[eid]) == eid, f"disk slot owner of {eid}"
@@ -59,6 +59,7 @@ def check_store(store: BlockStore, io_idle: bool = True) -> None:
             assert index.offset[eid] >= 0, f"entry {eid} in the CPU tier without a slot"
             assert store.cpu_slots.owner(index.offset[eid]) == eid, f"slot owner of {eid}"
             cpu_bytes += bb
+            savings += store.names[ns].block_bytes - bb
             if tier & IN_NVME:
                 clean += bb
         if state == State.RESERVED:
@@ -97,6 +98,13 @@ def check_store(store: BlockStore, io_idle: bool = True) -> None:
         assert set(store.policy.order()) == in_cpu, "cpu policy != committed CPU entries"
         assert set(store.nvme_policy.order()) == in_nvme, "nvme policy != committed disk ones"
         slots = store.cpu_slots
+        assert slots.payload_savings == savings, (
+            f"cpu payload savings {slots.payload_savings}, entries' {savings}"
+        )
+        for eid in store.payload_sums:  # only payload copies in the CPU tier have one
+            assert index.tier[eid] & IN_CPU and store.names[index.ns[eid]].cpu_codec, (
+                f"entry {eid} has a payload checksum but no payload in the CPU tier"
+            )
         assert slots.used_bytes == cpu_bytes + slots.quarantined_bytes, (
             f"cpu used {slots.used_bytes} != {cpu_bytes} in entries + "
             f"{slots.quarantined_bytes} quarantined"
@@ -125,7 +133,7 @@ def _check_quotas(store: BlockStore) -> None:
         record = store.names[index.ns[eid]]
         for books in (record.usage, record.owner):
             if index.tier[eid] & IN_CPU:
-                cpu[id(books)] = cpu.get(id(books), 0) + record.block_bytes
+                cpu[id(books)] = cpu.get(id(books), 0) + record.cpu_bytes
             if index.tier[eid] & IN_NVME:
                 nvme[id(books)] = nvme.get(id(books), 0) + record.block_bytes
     pins = [r.pin for h in store.names.handles() for r in h.reservations.values()]

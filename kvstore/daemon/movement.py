@@ -61,7 +61,7 @@ class Mover:
             give_back=store.cpu_unalloc,
             slot_of=lambda eid: store.index.offset[eid],
             owner_of=store.cpu_owner,
-            slot_bytes_of=lambda eid: allocator.slot_bytes_for(store.block_bytes_of(eid)),
+            slot_bytes_of=lambda eid: allocator.slot_bytes_for(store.cpu_bytes_of(eid)),
             domain_of=store.domain_of,
             relocate=store.relocate_cpu,
         )
@@ -195,7 +195,7 @@ class Mover:
 
         quotas = store.quotas
         requester = record.owner if record is not None else None
-        guard = quotas.guard(requester, "cpu", self._owner_books, store.block_bytes_of)
+        guard = quotas.guard(requester, "cpu", self._owner_books, store.cpu_bytes_of)
         busy = "leased or being written"
         if guard is not None:
             busy += ", or within another tenant's guaranteed_cpu share"
@@ -252,7 +252,12 @@ class Mover:
                 if not excess:
                     break
                 victims, _ = self._own_coldest(
-                    store.policy.order(), record, where, excess, lambda eid: not protected(eid)
+                    store.policy.order(),
+                    record,
+                    where,
+                    excess,
+                    lambda eid: not protected(eid),
+                    store.cpu_bytes_of,
                 )
                 if not victims:
                     break
@@ -283,9 +288,7 @@ class Mover:
                 or not index.tier[v] & IN_CPU
                 or (
                     quotas.guaranteed_cpu
-                    and quotas.spared(
-                        requester, "cpu", self._owner_books(v), store.block_bytes_of(v)
-                    )
+                    and quotas.spared(requester, "cpu", self._owner_books(v), store.cpu_bytes_of(v))
                 )
             ):
                 continue  # changed while the writes ran; the next round picks again
@@ -333,15 +336,21 @@ class Mover:
             return False
         key, fingerprint = index.key(eid), store.fingerprint_of(eid)
         checksum, offset = index.checksum[eid], index.offset[eid]
+        # A payload entry (``cpu = "fp8"``) is written down as it is: verified against its
+        # payload checksum here, decoded once by the tier against ``checksum`` (its decoded
+        # form's), never re-encoded.
+        cpu_bytes = record.cpu_bytes
+        encoded = block_bytes if record.cpu_codec else 0
+        slot_sum = store.payload_sums.get(eid, checksum) if encoded else checksum
         store.pin(eid)
         writing = (record.usage, record.owner)
         for books in writing:
             books.nvme_writing += block_bytes
         try:
-            data = store.arena.view[offset : offset + block_bytes]
+            data = store.arena.view[offset : offset + cpu_bytes]
             # Verified on the way down: a CPU copy that no longer matches its checksum (a
             # client scribbled on its slot) must not be made durable.
-            if await asyncio.to_thread(block_checksum, data, fingerprint, key) != checksum:
+            if await asyncio.to_thread(block_checksum, data, fingerprint, key) != slot_sum:
                 tier.free(slot)
                 store.cpu.checksum_failures += 1
                 store.forget(eid)
@@ -350,7 +359,14 @@ class Mover:
 
             try:
                 await tier.write(
-                    slot, key, fingerprint, data, checksum, codec=codec, block_format=block_format
+                    slot,
+                    key,
+                    fingerprint,
+                    data,
+                    checksum,
+                    codec=codec,
+                    block_format=block_format,
+                    encoded_length=encoded,
                 )
             except NvmeIOError as exc:
                 store.nvme_counters.io_errors += 1
@@ -382,11 +398,13 @@ class Mover:
         where: str,
         excess: int,
         evictable: Callable[[int], bool],
+        bytes_of: Callable[[int], int] | None = None,
     ) -> tuple[list[int], int]:
         """The coldest evictable blocks of ``record``'s namespace (``where == "namespace"``) or
         tenant, in ``order`` (a policy's, coldest first), until they free ``excess`` bytes;
         with the bytes they free."""
         store, index = self.store, self.store.index
+        bytes_of = bytes_of or store.block_bytes_of
         victims, freed = [], 0
         for eid in order:
             if freed >= excess:
@@ -397,7 +415,7 @@ class Mover:
                 mine = store.names[index.ns[eid]].owner is record.owner
             if mine and evictable(eid):
                 victims.append(eid)
-                freed += store.block_bytes_of(eid)
+                freed += bytes_of(eid)
         return victims, freed
 
     def _nvme_quota_room(self, record: NamespaceRecord, block_bytes: int) -> bool:
@@ -540,7 +558,7 @@ class Mover:
         for eid in store.policy.order():  # coldest first
             if index.tier[eid] & _LOCAL == IN_CPU and eid not in self._flushing:
                 batch.append(eid)
-                want -= store.block_bytes_of(eid)
+                want -= store.cpu_bytes_of(eid)
                 if want <= 0 or len(batch) >= limit:
                     break
         return batch
@@ -600,8 +618,8 @@ class Mover:
                 # block of another namespace here (an entry id reused) is not this call's.
                 ns_id = index.ns[eids[todo[0]]]
                 todo = [i for i in todo if index.ns[eids[i]] == ns_id]
-                block_bytes = store.block_bytes_of(eids[todo[0]])
                 first = store.namespace_record(ns_id)
+                block_bytes = first.cpu_bytes  # the slots' (a payload's, ``cpu = "fp8"``)
                 offsets = await self.alloc_cpu(
                     block_bytes, len(todo), partial=True, domain=first.domain, record=first
                 )
@@ -621,9 +639,8 @@ class Mover:
                 reads = []
                 for (disk, key, fp), offset, i in zip(idents, offsets, todo, strict=False):
                     view = store.arena.view[offset : offset + block_bytes]
-                    reads.append(
-                        tier.read_into_checked(disk, key, fp, index.checksum[eids[i]], view)
-                    )
+                    read = tier.read_payload_into if first.cpu_codec else tier.read_into_checked
+                    reads.append(read(disk, key, fp, index.checksum[eids[i]], view))
                 oks = await asyncio.gather(*reads, return_exceptions=True)
                 for j, (i, (_, key, _), ok) in enumerate(zip(todo, idents, oks, strict=True)):
                     e = eids[i]
@@ -636,6 +653,9 @@ class Mover:
                         store.nvme_counters.checksum_failures += 1
                         store.forget(e)
                         continue
+                    if isinstance(ok, tuple):  # a payload: (decoded-form, payload checksum)
+                        ok, payload_sum = ok
+                        store.payload_sums[e] = payload_sum
                     if ok != index.checksum[e]:
                         # A lossy record: the CPU copy is its decoded form, verified against the
                         # checksum taken of that form when it was encoded.

@@ -61,6 +61,17 @@ class NamespaceRecord:
     # quotas when the record is made.
     usage: Any = None
     owner: Any = None
+    # What its CPU-tier entries hold (``[[codecs]]`` cpu; decided when a client first opens
+    # it, for the daemon's life): the block (``codecs.CODEC_NONE``) or its fp8 payload, of
+    # ``cpu_payload_bytes``. A recovered record holds no CPU copy before that.
+    cpu_codec: int = 0
+    cpu_payload_bytes: int = 0
+    cpu_codec_set: bool = False
+
+    @property
+    def cpu_bytes(self) -> int:
+        """Bytes of one of its CPU-tier entries (a slot's length, what the CPU tier counts)."""
+        return self.cpu_payload_bytes if self.cpu_codec else self.block_bytes
 
     @property
     def name(self) -> str:

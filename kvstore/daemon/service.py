@@ -322,8 +322,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Reserve(self, request, context):
+        handle = self._handle(request.handle, write=True, release=request.release_leases)
         result = await self.store.reserve(
-            self._handle(request.handle, write=True, release=request.release_leases),
+            handle,
             self._keys(request.keys),
             request.priority,
             gpu=request.gpu,
@@ -336,6 +337,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             expires_in_s=self.store.config.reservation_ttl_s,
             gpu=result.gpu,
             pending=result.pending,
+            codec=result.codec,
+            payload_bytes=handle.record.cpu_payload_bytes if result.codec else 0,
         )
 
     @_rpc
@@ -345,6 +348,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             request.reservation_id,
             list(request.checksums),
             list(request.device_checksums),
+            request.codec,
+            request.payload_bytes,
+            list(request.payload_checksums),
         )
         return pb.CommitResponse(committed=committed)
 
@@ -380,6 +386,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             on_gpu=result.on_gpu if any(result.on_gpu) else [],
             pending=result.pending,
             found=found,
+            codecs=result.codecs or [],
+            payload_checksums=result.payload_checksums or [],
+            payload_bytes=handle.record.cpu_payload_bytes if result.codecs else 0,
         )
 
     @_rpc

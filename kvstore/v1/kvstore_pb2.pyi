@@ -115,32 +115,42 @@ class ReserveRequest(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., priority: _Optional[int] = ..., gpu: _Optional[bool] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "offsets", "expires_in_s", "gpu", "pending")
+    __slots__ = ("reservation_id", "offsets", "expires_in_s", "gpu", "pending", "codec", "payload_bytes")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     expires_in_s: float
     gpu: bool
     pending: int
-    def __init__(self, reservation_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., gpu: _Optional[bool] = ..., pending: _Optional[int] = ...) -> None: ...
+    codec: int
+    payload_bytes: int
+    def __init__(self, reservation_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., gpu: _Optional[bool] = ..., pending: _Optional[int] = ..., codec: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("reservation_id", "handle", "checksums", "device_checksums", "release_leases")
+    __slots__ = ("reservation_id", "handle", "checksums", "device_checksums", "codec", "payload_bytes", "payload_checksums", "release_leases")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     handle: bytes
     checksums: _containers.RepeatedScalarFieldContainer[int]
     device_checksums: _containers.RepeatedScalarFieldContainer[int]
+    codec: int
+    payload_bytes: int
+    payload_checksums: _containers.RepeatedScalarFieldContainer[int]
     release_leases: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reservation_id: _Optional[int] = ..., handle: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., device_checksums: _Optional[_Iterable[int]] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, reservation_id: _Optional[int] = ..., handle: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., device_checksums: _Optional[_Iterable[int]] = ..., codec: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_checksums: _Optional[_Iterable[int]] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed",)
@@ -177,7 +187,7 @@ class AcquireRequest(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., gpu: _Optional[bool] = ..., lookup: _Optional[bool] = ..., prefetch: _Optional[bool] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "offsets", "checksums", "expires_in_s", "on_gpu", "pending", "found")
+    __slots__ = ("lease_id", "offsets", "checksums", "expires_in_s", "on_gpu", "pending", "found", "codecs", "payload_checksums", "payload_bytes")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +195,9 @@ class AcquireResponse(_message.Message):
     ON_GPU_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
@@ -192,7 +205,10 @@ class AcquireResponse(_message.Message):
     on_gpu: _containers.RepeatedScalarFieldContainer[bool]
     pending: bool
     found: int
-    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., on_gpu: _Optional[_Iterable[bool]] = ..., pending: _Optional[bool] = ..., found: _Optional[int] = ...) -> None: ...
+    codecs: _containers.RepeatedScalarFieldContainer[int]
+    payload_checksums: _containers.RepeatedScalarFieldContainer[int]
+    payload_bytes: int
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., on_gpu: _Optional[_Iterable[bool]] = ..., pending: _Optional[bool] = ..., found: _Optional[int] = ..., codecs: _Optional[_Iterable[int]] = ..., payload_checksums: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id", "handle", "release_leases")

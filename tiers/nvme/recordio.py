@@ -90,6 +90,75 @@ class RecordIO:
             pwrite_all(self.fd, [scratch[:span]], slot + PAGE)
         return n, CODEC_NONE, checksum, checksum
 
+    def write_encoded(
+        self,
+        slot: int,
+        key: bytes,
+        namespace: bytes,
+        payload: memoryview,
+        checksum: int,
+        codec: int,
+        length: int,
+    ) -> tuple[int, int, int, int]:
+        """``write_payload`` for a block that is already an fp8 payload (of a ``length``-byte
+        block, whose decoded form's checksum is ``checksum``): verified by decoding it once,
+        then stored as it is (``fp8``), or as lz4 over it (``fp8+lz4``) when that saves a
+        page. Same result tuple; ValueError if it does not decode to ``checksum``."""
+        size = payload.nbytes
+        room = fmt.round_up(codecs.scratch_bytes(length))
+        scratch = self._scratch.get(room + length)
+        out = scratch[room : room + length]
+        if not codecs.fp8_decode(payload, out) or block_checksum(out, namespace, key) != checksum:
+            raise ValueError(f"payload for slot {slot} does not decode to its checksum")
+        used, stored = codecs.CODEC_FP8, size
+        if codec == codecs.CODEC_FP8_LZ4:
+            n = lz4_compress(payload, scratch[: size - 1])
+            if n and fmt.round_up(n) < fmt.round_up(size):
+                used, stored = codecs.CODEC_FP8_LZ4, n
+        if used == codecs.CODEC_FP8:
+            scratch[:size] = payload
+        pad = fmt.round_up(stored)
+        scratch[stored:pad] = ZERO_PAGE[: pad - stored]
+        stored_sum = block_checksum(scratch[:stored], namespace, key)
+        pwrite_all(self.fd, [scratch[:pad]], slot + PAGE)
+        return stored, used, checksum, stored_sum
+
+    def read_payload(self, slot: int, want: Ident, out: memoryview) -> int | str:
+        """Read a lossy record's fp8 payload into ``out`` (its exact length), lz4 undone: the
+        payload's checksum, or why it is a miss. The stored bytes are checked against their
+        own checksum; a record without one is decoded once and checked against its block
+        checksum."""
+        if want.codec not in codecs.LOSSY:
+            return "mismatch"
+        stored, span = want.stored_length, fmt.round_up(want.stored_length)
+        room = codecs.scratch_bytes(want.length)
+        scratch = self._scratch.get(PAGE + span + room)
+        if pread_full(self.fd, [scratch[: PAGE + span]], slot) < PAGE + stored:
+            return "short"
+        h = fmt.parse_header(scratch)
+        why = self._header_mismatch(h, slot, want)
+        if why is not None:
+            return why
+        assert h is not None
+        body = scratch[PAGE : PAGE + stored]
+        if h.stored_checksum != fmt.NO_STORED_CHECKSUM and (
+            block_checksum(body, want.namespace, want.key) != h.stored_checksum
+        ):
+            return "corrupt"
+        if want.codec == codecs.CODEC_FP8:
+            if stored != out.nbytes:
+                return "corrupt"
+            out[:] = body
+        elif codecs.lz4_decompress_into(body, out) != out.nbytes:
+            return "corrupt"
+        if h.stored_checksum == fmt.NO_STORED_CHECKSUM:
+            block = scratch[PAGE + span : PAGE + span + want.length]
+            if not codecs.fp8_decode(out, block) or (
+                block_checksum(block, want.namespace, want.key) != want.checksum
+            ):
+                return "corrupt"
+        return block_checksum(out, want.namespace, want.key)
+
     def _worth_compressing(self, data: memoryview) -> bool:
         """Whether the block's first 64 KiB compress by 1/16 or more. bf16 KV data compresses
         by under 1% (benchmarks/bench_nvme.py), and compressing a 2 MiB block only to store it
@@ -118,11 +187,10 @@ class RecordIO:
             if pread_full(self.fd, [scratch[: PAGE + span]], slot) < PAGE + stored:
                 return "short"
         h = fmt.parse_header(scratch)
-        if h is None:
-            return "torn"
-        got = Ident(h.key, h.namespace, h.length, h.stored_length, h.codec, h.checksum, h.seq)
-        if (h.kind, h.slot, h.format_id) != (KIND_RECORD, slot, self.format_id) or got != want:
-            return "mismatch"
+        why = self._header_mismatch(h, slot, want)
+        if why is not None:
+            return why
+        assert h is not None
         if want.codec != CODEC_NONE:
             payload = scratch[PAGE : PAGE + stored]
             if h.stored_checksum != fmt.NO_STORED_CHECKSUM and (
@@ -138,6 +206,16 @@ class RecordIO:
         # key (stale, or damaged and re-checksummed) never vouches for these bytes.
         if block_checksum(out[:length], want.namespace, want.key) != want.checksum:
             return "corrupt"
+        return None
+
+    def _header_mismatch(self, h: Header | None, slot: int, want: Ident) -> str | None:
+        """Why a record's header does not vouch for ``want`` in ``slot`` ("torn", "mismatch"),
+        or None."""
+        if h is None:
+            return "torn"
+        got = Ident(h.key, h.namespace, h.length, h.stored_length, h.codec, h.checksum, h.seq)
+        if (h.kind, h.slot, h.format_id) != (KIND_RECORD, slot, self.format_id) or got != want:
+            return "mismatch"
         return None
 
     def read_header(self, slot: int) -> Header | None:

@@ -485,6 +485,7 @@ class NvmeTier:
         durable: bool = True,
         codec: int | str | None = None,
         block_format: BlockFormat | None = None,
+        encoded_length: int = 0,
     ) -> None:
         """Store a block in an allocated slot: on stable storage when it returns if ``durable``,
         else held by the kernel (see the class docstring's write modes). ``checksum`` is the
@@ -493,7 +494,13 @@ class NvmeTier:
         codec is applied only with the block's ``block_format`` (else its lossless part is, see
         ``codecs.plan``), and the slot must be of ``payload_bytes_for`` the same arguments.
         Raises NvmeIOError on an IO failure and ValueError if ``data`` does not match
-        ``checksum`` or its payload cannot fit the slot; after either the slot is free again."""
+        ``checksum`` or its payload cannot fit the slot; after either the slot is free again.
+
+        ``encoded_length``: ``data`` is already the fp8 payload of a block of that many bytes
+        (a CPU-tier entry of a ``cpu = "fp8"`` namespace), and ``checksum`` is its decoded
+        form's. It is stored as it is (lz4 over it for ``fp8+lz4``), never re-encoded; it is
+        decoded once to verify it against ``checksum`` (ValueError if it does not decode to
+        it)."""
         self._require_writable()
         table, i = self._record_table(slot)
         if table.state[i] != ALLOCATED:
@@ -502,9 +509,13 @@ class NvmeTier:
             raise ValueError(f"key must be {KEY_BYTES} bytes and namespace {FINGERPRINT_BYTES}")
         view = memoryview(data).cast("B")
         slot_bytes = self._alloc.slot_bytes_at(slot)
-        planned, bound = codecs.plan(
-            self._codec if codec is None else codec, block_format, view.nbytes
-        )
+        length = encoded_length or view.nbytes
+        planned, bound = codecs.plan(self._codec if codec is None else codec, block_format, length)
+        if encoded_length and (planned not in codecs.LOSSY or view.nbytes != bound):
+            raise ValueError(
+                f"a {view.nbytes}-byte payload of a {length}-byte block cannot be stored with "
+                f"{codecs.NAME_OF[planned]} (an fp8 payload of it is {bound} bytes)"
+            )
         if view.nbytes == 0 or bound > slot_bytes - PAGE:
             raise ValueError(
                 f"{view.nbytes}-byte block ({codecs.NAME_OF[planned]}: up to {bound} bytes) "
@@ -522,6 +533,7 @@ class NvmeTier:
                 checksum,
                 durable,
                 (planned, block_format),
+                length,
             )
         )
         self._track(task)
@@ -546,29 +558,44 @@ class NvmeTier:
         checksum: int,
         durable: bool,
         coding: tuple[int, BlockFormat | None],
+        length: int,
     ) -> bool:
-        """The write itself; True if a ``free`` that arrived during it has been applied."""
+        """The write itself; True if a ``free`` that arrived during it has been applied.
+        ``length`` is the block's (more than ``view``'s when ``view`` is its fp8 payload)."""
         seq = self._take_seq()
         header_tried = False
         try:
             await self._settle_slab(self.geometry.slab_of(slot))
             await self._settle_tombstone(slot)
-            stored, codec, decoded, stored_sum = await self._run(
-                self._write_pool,
-                self._io.write_payload,
-                slot,
-                key,
-                namespace,
-                view,
-                checksum,
-                *coding,
-            )
+            if length != view.nbytes:
+                stored, codec, decoded, stored_sum = await self._run(
+                    self._write_pool,
+                    self._io.write_encoded,
+                    slot,
+                    key,
+                    namespace,
+                    view,
+                    checksum,
+                    coding[0],
+                    length,
+                )
+            else:
+                stored, codec, decoded, stored_sum = await self._run(
+                    self._write_pool,
+                    self._io.write_payload,
+                    slot,
+                    key,
+                    namespace,
+                    view,
+                    checksum,
+                    *coding,
+                )
             # Recovery looks for headers only where the slab map on disk says slots are.
             await self._persist_carving(self.geometry.slab_of(slot))
             if durable:
                 await self._flush.barrier()
             pages = self._alloc.slot_bytes_at(slot) // PAGE
-            fields = (pages, slot, seq, self._format_id, key, namespace, view.nbytes, stored)
+            fields = (pages, slot, seq, self._format_id, key, namespace, length, stored)
             header = fmt.pack_header(Header(KIND_RECORD, codec, *fields, decoded, stored_sum))
             header_tried = True
             await self._run(self._write_pool, self._io.write_at, slot, header)
@@ -586,7 +613,7 @@ class NvmeTier:
                 ) from exc
             raise
         free_now = table.state[i] & FREE_AFTER_WRITE
-        ident = Ident(key, namespace, view.nbytes, stored, codec, decoded, seq)
+        ident = Ident(key, namespace, length, stored, codec, decoded, seq)
         table.set_record(i, ident, committed=checksum)
         table.state[i] = LIVE
         self._reserved -= 1
@@ -750,6 +777,43 @@ class NvmeTier:
         c["misses"] += 1
         c[_MISS_COUNTER[reason]] += 1
         return None
+
+    async def read_payload_into(
+        self, slot: int, key: bytes, namespace: bytes, checksum: int, out: Any
+    ) -> tuple[int, int] | None:
+        """Read the fp8 payload a lossy record holds (lz4 undone, never decoded into the block)
+        into ``out`` (exactly the payload's length): (the record's decoded-form checksum, the
+        payload's checksum), or None, a miss: not this block's intact fp8 record (a lossless
+        record too: its block is not a payload). For a CPU tier of payloads."""
+        self._require_open()
+        try:
+            table, i = self._record_table(slot)
+        except ValueError:
+            table, i = None, -1
+        if table is None or table.state[i] != LIVE:
+            raise ValueError(f"read of slot {slot}, which holds no committed record")
+        view = memoryview(out).cast("B")
+        c = self._counters
+        c["reads"] += 1
+        want = table.ident(i)
+        if (key, namespace) != (want.key, want.namespace) or checksum not in (
+            want.checksum,
+            table.committed[i],
+        ):
+            c["misses"] += 1
+            c["header_mismatches"] += 1
+            return None
+        try:
+            got = await self._run(self._read_pool, self._io.read_payload, slot, want, view)
+        except OSError as exc:
+            log.warning("read of slot %d failed: %s", slot, exc)
+            got = "io_error"
+        if isinstance(got, str):
+            c["misses"] += 1
+            c[_MISS_COUNTER[got]] += 1
+            return None
+        c["read_bytes"] += PAGE + round_up(want.stored_length)
+        return want.checksum, got
 
     async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
