@@ -104,7 +104,7 @@ async def test_a_newcomer_gets_room_within_the_grace_and_the_first_keeps_half() 
 
         # The first handle kept half the tier: the leading 8 blocks of its first lease.
         for i in range(8):
-            key, data, _ = s.read_leased(greedy, first.lease_id, i)
+            key, data, _, _ = s.read_leased(greedy, first.lease_id, i)
             assert key == ks[i] and data == content(ks[i])
         for i in range(8, 12):  # the cut part: an error, never the newcomer's bytes
             with pytest.raises(LeaseExpiredError):
@@ -166,7 +166,7 @@ async def test_opening_and_closing_handles_over_and_over_takes_nothing_below_hal
         assert greedy.leases[lease.lease_id].eids == leading
         await put(s, hostile, keys(8, start=100))  # the half no longer leased
         for i in range(8):
-            key, data, _ = s.read_leased(greedy, lease.lease_id, i)
+            key, data, _, _ = s.read_leased(greedy, lease.lease_id, i)
             assert data == content(key)
         s.check()
     finally:

@@ -476,9 +476,21 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 try:
                     # Checked and copied at once: the lease is live and the entry still
                     # holds this key; else the stream ends here (a miss, never other bytes).
-                    key, data, checksum = self.store.read_leased(handle, lease_id, i)
+                    key, data, checksum, codec = self.store.read_leased(handle, lease_id, i)
                 except LeaseExpiredError:
                     return
+                if codec:
+                    # A payload (copied above, so a reused slot cannot reach it): decoded off
+                    # the loop, which other clients' calls share. One that does not decode
+                    # ends the stream: a miss.
+                    loop = asyncio.get_running_loop()
+                    block = await loop.run_in_executor(
+                        None, self.store.decode_leased, handle.record, data
+                    )
+                    if block is None:
+                        self.store.cpu.checksum_failures += 1
+                        return
+                    data = block
                 view = memoryview(data)
                 yield pb.BlockData(key=key, data=view[:chunk].tobytes(), checksum=checksum)
                 for start in range(chunk, len(data), chunk):
