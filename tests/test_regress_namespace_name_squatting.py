@@ -11,7 +11,7 @@ Real daemon, real clients under other uids (``setpriv``): alice may read the sha
 
 from __future__ import annotations
 
-from test_security import ALICE, OPS, POLICY, needs_root, run_as, start_as
+from test_security import ALICE, OPS, POLICY, needs_root, policy_daemon_address, run_as, start_as
 
 OWNER_OPENS = """
 kv = KVStoreClient(ADDRESS, layout=LAYOUT, model="m", revision="r", tenant="prompts")
@@ -23,7 +23,7 @@ print(json.dumps({"stored": int(stored), "same": bool(torch.equal(kv.get(keys), 
 
 @needs_root
 def test_an_ambiguous_name_cannot_squat_another_namespace(open_daemon_factory) -> None:
-    address = open_daemon_factory(cpu_capacity="32MiB", extra=POLICY).address
+    address = policy_daemon_address(open_daemon_factory, POLICY)
     squatter = start_as(
         ALICE,
         address,
@@ -45,7 +45,7 @@ def test_an_ambiguous_name_cannot_squat_another_namespace(open_daemon_factory) -
 def test_a_reader_cannot_hold_the_owners_namespace_with_another_layout(
     open_daemon_factory,
 ) -> None:
-    address = open_daemon_factory(cpu_capacity="32MiB", extra=POLICY).address
+    address = policy_daemon_address(open_daemon_factory, POLICY)
     squatter = start_as(
         ALICE,
         address,

@@ -10,29 +10,25 @@ Real daemon, real clients under other uids (``setpriv``).
 
 from __future__ import annotations
 
-from test_security import ALICE, OPS, needs_root, run_as, start_as
+from test_security import (
+    ALICE,
+    OPS,
+    TEST_RUNNER,
+    access,
+    needs_root,
+    policy_daemon_address,
+    run_as,
+    start_as,
+)
 
 # alice reads the shared tenant "prompts", owned by uid OPS. The owner's keys-per-second
 # bucket does not refill within the test; it may hold two leases. alice's own tenant has no
 # rate bound and three leases.
-POLICY = """
-[[access]]
-name = "prompt-owner"
-uids = [2003]
-tenants = ["prompts"]
-
-[[access]]
-name = "alice-app"
-uids = [2001]
-tenants = ["alice"]
-
-[[access]]
-name = "test-runner"
-uids = [0]
-tenants = ["root"]
-role = "operator"
-
-[shared.prompts]
+POLICY = (
+    access("prompt-owner", OPS, "prompts")
+    + access("alice-app", ALICE, "alice")
+    + TEST_RUNNER
+    + """[shared.prompts]
 readers = ["alice"]
 
 [tenants.prompts]
@@ -43,11 +39,12 @@ max_leases = 2
 [tenants.alice]
 max_leases = 3
 """
+)
 
 
 @needs_root
 def test_a_reader_of_a_shared_tenant_cannot_spend_the_owners_budget(open_daemon_factory) -> None:
-    address = open_daemon_factory(cpu_capacity="32MiB", extra=POLICY).address
+    address = policy_daemon_address(open_daemon_factory, POLICY)
     put = run_as(
         OPS,
         address,

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -42,33 +42,31 @@ needs_root = pytest.mark.skipif(
     reason="needs root and setpriv to run clients under other uids (CI runs as root)",
 )
 
-POLICY = """
-[[access]]
-name = "alice-app"
-uids = [2001]
-tenants = ["alice"]
 
-[[access]]
-name = "bob-app"
-uids = [2002]
-tenants = ["bob"]
+def access(name: str, uid: int, tenant: str, role: str = "") -> str:
+    """One ``[[access]]`` entry of a daemon policy: ``uid`` may open ``tenant``."""
+    entry = f'[[access]]\nname = "{name}"\nuids = [{uid}]\ntenants = ["{tenant}"]\n'
+    return entry + (f'role = "{role}"\n' if role else "") + "\n"
 
-[[access]]
-name = "ops"
-uids = [2003]
-tenants = ["ops"]
-role = "operator"
 
-[[access]]
-name = "test-runner"
-uids = [0]
-tenants = ["root"]
-role = "operator"
+TEST_RUNNER = access("test-runner", 0, "root", role="operator")
+"""The uid running the tests (root) is an operator, of a tenant of its own."""
 
-[shared.prompts]
+POLICY = (
+    access("alice-app", ALICE, "alice")
+    + access("bob-app", BOB, "bob")
+    + access("ops", OPS, "ops", role="operator")
+    + TEST_RUNNER
+    + """[shared.prompts]
 readers = ["alice", "bob"]
 writers = ["ops"]
 """
+)
+
+
+def policy_daemon_address(open_daemon_factory: Callable[..., DaemonProcess], policy: str) -> str:
+    """The address of a daemon (32 MiB CPU tier) under ``policy`` that other uids can reach."""
+    return open_daemon_factory(cpu_capacity="32MiB", extra=policy).address
 
 
 @pytest.fixture
@@ -81,12 +79,8 @@ def open_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def policy_daemon(open_dir: Path) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(open_dir / "d", config_toml(cpu_capacity="32MiB", extra=POLICY))
-    d.directory.mkdir()
-    yield d.start()
-    if d.alive():
-        d.stop()
+def policy_daemon(open_daemon_factory: Callable[..., DaemonProcess]) -> DaemonProcess:
+    return open_daemon_factory(cpu_capacity="32MiB", extra=POLICY)
 
 
 def run_as(uid: int, address: str, body: str) -> dict:

@@ -31,14 +31,12 @@ RANDOM_LLAMA = dict(
 # The benchmarks' larger random Llama: 16 layers x 8 KV heads x head_dim 64 (~200M parameters,
 # 32 KiB of bf16 KV per token).
 RANDOM_200M = dict(
+    RANDOM_LLAMA,
     hidden_size=1024,
     intermediate_size=2816,
     num_hidden_layers=16,
     num_attention_heads=16,
     num_key_value_heads=8,
-    head_dim=64,
-    vocab_size=2048,
-    max_position_embeddings=4096,
 )
 
 
@@ -185,6 +183,20 @@ def assert_same_answers(got: list[dict], want: list[dict], what: str) -> None:
             assert abs(a - b) < 1e-3, (
                 f"{what}: prompt {i} logprobs {g['logprobs']} vs {w['logprobs']}"
             )
+
+
+def engine_spec(model: Path, connector: dict | None, phases: list[dict], **kw: Any) -> dict:
+    """The engine spec the tests share (float32, block size 32, eager): ``connector`` is the
+    connector's extra config (None: an engine without it); ``kw`` adds the module's settings
+    (``max_model_len``, ``prefix_caching``, ``max_num_batched_tokens``, ...)."""
+    return {
+        "model": str(model),
+        "dtype": "float32",
+        "block_size": BLOCK,
+        "connector": connector,
+        "phases": phases,
+        **kw,
+    }
 
 
 # ---------------------------------------------------------------------------- benchmarks

@@ -20,7 +20,9 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test-vllm builds .venv-vllm)", allow_module_level=True)
 
 from conftest import DaemonProcess, config_toml
-from harness import BLOCK, Engine, assert_same_answers, make_random_model, outputs, prompt
+
+from .harness import BLOCK, Engine, assert_same_answers, outputs, prompt
+from .harness import engine_spec as base_spec
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -53,15 +55,7 @@ D_PROMPTS = [{"ids": P_FULL}, {"ids": P_PART}, {"ids": P_MULT}, *({"ids": q} for
 
 def engine_spec(model: Path, connector: dict | None, phases: list[dict], **kw: object) -> dict:
     # Chunked prefill in 64-token steps: a prompt is computed (and saved) over several steps.
-    return {
-        "model": str(model),
-        "dtype": "float32",
-        "block_size": BLOCK,
-        "connector": connector,
-        "max_num_batched_tokens": 64,
-        "phases": phases,
-        **kw,
-    }
+    return base_spec(model, connector, phases, max_num_batched_tokens=64, **kw)
 
 
 def connector_config(daemon: DaemonProcess, stall_s: float = 20.0) -> dict:
@@ -73,25 +67,6 @@ def connector_config(daemon: DaemonProcess, stall_s: float = 20.0) -> dict:
         "lookup_timeout_s": stall_s,
         "retry_after_s": 1.0,
     }
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(tmp_path_factory.mktemp("vllm"))
-
-
-@pytest.fixture(scope="module")
-def model(work: Path) -> Path:
-    return make_random_model(work / "model")
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory):
-    d = DaemonProcess(
-        Path(tmp_path_factory.mktemp("kvd")), config_toml(cpu_capacity="256MiB", slab="4MiB")
-    ).start()
-    yield d
-    d.stop()
 
 
 @pytest.fixture(scope="module")

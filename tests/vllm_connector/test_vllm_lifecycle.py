@@ -18,8 +18,9 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test-vllm builds .venv-vllm)", allow_module_level=True)
 
-from conftest import DaemonProcess, config_toml
-from harness import BLOCK, Engine, assert_same_answers, make_random_model, outputs, prompt
+from conftest import DaemonProcess
+
+from .harness import BLOCK, Engine, assert_same_answers, engine_spec, outputs, prompt
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -35,36 +36,15 @@ PRE_PHASE = {"prompts": [{"ids": p} for p in PRE], "max_tokens": PRE_TOKENS}
 
 
 def spec(model: Path, connector: dict | None, phases: list[dict], **kw: object) -> dict:
-    return {
-        "model": str(model),
-        "dtype": "float32",
-        "block_size": BLOCK,
-        "connector": connector,
-        "max_num_batched_tokens": 64,
-        "max_model_len": 256,
-        "prefix_caching": False,
-        "phases": phases,
+    return engine_spec(
+        model,
+        connector,
+        phases,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        prefix_caching=False,
         **kw,
-    }
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(tmp_path_factory.mktemp("vllm-life"))
-
-
-@pytest.fixture(scope="module")
-def model(work: Path) -> Path:
-    return make_random_model(work / "model")
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory):
-    d = DaemonProcess(
-        Path(tmp_path_factory.mktemp("kvd")), config_toml(cpu_capacity="256MiB", slab="4MiB")
-    ).start()
-    yield d
-    d.stop()
+    )
 
 
 def conn(daemon: DaemonProcess, **extra: object) -> dict:

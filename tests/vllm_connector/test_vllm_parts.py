@@ -45,6 +45,12 @@ def test_unknown_or_bad_options_are_refused_by_name() -> None:
         ConnectorConfig.parse({"timeout_s": -1})
     with pytest.raises(ValueError, match="transfers must be"):
         ConnectorConfig.parse({"transfers": "sometimes"})
+    # JSON's 1e999 is infinite: a deadline that never ends would let a stalled daemon hang
+    # the engine (and NaN compares false with everything, so it passed as non-negative).
+    for name in ("timeout_s", "lookup_timeout_s", "retry_after_s"):
+        for value in (float("inf"), float("nan")):
+            with pytest.raises(ValueError, match=f"{name} must be a finite"):
+                ConnectorConfig.parse({name: value})
     cfg = ConnectorConfig.parse({"address": "unix:/x", "timeout_s": 3})
     assert (cfg.address, cfg.timeout_s, cfg.load, cfg.store) == ("unix:/x", 3.0, "async", "all")
 

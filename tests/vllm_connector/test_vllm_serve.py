@@ -22,8 +22,9 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test-vllm builds .venv-vllm)", allow_module_level=True)
 
-from conftest import DaemonProcess, config_toml, smollm2_missing
-from harness import BLOCK, Engine, engine_env, outputs, smollm2_dir
+from conftest import DaemonProcess, smollm2_missing
+
+from .harness import BLOCK, Engine, engine_env, engine_spec, outputs, smollm2_dir
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -157,57 +158,43 @@ def _stored_blocks(daemon: DaemonProcess) -> int:
 
 
 def test_vllm_serve_second_server_loads_the_conversation_history(
-    smollm2: Path, tmp_path_factory: pytest.TempPathFactory
+    smollm2: Path, work: Path, daemon: DaemonProcess
 ) -> None:
-    work = Path(tmp_path_factory.mktemp("serve"))
-    daemon = DaemonProcess(
-        Path(tmp_path_factory.mktemp("kvd")), config_toml(cpu_capacity="256MiB", slab="4MiB")
-    ).start()
+    first = Server(smollm2, daemon, work / "serve1.log")
     try:
-        first = Server(smollm2, daemon, work / "serve1.log")
-        try:
-            turn1 = [{"role": "user", "content": HISTORY}]
-            r1 = first.chat(turn1)
-            reply = r1["choices"][0]["message"]["content"]
-            assert reply.strip(), r1
-            n1 = r1["usage"]["prompt_tokens"]
-            want = (n1 + r1["usage"]["completion_tokens"] - 1) // BLOCK
-            deadline = time.monotonic() + 60  # saves are asynchronous
-            while _stored_blocks(daemon) < want and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert _stored_blocks(daemon) >= want
-        finally:
-            first.stop()
-
-        second = Server(smollm2, daemon, work / "serve2.log")
-        try:
-            turn2 = [
-                *turn1,
-                {"role": "assistant", "content": reply},
-                {"role": "user", "content": "Now name one way to reduce that risk."},
-            ]
-            r2 = second.chat(turn2)
-        finally:
-            second.stop()
-        assert r2["choices"][0]["message"]["content"].strip(), r2
-        cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
-        # The whole first-turn prompt (in full blocks) came from the store, in a process that
-        # never computed it.
-        assert cached >= (n1 // BLOCK) * BLOCK > 0, r2["usage"]
+        turn1 = [{"role": "user", "content": HISTORY}]
+        r1 = first.chat(turn1)
+        reply = r1["choices"][0]["message"]["content"]
+        assert reply.strip(), r1
+        n1 = r1["usage"]["prompt_tokens"]
+        want = (n1 + r1["usage"]["completion_tokens"] - 1) // BLOCK
+        deadline = time.monotonic() + 60  # saves are asynchronous
+        while _stored_blocks(daemon) < want and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _stored_blocks(daemon) >= want
     finally:
-        daemon.stop()
+        first.stop()
+
+    second = Server(smollm2, daemon, work / "serve2.log")
+    try:
+        turn2 = [
+            *turn1,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "Now name one way to reduce that risk."},
+        ]
+        r2 = second.chat(turn2)
+    finally:
+        second.stop()
+    assert r2["choices"][0]["message"]["content"].strip(), r2
+    cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # The whole first-turn prompt (in full blocks) came from the store, in a process that
+    # never computed it.
+    assert cached >= (n1 // BLOCK) * BLOCK > 0, r2["usage"]
 
     # The same prompt through an engine without the connector: the same tokens.
     ids = r2["prompt_token_ids"]
     answer = r2["choices"][0]["token_ids"]
-    spec = {
-        "model": str(smollm2),
-        "dtype": "float32",
-        "block_size": BLOCK,
-        "connector": None,
-        "tokenizer": True,
-        "prefix_caching": False,
-        "phases": [{"prompts": [{"ids": ids}], "max_tokens": len(answer)}],
-    }
+    phases = [{"prompts": [{"ids": ids}], "max_tokens": len(answer)}]
+    spec = engine_spec(smollm2, None, phases, tokenizer=True, prefix_caching=False)
     ref = Engine(spec, work, "S0").result()
     assert outputs(ref)[0]["tokens"] == answer

@@ -20,8 +20,9 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test-vllm builds .venv-vllm)", allow_module_level=True)
 
-from conftest import DaemonProcess, config_toml
-from harness import BLOCK, Engine, assert_same_answers, make_random_model, outputs, prompt
+from conftest import DaemonProcess
+
+from .harness import BLOCK, Engine, assert_same_answers, engine_spec, outputs, prompt
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -38,7 +39,7 @@ PROMPTS = [
 
 # The engines run as this test's uid: the policy lets it open the three tenants, each with its
 # own namespaces, slabs and quotas (bob's CPU quota holds two of the prompt's four blocks).
-POLICY = f"""
+DAEMON_POLICY = f"""
 [[access]]
 name = "engines"
 uids = [{os.getuid()}]
@@ -50,35 +51,7 @@ quota_cpu = "{2 * BLOCK_BYTES}"
 
 
 def spec(model: Path, connector: dict, phases: list[dict]) -> dict:
-    return {
-        "model": str(model),
-        "dtype": "float32",
-        "block_size": BLOCK,
-        "connector": connector,
-        "max_model_len": 256,
-        "prefix_caching": False,
-        "phases": phases,
-    }
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(tmp_path_factory.mktemp("vllm-tenants"))
-
-
-@pytest.fixture(scope="module")
-def model(work: Path) -> Path:
-    return make_random_model(work / "model")
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory):
-    d = DaemonProcess(
-        Path(tmp_path_factory.mktemp("kvd")),
-        config_toml(cpu_capacity="256MiB", slab="4MiB", extra=POLICY),
-    ).start()
-    yield d
-    d.stop()
+    return engine_spec(model, connector, phases, max_model_len=256, prefix_caching=False)
 
 
 def conn(daemon: DaemonProcess, salts: dict, unmapped: str) -> dict:

@@ -17,8 +17,9 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test-vllm builds .venv-vllm)", allow_module_level=True)
 
-from conftest import DaemonProcess, config_toml
-from harness import BLOCK, Engine, assert_same_answers, make_random_model, outputs, prompt
+from conftest import DaemonProcess
+
+from .harness import BLOCK, Engine, assert_same_answers, engine_spec, outputs, prompt
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -31,36 +32,15 @@ TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "
 
 
 def spec(model: Path, daemon: DaemonProcess, tp: int) -> dict:
-    return {
-        "model": str(model),
-        "dtype": "float32",
-        "block_size": BLOCK,
-        "connector": {"address": daemon.address, "timeout_s": 30, "lookup_timeout_s": 30},
-        "max_model_len": 256,
-        "prefix_caching": False,
-        "tensor_parallel_size": tp,
-        "phases": [PHASE],
-        "env": TP2_ENV if tp > 1 else {},
-    }
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(tmp_path_factory.mktemp("vllm-tp"))
-
-
-@pytest.fixture(scope="module")
-def model(work: Path) -> Path:
-    return make_random_model(work / "model")  # 2 KV heads: one per rank
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory):
-    d = DaemonProcess(
-        Path(tmp_path_factory.mktemp("kvd")), config_toml(cpu_capacity="256MiB", slab="4MiB")
-    ).start()
-    yield d
-    d.stop()
+    return engine_spec(
+        model,
+        {"address": daemon.address, "timeout_s": 30, "lookup_timeout_s": 30},
+        [PHASE],
+        max_model_len=256,
+        prefix_caching=False,
+        tensor_parallel_size=tp,
+        env=TP2_ENV if tp > 1 else {},
+    )
 
 
 def our_namespaces(daemon: DaemonProcess) -> dict[str, int]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvstore.client.sync import KVStoreClient
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.copier import _LayerCopier
 from kvstore.integrations.vllm.metadata import LoadJob
@@ -132,11 +133,10 @@ class LayeredLoad:
 def _fetch(job: LoadJob, stores: _Stores, copier: _LayerCopier | None) -> _Fetched:
     """The job's blocks, fetched from its tenant's store, from the first up to the first one
     missing; nothing at all if the store fails (one retry on a fresh client, as every call)."""
-    store = stores.of(job.tenant)
-    for attempt in range(2):
-        client = store.client() if copier is not None else None
-        if client is None or copier is None:
-            break
+    if copier is None:
+        return _Fetched(job)
+
+    def fetch_from(client: KVStoreClient) -> _Fetched:
         fetched = _Fetched(job)
         try:
             for start in range(0, len(job.keys), CHUNK_BLOCKS):
@@ -154,18 +154,15 @@ def _fetch(job: LoadJob, stores: _Stores, copier: _LayerCopier | None) -> _Fetch
                     fetched.pieces.append(_Piece(views, ids[: len(views)]))
                 if len(views) < len(keys):
                     break
-            fetched.answered = True
-            return fetched
-        except KVStoreError as exc:
+        except KVStoreError:
             for piece in fetched.pieces:
                 if piece.lease is not None:
                     _release(piece.lease)
-            if store.reused and attempt == 0:
-                store.close()
-                continue
-            store.failed("load", exc)
-            break
-    return _Fetched(job)
+            raise
+        fetched.answered = True
+        return fetched
+
+    return stores.of(job.tenant).with_client("load", fetch_from) or _Fetched(job)
 
 
 def _release(lease: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,11 +74,11 @@ class ConnectorConfig:
     """cache_salt -> the tenant its requests' blocks live in (the daemon's tenant model:
     quotas, namespaces, credentials). Requests without a salt use ``tenant``."""
     unmapped_salt: str = "default"
+    """A salt not in ``salt_tenants`` (when that is set): ``"default"`` uses ``tenant`` (the
+    salt still keys its blocks apart), ``"refuse"`` gives the request no store access."""
     layerwise: str = "auto"
     """Synchronous loads copied layer by layer, each waited for in ``wait_for_layer_load``:
     ``"auto"`` where transfers run on the transfer thread (CUDA caches), ``"on"``, ``"off"``."""
-    """A salt not in ``salt_tenants`` (when that is set): ``"default"`` uses ``tenant`` (the
-    salt still keys its blocks apart), ``"refuse"`` gives the request no store access."""
 
     def tenant_of(self, cache_salt: str | None) -> str | None:
         """The tenant a request with this salt loads from and saves to; None: no store access
@@ -119,8 +120,15 @@ class ConnectorConfig:
             )
         for name in ("timeout_s", "lookup_timeout_s", "retry_after_s"):
             value = values[name]
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+            # Finite: an infinite deadline would let a stalled daemon hang the engine, and an
+            # infinite back-off would never try the store again.
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
             values[name] = float(value)
         if values["unmapped_salt"] not in ("default", "refuse"):
             raise ValueError(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
-from kvstore.errors import KVStoreError
+from kvstore.client.sync import KVStoreClient
 from kvstore.integrations.vllm.identity import StoreIdentity, store_key
 from kvstore.integrations.vllm.metadata import (
     KVStoreConnectorMetadata,
@@ -105,24 +105,14 @@ class _Scheduler:
         if stop <= start:
             return 0, False
         keys = self.keys_of(request, start, stop)
-        found = 0
         store = self.stores.of(tenant)
-        for attempt in range(2):
-            client = store.client()
-            if client is None:
-                return 0, False
+
+        def lookup(client: KVStoreClient) -> int:
             self.stats.add("lookups")
-            try:
-                found = client.lookup(keys)
-                break
-            except KVStoreError as exc:
-                if store.reused and attempt == 0:
-                    store.close()
-                    continue
-                self.stats.add("lookup_failures")
-                store.failed("lookup", exc)
-                return 0, False
-        if found == 0:
+            return client.lookup(keys)
+
+        found = store.with_client("lookup", lookup, lambda: self.stats.add("lookup_failures"))
+        if not found:
             return 0, False
         tokens = found * bs
         self.stats.add("hit_tokens", tokens)
@@ -276,7 +266,4 @@ class _Scheduler:
         return events
 
     def take_stats(self) -> KVStoreConnectorStats | None:
-        if self.stats.is_empty():
-            return None
-        stats, self.stats = self.stats, KVStoreConnectorStats()
-        return stats
+        return self.stats.take()

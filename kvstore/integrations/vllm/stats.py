@@ -56,6 +56,15 @@ class KVStoreConnectorStats(KVConnectorStats):
     def add(self, name: str, value: Any = 1) -> None:
         self.data[name] = self.data.get(name, 0) + value
 
+    def take(self) -> KVStoreConnectorStats | None:
+        """The counters so far (None if all are zero), these starting again from zero: what
+        the scheduler and each worker hand vLLM's stats logger."""
+        if self.is_empty():
+            return None
+        taken = KVStoreConnectorStats(data=self.data)
+        self.reset()
+        return taken
+
 
 _HELP = {
     "lookups": "Lookups the scheduler made in the kvstore daemon",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from kvstore.client.sync import KVStoreClient
 from kvstore.errors import KVStoreError
@@ -12,6 +14,8 @@ from kvstore.integrations.vllm.identity import StoreIdentity
 from kvstore.integrations.vllm.options import ConnectorConfig
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class _Store:
@@ -58,6 +62,31 @@ class _Store:
             logger.info("kvstore reachable again at %s", self._client.address)
             self._warned = False
         return self._client
+
+    def with_client(
+        self,
+        what: str,
+        call: Callable[[KVStoreClient], T],
+        on_failure: Callable[[], None] | None = None,
+    ) -> T | None:
+        """``call(client)``'s result, or None if the store is left alone or ``call`` failed.
+        A failure on a reused client is retried once on a new one (a restarted daemon leaves
+        the old channel in reconnect backoff): ``call`` must resume from what it already did.
+        Any other failure calls ``on_failure`` and leaves the store alone for a while."""
+        for attempt in range(2):
+            client = self.client()
+            if client is None:
+                return None
+            try:
+                return call(client)
+            except KVStoreError as exc:
+                if self.reused and attempt == 0:
+                    self.close()
+                    continue
+                if on_failure is not None:
+                    on_failure()
+                self.failed(what, exc)
+        return None
 
     def failed(self, what: str, exc: BaseException) -> None:
         # Warn once per outage, not once per request.

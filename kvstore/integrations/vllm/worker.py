@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.client.sync import KVStoreClient
-from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.copier import _LayerCopier
 from kvstore.integrations.vllm.identity import StoreIdentity
 from kvstore.integrations.vllm.layerwise import CHUNK_BLOCKS, LayeredLoad, LoadOutcome
@@ -188,14 +187,20 @@ class _Worker:
             outcomes += [LoadOutcome(job, 0, False) for job in layered.jobs[len(outcomes) :]]
         with self._cv:
             for outcome in outcomes:
-                self.stats.add("blocks_loaded", outcome.loaded)
-                self.stats.add("load_errors", len(outcome.failed_block_ids))
+                self._count_load(outcome.loaded, len(outcome.failed_block_ids))
                 self.meta.missing.extend(outcome.missing_keys)
                 self.meta.settled.extend(outcome.job.keys)
-            self.stats.add("load_seconds", time.perf_counter() - t0 + layered.seconds)
+            self._count_load(0, 0, time.perf_counter() - t0 + layered.seconds)
             layered.outcomes = outcomes
             layered.finished = True
             self._cv.notify_all()
+
+    def _count_load(self, loaded: int, failed: int, seconds: float = 0.0) -> None:
+        """Count a load's outcome (under ``_cv``): whole loads and layered ones alike."""
+        self.stats.add("blocks_loaded", loaded)
+        self.stats.add("load_errors", failed)
+        if seconds:
+            self.stats.add("load_seconds", seconds)
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -237,10 +242,7 @@ class _Worker:
 
     def take_stats(self) -> KVStoreConnectorStats | None:
         with self._cv:
-            if self.stats.is_empty():
-                return None
-            stats, self.stats = self.stats, KVStoreConnectorStats()
-        return stats
+            return self.stats.take()
 
     def run_sync(self, job: LoadJob) -> list[int]:
         """Load on the calling thread's behalf and wait: returns the block ids that failed."""
@@ -323,12 +325,10 @@ class _Worker:
         copier = self.copier
         loaded = 0
         answered = False  # the store answered (a miss it reports means the block is gone)
-        store = self.stores.of(job.tenant)
-        for attempt in range(2):
-            client = store.client() if copier is not None else None
-            if client is None or copier is None:
-                break
-            try:
+        if copier is not None:
+
+            def load_from(client: KVStoreClient) -> bool:
+                nonlocal loaded
                 for start in range(loaded, len(job.keys), CHUNK_BLOCKS):
                     keys = job.keys[start : start + CHUNK_BLOCKS]
                     ids = job.block_ids[start : start + CHUNK_BLOCKS]
@@ -336,18 +336,12 @@ class _Worker:
                     loaded += n
                     if n < len(keys):
                         break
-                answered = True
-                break
-            except KVStoreError as exc:
-                if store.reused and attempt == 0:
-                    store.close()
-                    continue
-                store.failed("load", exc)
+                return True
+
+            answered = bool(self.stores.of(job.tenant).with_client("load", load_from))
         failed = job.block_ids[loaded:]
         with self._cv:
-            self.stats.add("blocks_loaded", loaded)
-            self.stats.add("load_errors", len(failed))
-            self.stats.add("load_seconds", time.perf_counter() - t0)
+            self._count_load(loaded, len(failed), time.perf_counter() - t0)
             if answered and failed:
                 self.meta.missing.extend(job.keys[loaded:])
         return failed
@@ -372,12 +366,10 @@ class _Worker:
         t0 = time.perf_counter()
         copier = self.copier
         stored = done = 0
-        store = self.stores.of(job.tenant)
-        for attempt in range(2):
-            client = store.client() if copier is not None else None
-            if client is None or copier is None:
-                break
-            try:
+        if copier is not None:
+
+            def save_to(client: KVStoreClient) -> None:
+                nonlocal stored, done
                 for start in range(done, len(job.keys), CHUNK_BLOCKS):
                     keys = job.keys[start : start + CHUNK_BLOCKS]
                     ids = job.block_ids[start : start + CHUNK_BLOCKS]
@@ -386,16 +378,10 @@ class _Worker:
                     done = start + len(keys)
                     with self._cv:
                         self.meta.stored.extend(new)
-                break
-            except KVStoreError as exc:
-                if store.reused and attempt == 0:
-                    store.close()
-                    continue
-                store.failed("save", exc)
-                break
+
+            self.stores.of(job.tenant).with_client("save", save_to)
         with self._cv:
             self.stats.add("saves_dropped", len(job.keys) - done)
-        with self._cv:
             self.stats.add("blocks_saved", stored)
             self.stats.add("save_seconds", time.perf_counter() - t0)
 
