@@ -142,6 +142,35 @@ def test_write_back_to_nvme_and_read_back_after_eviction_give_the_same_bytes(
         assert t["nvme"].promotions > 0 and t["nvme"].checksum_failures == 0
 
 
+def test_a_lossless_record_written_before_the_rule_is_promoted_as_its_fp8_form(
+    daemon_factory, tmp_path: Path
+) -> None:
+    """A namespace's codec may change between runs: blocks written down lossless before an
+    operator set ``cpu = "fp8"`` are still found after it, in the fp8 form the rule asks for
+    (they were misses, and dropped)."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    sizes = {"cpu_capacity": "256KiB", "slab": "64KiB", "nvme_path": nvme, "nvme_capacity": "4MiB"}
+    n = 16
+    blocks = random_blocks(SMALL_LAYOUT, n, seed=9)
+    before = daemon_factory(**sizes)  # no rule: the NVMe tier's lossless default
+    with client(before) as kv:
+        keys = kv.hash_tokens(tokens(n))
+        assert kv.put(keys, blocks) == n
+    before.stop()  # a graceful stop writes every block down
+    after = daemon_factory(**sizes, extra=RULE)
+    with client(after) as kv:
+        assert tiers(kv)["nvme"].blocks == n and tiers(kv)["cpu"].blocks == 0
+        assert kv.lookup(keys) == n
+        assert same_bytes(kv.get(keys), fp8_form(blocks))
+        row = cpu_row(kv)
+        assert (row.logical_bytes, row.stored_bytes) == (n * BB, n * PAYLOAD)
+        caches = paged_cache(n)
+        assert kv.load(caches, list(range(n)), keys) == n  # the payloads, through the scatter
+        assert same_bytes(blocks_of(caches, list(range(n))), fp8_form(blocks))
+        assert tiers(kv)["nvme"].checksum_failures == 0
+
+
 def test_a_scribbled_fp8_slot_is_a_miss(daemon_factory) -> None:
     d = daemon_factory(extra=RULE)
     with client(d) as kv:

@@ -22,6 +22,7 @@ from kvstore.checksum import block_checksum
 from kvstore.daemon.room import TierSlots, make_room
 from kvstore.errors import CapacityError
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, State
+from kvstore.tiers.codecs import LOSSY, block_format_of, encode_payload
 
 if TYPE_CHECKING:
     from kvstore.daemon.namespaces import NamespaceRecord
@@ -636,11 +637,18 @@ class Mover:
                     (index.disk[eids[i]], index.key(eids[i]), store.fingerprint_of(eids[i]))
                     for i in todo
                 ]
-                reads = []
+                # Each read: the checksum its bytes were verified against, or for a payload
+                # (decoded-form checksum, payload checksum); None: a miss.
+                reads: list[Awaitable[int | tuple[int, int] | None]] = []
                 for (disk, key, fp), offset, i in zip(idents, offsets, todo, strict=False):
                     view = store.arena.view[offset : offset + block_bytes]
-                    read = tier.read_payload_into if first.cpu_codec else tier.read_into_checked
-                    reads.append(read(disk, key, fp, index.checksum[eids[i]], view))
+                    args = (disk, key, fp, index.checksum[eids[i]], view)
+                    if not first.cpu_codec:
+                        reads.append(tier.read_into_checked(*args))
+                    elif tier.codec_of(disk) in LOSSY:
+                        reads.append(tier.read_payload_into(*args))
+                    else:
+                        reads.append(self._read_encoded(tier, first, *args))
                 oks = await asyncio.gather(*reads, return_exceptions=True)
                 for j, (i, (_, key, _), ok) in enumerate(zip(todo, idents, oks, strict=True)):
                     e = eids[i]
@@ -673,6 +681,32 @@ class Mover:
                 futures[eid].set_result(results[i])
                 store.unpin(eid)
         return results
+
+    @staticmethod
+    async def _read_encoded(
+        tier: Any,
+        record: NamespaceRecord,
+        disk: int,
+        key: bytes,
+        fp: bytes,
+        checksum: int,
+        out: memoryview,
+    ) -> tuple[int, int] | None:
+        """A lossless record promoted into a CPU tier of payloads (written before the
+        namespace's ``cpu = "fp8"`` rule, or under a lossless NVMe codec): read and verified
+        as it is, then encoded into ``out`` off the loop, as a put of it would be now. (Its
+        decoded-form checksum, its payload checksum); None: a miss. Without this such a record
+        was a miss, and the block was dropped."""
+        fmt = block_format_of(record.namespace.layout) if record.namespace else None
+        if fmt is None:
+            return None
+        block = bytearray(record.block_bytes)
+        if await tier.read_into_checked(disk, key, fp, checksum, block) is None:
+            return None
+        sums: tuple[int, int] = await asyncio.to_thread(
+            encode_payload, memoryview(block), fmt, out, fp, key
+        )
+        return sums
 
     def prefetch(self, ns_id: int, keys: list[bytes], payer: Usage | None = None) -> int:
         """Start promoting the run's disk-only blocks in prefix order; returns how many were

@@ -778,6 +778,14 @@ class NvmeTier:
         c[_MISS_COUNTER[reason]] += 1
         return None
 
+    def codec_of(self, slot: int) -> int | None:
+        """The codec id of the committed record in ``slot``; None when it holds none."""
+        try:
+            table, i = self._record_table(slot)
+        except ValueError:
+            return None
+        return table.ident(i).codec if table.state[i] == LIVE else None
+
     async def read_payload_into(
         self, slot: int, key: bytes, namespace: bytes, checksum: int, out: Any
     ) -> tuple[int, int] | None:
