@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -131,6 +132,9 @@ class Engine:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=_with(engine_env(), spec.get("env", {})),
+            # vLLM's EngineCore and workers are its children: a group of their own, so that
+            # ``kill`` ends them too (killed alone, the parent left them computing, orphaned).
+            start_new_session=True,
         )
 
     def wait_file(self, path: Path, timeout_s: float = 600) -> None:
@@ -155,14 +159,22 @@ class Engine:
         return json.loads(Path(self.spec["out"]).read_text())
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        kill_group(self.proc)
 
     def tail(self, n: int = 60) -> str:
         self.log.flush()
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a process started with ``start_new_session`` and every process of its group (vLLM
+    spawns its engine core and workers; they outlive a parent killed alone), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is gone already
+        pass
+    proc.wait()
 
 
 def run_engine(spec: dict[str, Any], directory: Path, name: str) -> dict[str, Any]:

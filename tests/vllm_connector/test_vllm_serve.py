@@ -24,7 +24,7 @@ if importlib.util.find_spec("vllm") is None:
 
 from conftest import DaemonProcess, smollm2_missing
 
-from .harness import BLOCK, Engine, engine_env, engine_spec, outputs, smollm2_dir
+from .harness import BLOCK, Engine, engine_env, engine_spec, kill_group, outputs, smollm2_dir
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -88,6 +88,7 @@ class Server:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=engine_env(),
+            start_new_session=True,  # its engine's processes too end in ``stop``
         )
         deadline = time.monotonic() + 600
         while True:
@@ -129,8 +130,8 @@ class Server:
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        kill_group(self.proc)  # and whatever of its engine's processes outlived it
         self.log.close()
 
     def tail(self, n: int = 60) -> str:
