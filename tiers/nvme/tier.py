@@ -745,26 +745,13 @@ class NvmeTier:
         only for a record a lossy codec wrote, whose read yields its decoded form, verified
         against (and returning) the checksum of that form taken when it was encoded. Test ``is
         None``: a checksum may be 0."""
-        self._require_open()
-        try:
-            table, i = self._record_table(slot)
-        except ValueError:
-            table, i = None, -1
-        if table is None or table.state[i] != LIVE:
-            raise ValueError(f"read of slot {slot}, which holds no committed record")
+        table, i = self._committed(slot)
         view = memoryview(out).cast("B")
         if view.readonly:
             raise TypeError("out must be a writable buffer")
         c = self._counters
-        c["reads"] += 1
-        want = table.ident(i)  # a snapshot: the slot may be freed while the IO runs
-        asked = (key, namespace, view.nbytes)
-        if asked != (want.key, want.namespace, want.length) or checksum not in (
-            want.checksum,
-            table.committed[i],
-        ):
-            c["misses"] += 1
-            c["header_mismatches"] += 1
+        want = self._asked(table, i, key, namespace, checksum, view.nbytes)
+        if want is None:
             return None
         try:
             reason = await self._run(self._read_pool, self._io.read_record, slot, want, view)
@@ -777,6 +764,41 @@ class NvmeTier:
         c["misses"] += 1
         c[_MISS_COUNTER[reason]] += 1
         return None
+
+    def _committed(self, slot: int) -> tuple[Any, int]:
+        """(record table, index) of the committed record in ``slot``; ValueError if none."""
+        try:
+            table, i = self._record_table(slot)
+        except ValueError:
+            table, i = None, -1
+        if table is None or table.state[i] != LIVE:
+            raise ValueError(f"read of slot {slot}, which holds no committed record")
+        return table, i
+
+    def _asked(
+        self,
+        table: Any,
+        i: int,
+        key: bytes,
+        namespace: bytes,
+        checksum: int,
+        length: int | None,
+    ) -> Ident | None:
+        """A read counted, and the record's identity (a snapshot: the slot may be freed while
+        the IO runs) when it is the block asked for (key, namespace, ``length`` unless None,
+        committed or record checksum); None, a header mismatch counted as a miss, if not."""
+        c = self._counters
+        c["reads"] += 1
+        want = table.ident(i)
+        if (
+            (key, namespace) != (want.key, want.namespace)
+            or (length is not None and length != want.length)
+            or checksum not in (want.checksum, table.committed[i])
+        ):
+            c["misses"] += 1
+            c["header_mismatches"] += 1
+            return None
+        return want
 
     def codec_of(self, slot: int) -> int | None:
         """The codec id of the committed record in ``slot``; None when it holds none."""
@@ -793,23 +815,11 @@ class NvmeTier:
         into ``out`` (exactly the payload's length): (the record's decoded-form checksum, the
         payload's checksum), or None, a miss: not this block's intact fp8 record (a lossless
         record too: its block is not a payload). For a CPU tier of payloads."""
-        self._require_open()
-        try:
-            table, i = self._record_table(slot)
-        except ValueError:
-            table, i = None, -1
-        if table is None or table.state[i] != LIVE:
-            raise ValueError(f"read of slot {slot}, which holds no committed record")
+        table, i = self._committed(slot)
         view = memoryview(out).cast("B")
         c = self._counters
-        c["reads"] += 1
-        want = table.ident(i)
-        if (key, namespace) != (want.key, want.namespace) or checksum not in (
-            want.checksum,
-            table.committed[i],
-        ):
-            c["misses"] += 1
-            c["header_mismatches"] += 1
+        want = self._asked(table, i, key, namespace, checksum, None)
+        if want is None:
             return None
         try:
             got = await self._run(self._read_pool, self._io.read_payload, slot, want, view)
