@@ -148,17 +148,27 @@ def block_hashes(
 
 def pack_keys(keys: Sequence[bytes]) -> bytes:
     """Concatenate keys for the wire, checking each is exactly 32 bytes."""
-    # The common case checked in C (map, set): a lookup of 128 keys pays ~3 us, not ~35.
-    if set(map(type, keys)) <= _KEY_TYPES and set(map(len, keys)) <= {KEY_BYTES}:
-        return b"".join(keys)
+    # The common case checked in C, in two passes (join, then the set of lengths): every key
+    # has 32 items and all of them together 32 bytes each, so each is 32 bytes (an item is at
+    # least a byte). A lookup of 128 keys pays ~6 us; one more pass for the types cost ~10.
+    try:
+        packed = b"".join(keys)
+    except TypeError:
+        packed = b""
+    if len(packed) == KEY_BYTES * len(keys) and set(map(len, keys)) <= {KEY_BYTES}:
+        return packed
     for i, k in enumerate(keys):
         if not isinstance(k, bytes | bytearray) or len(k) != KEY_BYTES:
             got = len(k) if isinstance(k, bytes | bytearray) else type(k).__name__
             raise ValueError(f"key {i} must be {KEY_BYTES} bytes, got {got}")
-    return b"".join(keys)
+    raise AssertionError("unreachable: the keys passed one check and failed the other")
 
 
-_KEY_TYPES = {bytes, bytearray}
+class SplitKeys(list):  # type: ignore[type-arg]  # list[BlockKey]; generic list at run time
+    """Keys split from a packed field by ``unpack_keys``: each is 32 bytes by construction,
+    so a bound check that a request's keys are (``BlockStore.check_keys``) may skip them."""
+
+    __slots__ = ()
 
 
 def unpack_keys(packed: bytes) -> list[BlockKey]:
@@ -167,7 +177,7 @@ def unpack_keys(packed: bytes) -> list[BlockKey]:
         raise ValueError(f"packed keys are {len(packed)} bytes, not a multiple of {KEY_BYTES}")
     # BlockKey is bytes at run time: split in C by a struct of n 32-byte fields (128 keys:
     # ~5 us, against ~17 us for a list of slices); every request with keys pays this.
-    return cast(list[BlockKey], list(_key_struct(len(packed) // KEY_BYTES).unpack(packed)))
+    return cast(list[BlockKey], SplitKeys(_key_struct(len(packed) // KEY_BYTES).unpack(packed)))
 
 
 @functools.lru_cache(maxsize=64)

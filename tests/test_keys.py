@@ -137,6 +137,23 @@ def test_pack_and_unpack_validate_lengths() -> None:
         unpack_keys(b"x" * 33)
 
 
+def test_pack_keys_takes_bytes_like_keys_of_32_bytes_and_names_any_other() -> None:
+    # The fast check is one join and the set of lengths: a key of 32 items that is not 32
+    # bytes (a 32-element uint16 array: 64 bytes), even beside one that makes the total come
+    # out right, is still refused by its index; so are a str and a missing key.
+    keys = block_hashes(NS.seed, list(range(32)))
+    packed = pack_keys([bytearray(keys[0]), memoryview(keys[1])])
+    assert packed == keys[0] + keys[1]
+    wide = np.frombuffer(keys[0] + keys[1], dtype=np.uint16)  # 32 items, 64 bytes
+    with pytest.raises(ValueError, match="key 0 must be 32 bytes, got ndarray"):
+        pack_keys([wide, b""])
+    with pytest.raises(ValueError, match="key 1 must be 32 bytes, got str"):
+        pack_keys([keys[0], "x" * 32])
+    with pytest.raises(ValueError, match="key 0 must be 32 bytes, got NoneType"):
+        pack_keys([None])
+    assert pack_keys([]) == b""
+
+
 def test_bad_token_ids_raise() -> None:
     with pytest.raises(ValueError, match="1-D"):
         block_hashes(NS.seed, [[1, 2], [3, 4]])

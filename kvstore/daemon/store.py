@@ -55,6 +55,7 @@ import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import TYPE_CHECKING, cast
 
 from kvstore.checksum import block_checksum
@@ -78,7 +79,7 @@ from kvstore.errors import (
     UnknownNamespaceError,
 )
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, IN_REDIS, BlockIndex, State
-from kvstore.keys import KEY_BYTES, Namespace
+from kvstore.keys import KEY_BYTES, Namespace, SplitKeys
 from kvstore.policy import EvictionPolicy, make_policy
 from kvstore.tiers.codecs import (
     CODEC_FP8,
@@ -99,6 +100,16 @@ if TYPE_CHECKING:
 
 _COMMITTED = bytes([State.COMMITTED])  # leading_run: the state byte of a committed entry
 # lookup's hit counts: tier byte -> 1 where the block is in the GPU tier / in CPU but not GPU.
+
+
+def _gather(field: bytearray, eids: list[int]) -> bytes:
+    """``field[eid]`` of each entry, in order, gathered in C (``itemgetter`` of n > 1 indices
+    gives a tuple: ~2.4x faster than ``bytes(map(field.__getitem__, eids))`` at 128)."""
+    if len(eids) > 1:
+        return bytes(itemgetter(*eids)(field))
+    return bytes([field[eids[0]]]) if eids else b""
+
+
 _IS_GPU = bytes(1 if t & IN_GPU else 0 for t in range(256))
 _IS_CPU_ONLY = bytes(1 if t & IN_CPU and not t & IN_GPU else 0 for t in range(256))
 
@@ -392,7 +403,9 @@ class BlockStore:
                 f"{what}: {len(keys)} keys, more than limits.max_keys_per_request "
                 f"({self.limits.max_keys_per_request})"
             )
-        if set(map(len, keys)) <= {KEY_BYTES}:  # in C: the common case
+        # Keys split from a request's packed field are 32 bytes each by construction; others
+        # are measured in C (map, set): the common case.
+        if type(keys) is SplitKeys or set(map(len, keys)) <= {KEY_BYTES}:
             return
         for i, key in enumerate(keys):
             if len(key) != KEY_BYTES:
@@ -433,10 +446,13 @@ class BlockStore:
 
     def leading_run(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
         # Every lookup and acquire walks its keys here: the walk runs in C (map over the dict,
-        # then over the state bytes), ~4x faster than a Python loop for 128 keys.
+        # then one gather of the state bytes), ~4x faster than a Python loop for 128 keys.
         found = list(map(self.index.ids_of(ns_id).get, keys))
-        eids = cast(list[int], found[: found.index(None)] if None in found else found)
-        states = bytes(map(self.index.state.__getitem__, eids))
+        try:
+            eids = cast(list[int], found[: found.index(None)])
+        except ValueError:  # every key is indexed
+            eids = cast(list[int], found)
+        states = _gather(self.index.state, eids)
         del eids[len(states) - len(states.lstrip(_COMMITTED)) :]
         return eids
 
@@ -458,7 +474,7 @@ class BlockStore:
         record.lookup_hits += found
         record.lookup_misses += len(keys) - found
         tiers = self.index.tier
-        run_tiers = bytes(map(tiers.__getitem__, run))  # counted in C, by translation tables
+        run_tiers = _gather(tiers, run)  # counted in C, by translation tables
         in_gpu = run_tiers.translate(_IS_GPU).count(1)
         in_cpu = run_tiers.translate(_IS_CPU_ONLY).count(1)
         if self.device.enabled:
