@@ -509,7 +509,7 @@ class SlabAllocator:
     def free_slots(self, block_bytes: int, domain: int = 0) -> int:
         """Slots a class could still hand out without eviction: its own free slots (draining
         slabs' excluded) plus those of every unassigned slab it fits. O(1)."""
-        slot = self.slot_bytes_for(block_bytes)
+        slot = (block_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN  # slot_bytes_for
         if slot > self.slab_bytes:
             return 0
         cls = self._classes.get((slot, domain))
@@ -529,8 +529,9 @@ class SlabAllocator:
         """A free slot's offset in a slab of ``domain`` (a tenant's memory: slabs are never
         shared between domains), or None (see the class docstring). ValueError if the block
         cannot fit a slab at all."""
-        self.check_fits(block_bytes)
-        slot = self.slot_bytes_for(block_bytes)
+        slot = (block_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN  # slot_bytes_for
+        if slot > self.slab_bytes:
+            self.check_fits(block_bytes)  # raises, naming the sizes
         cls = self._classes.get((slot, domain))
         if cls is None or not cls.partial:
             s = self._take_unassigned(slot, domain)
