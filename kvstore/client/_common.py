@@ -21,7 +21,7 @@ import torch
 import xxhash
 
 from kvstore.checksum import checksum_seed, seeded_checksum
-from kvstore.client._parallel import each_block
+from kvstore.client._parallel import SPLIT_MIN_BYTES, each_block
 from kvstore.client.session import ClientSession, SlabUnavailable
 from kvstore.errors import ERRORS_BY_NAME, KVStoreError, UnavailableError
 from kvstore.keys import Namespace, pack_keys
@@ -294,19 +294,37 @@ class MappedArena:
         meanwhile can make it vouch for other bytes."""
         nbytes = rows.shape[1]
         rows_np = rows.numpy()
-        todo = []  # (row, destination, seed): every slot resolved before any copy
+        todo = []  # (source, destination, seed): every slot resolved before any copy
+        uid, slab = -1, None  # the slab of the previous slot: most of a batch's share one
         for i, address in enumerate(offsets):
             if address < 0:
                 continue
-            slab, offset = self._where(address, nbytes)
-            if not slab.writable:
-                raise KVStoreError("the daemon reserved a slot in memory this client may only read")
-            todo.append((i, slab.np[offset : offset + nbytes], seeds[i]))
+            if address >> 32 != uid:
+                slab, _ = self._where(address, nbytes)
+                if not slab.writable:
+                    raise KVStoreError(
+                        "the daemon reserved a slot in memory this client may only read"
+                    )
+                uid = address >> 32
+            assert slab is not None
+            offset = address & 0xFFFFFFFF
+            if offset + nbytes > slab.size:
+                raise KVStoreError(f"daemon handed out slot {address:#x}+{nbytes} outside its slab")
+            todo.append((rows_np[i], slab.np[offset : offset + nbytes], seeds[i]))
+        if nbytes <= PASS_CHUNK_BYTES and len(todo) * nbytes < SPLIT_MIN_BYTES:
+            # Small blocks, one thread (as ``each_block`` would run them): the loop inlined,
+            # each block hashed from the source and then copied (``copy_hashing_source``).
+            digest, copyto = xxhash.xxh3_64_intdigest, np.copyto
+            sums = []
+            for src, dst, seed in todo:
+                sums.append(digest(src, seed=seed))
+                copyto(dst, src)
+            return sums
         checksums = [0] * len(todo)
 
         def copy(j: int) -> None:
-            i, dst, seed = todo[j]
-            checksums[j] = copy_hashing_source(dst, rows_np[i], seed)
+            src, dst, seed = todo[j]
+            checksums[j] = copy_hashing_source(dst, src, seed)
 
         each_block(len(todo), len(todo) * nbytes, copy)
         return checksums
