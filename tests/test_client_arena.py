@@ -75,3 +75,21 @@ def test_copy_in_refuses_a_slot_outside_its_slab_or_in_read_only_memory_before_c
     finally:
         arena.close()
         slabs.close()
+
+
+def test_seeds_are_checksum_seed_of_each_key() -> None:
+    """``seeds_for`` inlines ``checksum_seed``: the seeds a put and a get use must be the
+    ones every other path computes, for each namespace and key."""
+    from kvstore.checksum import checksum_seed
+    from kvstore.client._common import seeds_for
+    from kvstore.keys import Namespace
+    from kvstore.layout import KVLayout
+
+    keys = [os.urandom(32) for _ in range(5)]
+    for model in ("a", "b"):
+        ns = Namespace(model=model, layout=KVLayout(2, 4, 64, 16))
+        for _ in range(2):  # the second time from the cached fingerprint
+            assert seeds_for(ns, keys) == [checksum_seed(ns.fingerprint, k) for k in keys]
+    assert seeds_for(Namespace(model="a", layout=KVLayout(2, 4, 64, 16)), [bytearray(keys[0])]) == [
+        checksum_seed(Namespace(model="a", layout=KVLayout(2, 4, 64, 16)).fingerprint, keys[0])
+    ]
