@@ -5,10 +5,11 @@ come from this tree and import ``kvstore`` from the tree under test (``PYTHONPAT
 sides run the same measurement code. Runs alternate (A B, then B A, ...) so that load from
 other processes hits both alike, and each figure is the median over ``--runs`` runs. The
 figures: ``bench_transfer`` (shm put/get GB/s and their ratio to memcpy, 64 KiB and 2 MiB
-blocks, batches of 32), ``bench_lookup`` (lookup of 128 keys, p50 us) and
-``bench_store_share`` (lookup + load of a 120-block prefix, ms). A figure a revision does not
-report (an older script) is left blank. ``KVSTORE_LOCAL_CALLS=0`` in ``--env-after`` measures
-the after side without local calls (what the other steps bought alone).
+blocks, batches of 32, in the steady state; the first write's put and the cost of a client
+mapping a slab, per MiB and against memcpy, reported apart), ``bench_lookup`` (lookup of 128
+keys, p50 us) and ``bench_store_share`` (lookup + load of a 120-block prefix, ms). A figure a
+revision does not report (an older script) is left blank. ``KVSTORE_LOCAL_CALLS=0`` in
+``--env-after`` measures the after side without local calls (what the other steps bought alone).
 """
 
 from __future__ import annotations
@@ -36,13 +37,17 @@ def figures(name: str, doc: dict[str, Any]) -> dict[str, float]:
     if name == "transfer":
         for size, label in ((str(64 << 10), "64KiB"), (str(2 << 20), "2MiB")):
             res = doc["results"].get(size, {})
-            for path in ("memcpy", "shm_put", "shm_get"):
+            for path in ("memcpy", "shm_put", "shm_get", "shm_put_first"):
                 if path in res:
                     out[f"{path} {label} GB/s"] = res[path]["gbps"]
             if "memcpy" in res:
-                for path in ("shm_put", "shm_get"):
+                for path in ("shm_put", "shm_get", "shm_put_first"):
                     if path in res:
                         out[f"{path} {label} / memcpy"] = res[path]["gbps"] / res["memcpy"]["gbps"]
+            first_map = (doc.get("first_map") or {}).get(size)
+            if first_map:
+                out[f"first map {label} ms/MiB"] = first_map["ms_per_mib"]
+                out[f"first map {label} x memcpy"] = first_map["of_memcpy"]
     elif name == "lookup":
         out["lookup(128) p50 us"] = doc["us"]["lookup128"]["median"]
         out["empty gRPC call p50 us"] = doc["us"]["empty"]["median"]

@@ -139,6 +139,48 @@ class BlockIndex:
         self._count += 1
         return eid
 
+    def add_many(
+        self, keys: list[bytes], ns: int, tier: int, offsets: list[int], priority: int
+    ) -> list[int]:
+        """``add`` of each ``keys[j]`` at ``offsets[j]`` (the same tier and priority): their
+        entry ids, in order. Neither in ``ns`` already nor repeated, or nothing is added."""
+        ids = self._ids.setdefault(ns, {})
+        if len(set(keys)) != len(keys) or not ids.keys().isdisjoint(keys):
+            if not ids:
+                del self._ids[ns]
+            raise AssertionError("key already indexed")
+        free, all_keys = self._free_ids, self._keys
+        state, tiers, prio, nss = self.state, self.tier, self.priority, self.ns
+        leases, offset_of, disk, checksum = self.leases, self.offset, self.disk, self.checksum
+        eids = []
+        for key, offset in zip(keys, offsets, strict=True):
+            if free:
+                eid = free.pop()
+                all_keys[eid] = key
+                state[eid] = State.RESERVED
+                tiers[eid] = tier
+                prio[eid] = priority
+                nss[eid] = ns
+                leases[eid] = 0
+                offset_of[eid] = offset
+                disk[eid] = -1
+                checksum[eid] = 0
+            else:
+                eid = len(all_keys)
+                all_keys.append(key)
+                state.append(State.RESERVED)
+                tiers.append(tier)
+                prio.append(priority)
+                nss.append(ns)
+                leases.append(0)
+                offset_of.append(offset)
+                disk.append(-1)
+                checksum.append(0)
+            ids[key] = eid
+            eids.append(eid)
+        self._count += len(eids)
+        return eids
+
     def commit(self, eid: int, checksum: int) -> None:
         if self.state[eid] != State.RESERVED:
             raise AssertionError(f"commit of entry {eid} in state {State(self.state[eid]).name}")

@@ -61,6 +61,27 @@ class LinkedQueue:
         self.tail = eid
         self.size += 1
 
+    def push_tail_many(self, eids: Sequence[int]) -> None:
+        """``push_tail`` of each id in order (none queued yet, none repeated)."""
+        if not eids:
+            return
+        self._grow(max(eids))
+        member, prev, nxt = self._member, self._prev, self._next
+        if len(set(eids)) != len(eids) or any(member[e] for e in eids):
+            raise AssertionError("an entry is already queued")
+        tail = self.tail
+        for eid in eids:
+            member[eid] = 1
+            prev[eid] = tail
+            if tail == _NIL:
+                self.head = eid
+            else:
+                nxt[tail] = eid
+            tail = eid
+        nxt[tail] = _NIL
+        self.tail = tail
+        self.size += len(eids)
+
     def unlink(self, eid: int) -> None:
         if eid not in self:
             raise AssertionError(f"entry {eid} is not queued")
@@ -102,6 +123,13 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def touch(self, eids: Sequence[int]) -> None: ...
 
+    def insert_touched(self, eids: Sequence[int], priorities: Sequence[int]) -> None:
+        """New ids just written, as one batch: ``insert`` of each, then ``touch(eids)``. The
+        policies below do it in one pass over the batch."""
+        for eid, priority in zip(eids, priorities, strict=True):
+            self.insert(eid, priority)
+        self.touch(eids)
+
     @abstractmethod
     def order(self) -> Iterator[int]:
         """Every tracked id, the first to evict first."""
@@ -137,6 +165,14 @@ class LruPolicy(EvictionPolicy):
         for eid in eids:
             self._queue.move_to_tail(eid)
 
+    def insert_touched(self, eids: Sequence[int], priorities: Sequence[int]) -> None:
+        # Inserting puts each new id at the tail and touching moves each to the tail again:
+        # they end at the tail in touch order, which is where one push each puts them.
+        self._queue.push_tail_many(self._touch_order(eids))
+
+    def _touch_order(self, eids: Sequence[int]) -> Sequence[int]:
+        return eids
+
     def order(self) -> Iterator[int]:
         return iter(self._queue)
 
@@ -154,6 +190,9 @@ class PrefixAwareLruPolicy(LruPolicy):
     def touch(self, eids: Sequence[int]) -> None:
         for eid in reversed(eids):
             self._queue.move_to_tail(eid)
+
+    def _touch_order(self, eids: Sequence[int]) -> Sequence[int]:
+        return eids[::-1]
 
 
 class PriorityLruPolicy(EvictionPolicy):
@@ -181,6 +220,23 @@ class PriorityLruPolicy(EvictionPolicy):
 
     def remove(self, eid: int) -> None:
         self._queues[self._priority[eid]].unlink(eid)
+
+    def insert_touched(self, eids: Sequence[int], priorities: Sequence[int]) -> None:
+        if len(set(priorities)) != 1 or len(priorities) != len(eids):  # several queues
+            super().insert_touched(eids, priorities)
+            return
+        priority = priorities[0]
+        if not 0 <= priority <= self.MAX_PRIORITY:
+            raise ValueError(f"priority must be in [0, {self.MAX_PRIORITY}], got {priority}")
+        top = max(eids)
+        if top >= len(self._priority):
+            self._priority.extend(bytes(max(top + 1 - len(self._priority), 1024)))
+        queue = self._queues.get(priority)
+        if queue is None:
+            queue = self._queues[priority] = LinkedQueue()
+        queue.push_tail_many(eids[::-1])  # as ``touch``: the batch's first id hottest
+        for eid in eids:
+            self._priority[eid] = priority
 
     def touch(self, eids: Sequence[int]) -> None:
         for eid in reversed(eids):

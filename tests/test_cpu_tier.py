@@ -14,7 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.tiers.cpu import HEADER_BYTES, SLOT_ALIGN, SharedMemoryArena, SlabAllocator
+from kvstore.tiers.cpu import (
+    HEADER_BYTES,
+    SLOT_ALIGN,
+    SharedMemoryArena,
+    SlabAllocator,
+    huge_pages_on_advice,
+    shmem_thp_mode,
+)
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -308,3 +315,59 @@ def test_class_free_slots_counts_only_the_slabs_a_class_holds() -> None:
     assert alloc.class_free_slots(4096) == 0  # a draining slab's slots are not offered
     alloc.end_drain(alloc.slab_of(a))
     assert alloc.class_free_slots(4096) == 3
+
+
+# ----------------------------------------------------------------- huge pages
+
+
+def test_the_shmem_thp_mode_is_the_marked_word() -> None:
+    assert shmem_thp_mode("always within_size [advise] never deny force\n") == "advise"
+    assert shmem_thp_mode("always within_size advise [never] deny force") == "never"
+    assert shmem_thp_mode("[always] never") == "always"
+    assert shmem_thp_mode("") == "never"
+
+
+def _pmd_mapped_kib(address: int) -> int:
+    """``ShmemPmdMapped`` of this process's mapping that starts at ``address``."""
+    with open("/proc/self/smaps", encoding="ascii") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == address
+            elif inside and head == "ShmemPmdMapped:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_a_slab_asked_for_huge_pages_holds_blocks_and_maps_them_with_few_entries() -> None:
+    """A slab whose pages were allocated through a mapping advised ``MADV_HUGEPAGE`` is as
+    any other: backed, sealed, its bytes the daemon's, zeros once retired. Where the kernel
+    gives shared memory huge pages on advice (``shmem_enabled`` = ``advise``), a client then
+    maps it 2 MiB a page-table entry (what made mapping a slab ~200x cheaper)."""
+    import ctypes
+    import mmap
+
+    arena = SharedMemoryArena(HEADER_BYTES + 8 * MiB, huge_pages=True)
+    try:
+        alloc = SlabAllocator(arena.size_bytes, 4 * MiB, back=arena.back)
+        arena.slab_bytes = alloc.slab_bytes
+        a = alloc.allocate(4 * MiB, domain=1)
+        assert a is not None
+        arena.view[a : a + 4 * MiB] = bytes(range(256)) * (4 * MiB // 256)
+        uid = arena.address(a) >> 32
+        fd = arena.export(uid, writable=True)
+        client = mmap.mmap(fd, 4 * MiB, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        os.close(fd)
+        assert client[:] == bytes(range(256)) * (4 * MiB // 256)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(client))
+        if huge_pages_on_advice() and address % (2 * MiB) == 0:
+            assert _pmd_mapped_kib(address) == 4 * 1024
+        alloc.free(a, 4 * MiB)
+        b = alloc.allocate(4 * MiB, domain=2)  # another tenant: the old file's pages go
+        assert b == a and arena.address(b) >> 32 != uid
+        assert client[:] == bytes(4 * MiB)
+        client.close()
+        alloc.check()
+    finally:
+        arena.close()

@@ -138,3 +138,43 @@ def test_linked_queue_orders_and_grows() -> None:
     assert list(q) == [3, 70, 5000]
     q.unlink(70)
     assert list(q) == [3, 5000] and q.size == 2 and 70 not in q
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(sorted(POLICIES)),
+    before=st.lists(st.integers(0, 40), unique=True, max_size=12),
+    batch=st.lists(st.integers(41, 3000), unique=True, min_size=1, max_size=40),
+    priority=st.integers(0, 3),
+    touched=st.lists(st.integers(0, 40), max_size=6),
+)
+def test_inserting_a_batch_as_touched_is_insert_then_touch(
+    name: str, before: list[int], batch: list[int], priority: int, touched: list[int]
+) -> None:
+    """A commit inserts its batch in one pass (``insert_touched``): the eviction order is the
+    one ``insert`` of each id and then ``touch`` of the batch gives, whatever was queued."""
+    one, many = make_policy(name), make_policy(name)
+    for p in (one, many):
+        for i, eid in enumerate(before):
+            p.insert(eid, i % 3)
+        p.touch([e for e in touched if e in before])
+    for eid in batch:
+        one.insert(eid, priority)
+    one.touch(batch)
+    many.insert_touched(batch, [priority] * len(batch))
+    assert list(many.order()) == list(one.order()) and len(many) == len(one)
+    mixed = make_policy(name)  # several priorities in one batch: the same, one id at a time
+    mixed.insert_touched(batch, [i % 2 for i in range(len(batch))])
+    assert sorted(mixed.order()) == sorted(batch)
+
+
+def test_a_batch_with_a_queued_id_changes_nothing() -> None:
+    q = LinkedQueue()
+    q.push_tail(5)
+    with pytest.raises(AssertionError):
+        q.push_tail_many([7, 5])
+    with pytest.raises(AssertionError):
+        q.push_tail_many([7, 7])
+    assert list(q) == [5] and q.size == 1
+    q.push_tail_many([9, 2000])
+    assert list(q) == [5, 9, 2000] and q.tail == 2000

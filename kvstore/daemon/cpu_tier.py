@@ -79,6 +79,14 @@ class CpuSlots:
         if clean:
             self.clean_bytes += block_bytes
 
+    def place_dirty(self, eids: list[int], offsets: list[int]) -> None:
+        """``place`` of each ``eids[j]`` in ``offsets[j]``, none with a disk copy yet."""
+        owner = self._owner
+        if not owner.keys().isdisjoint(offsets) or len(set(offsets)) != len(offsets):
+            taken = next(o for o in offsets if o in owner or offsets.count(o) > 1)
+            raise AssertionError(f"slot {taken} already holds entry {owner.get(taken)}")
+        owner.update(zip(offsets, eids, strict=True))
+
     def vacate(self, offset: int, block_bytes: int, clean: bool) -> None:
         """The copy in ``offset`` goes: the slot is free again."""
         del self._owner[offset]

@@ -74,11 +74,16 @@ async def make_room(
     stuck: set[int] = set()  # slabs that could not be drained this call
     try:
         while True:
-            while len(slots) < n and allocator.free_slots(block_bytes, domain):
-                offset = tier.take_slot(block_bytes, domain)
-                if offset is None:  # a slab could not be backed: fewer free slots now
+            # Each slot taken is one free slot fewer, so ``free_slots`` is asked once a run.
+            while len(slots) < n and (free := allocator.free_slots(block_bytes, domain)):
+                taken = len(slots)
+                for _ in range(min(free, n - taken)):
+                    offset = tier.take_slot(block_bytes, domain)
+                    if offset is None:  # a slab could not be backed: fewer free slots now
+                        break
+                    slots.append(offset)
+                if len(slots) - taken < min(free, n - taken):
                     break
-                slots.append(offset)
             if len(slots) >= n:
                 return slots
             short = n - len(slots)

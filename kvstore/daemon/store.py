@@ -423,11 +423,15 @@ class BlockStore:
         still are then."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, min(wait_s, self.limits.write_wait_s))
+        state = self.index.state
         while True:
             pending = []
+            ids = self.index.ids_of(ns_id)  # anew after each wait: the namespace's may be new
+            if ids.keys().isdisjoint(keys):  # all new (the common case of a put)
+                return 0
             for key in keys:
-                eid = self.index.get(ns_id, key)
-                if eid is not None and self.index.state[eid] == State.RESERVED:
+                eid = ids.get(key)
+                if eid is not None and state[eid] == State.RESERVED:
                     waiter = self._written.get(eid)
                     if waiter is None:
                         waiter = self._written[eid] = loop.create_future()
@@ -810,15 +814,18 @@ class BlockStore:
     ) -> int:
         """RESERVED entries for ``keys[todo[j]]`` in ``slots[j]`` (arena or, ``gpu``, pool
         slots), noted in ``offsets``; returns the new reservation's id. No await."""
-        eids = []
         ns_id = handle.ns_id
-        for i, offset in zip(todo, slots, strict=False):
-            if gpu:
+        if gpu:
+            eids = []
+            for i, offset in zip(todo, slots, strict=False):
                 eid = self.add_entry(keys[i], ns_id, 0, -1, priority)
                 self.device.place(eid, offset)
-            else:
-                eid = self.add_entry(keys[i], ns_id, IN_CPU, offset, priority)
-            eids.append(eid)
+                eids.append(eid)
+        else:
+            eids = self._add_cpu_entries(
+                [keys[i] for i in todo], ns_id, slots[: len(todo)], priority
+            )
+        for i, offset in zip(todo, slots, strict=False):
             offsets[i] = offset
         reservation_id = handle.new_id(handle.reservations)
         arena_slots = [] if gpu else list(slots[: len(eids)])
@@ -845,6 +852,21 @@ class BlockStore:
         self._reserved_blocks += 1
         return eid
 
+    def _add_cpu_entries(
+        self, keys: list[bytes], ns_id: int, slots: list[int], priority: int
+    ) -> list[int]:
+        """``add_entry`` of each ``keys[j]`` in CPU slot ``slots[j]``, as one batch."""
+        record = self.names[ns_id]
+        eids = self.index.add_many(keys, ns_id, IN_CPU, slots, priority)
+        self.cpu_slots.place_dirty(eids, slots)
+        n = len(eids)
+        self.quotas.charge_cpu(record, n * record.cpu_bytes)
+        if record.cpu_codec:
+            self.cpu_slots.payload_savings += n * (record.block_bytes - record.cpu_bytes)
+        record.entries += n
+        self._reserved_blocks += n
+        return eids
+
     async def _reserve_gpu(
         self, handle: Handle, keys: Sequence[bytes], priority: int, offsets: list[int]
     ) -> int | None:
@@ -870,10 +892,13 @@ class BlockStore:
 
     def _new_positions(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
         """Positions of the keys to write: not indexed, first occurrence in the call."""
+        ids = self.index.ids_of(ns_id)
+        if len(set(keys)) == len(keys):  # no repeats (the common case): one test a key
+            return [i for i, key in enumerate(keys) if key not in ids]
         todo: list[int] = []
         seen: set[bytes] = set()
         for i, key in enumerate(keys):
-            if key not in seen and self.index.get(ns_id, key) is None:
+            if key not in seen and key not in ids:
                 todo.append(i)
             seen.add(key)
         return todo
@@ -932,15 +957,14 @@ class BlockStore:
         eids = reservation.eids
         for eid, payload_sum in zip(eids, payload_checksums, strict=False):
             self.payload_sums[eid] = payload_sum
-        for eid, checksum in zip(eids, given, strict=True):
-            self._commit_entry(eid, 0 if reservation.gpu else checksum)
-            if reservation.gpu:
-                self.device.mark(eid, checksum)  # the host checksum is made with a CPU copy
         if reservation.gpu:
+            for eid, checksum in zip(eids, given, strict=True):
+                self._commit_entry(eid, 0)
+                self.device.mark(eid, checksum)  # the host checksum is made with a CPU copy
             self.device.policy.touch(eids)
             self.device.note_committed(eids)
         else:
-            self.policy.touch(eids)
+            self._commit_cpu_entries(eids, given)
             self.mover.note_committed(eids)
             self.shared.note_committed(eids)
         return len(eids)
@@ -958,7 +982,8 @@ class BlockStore:
         """``commit``, acknowledged as ``nvme.durable_puts`` asks: with it, only once every
         block of the reservation is on disk and fdatasync'd (UnavailableError otherwise: the
         blocks are then readable but not durable, and the caller may retry the put)."""
-        reservation = handle.reservations.get(reservation_id)
+        durable = self.config.nvme.durable_puts and self.nvme is not None
+        reservation = handle.reservations.get(reservation_id) if durable else None
         eids = list(reservation.eids) if reservation is not None else []
         keys = [self.index.key(e) for e in eids]
         committed = self.commit(
@@ -970,7 +995,7 @@ class BlockStore:
             payload_bytes,
             payload_checksums,
         )
-        if self.config.nvme.durable_puts and self.nvme is not None and eids:
+        if durable and eids:
             await self.persist(handle.ns_id, eids, keys)
         return committed
 
@@ -1001,6 +1026,30 @@ class BlockStore:
         self._reserved_blocks -= 1
         self.names[self.index.ns[eid]].blocks += 1
         self._note_written(eid)
+
+    def _commit_cpu_entries(self, eids: list[int], checksums: Sequence[int]) -> None:
+        """``_commit_entry`` of a CPU reservation's entries (one namespace), then the policy's
+        ``touch`` of them, as one batch."""
+        index = self.index
+        if not eids:
+            return
+        state, checksum_of = index.state, index.checksum
+        for eid in eids:
+            if state[eid] != State.RESERVED or not index.tier[eid] & IN_CPU:
+                raise AssertionError(
+                    f"commit of entry {eid} in state {State(state[eid]).name}, tier "
+                    f"{index.tier[eid]}: a CPU reservation's entries are RESERVED in the CPU tier"
+                )
+        for eid, checksum in zip(eids, checksums, strict=True):
+            state[eid] = State.COMMITTED
+            checksum_of[eid] = checksum
+        priority = index.priority
+        self.policy.insert_touched(eids, [priority[e] for e in eids])
+        self._reserved_blocks -= len(eids)
+        self.names[index.ns[eids[0]]].blocks += len(eids)
+        if self._written:  # someone waits for a block being written
+            for eid in eids:
+                self._note_written(eid)
 
     def commit_fetched(self, eid: int, checksum: int) -> None:
         """Make a block fetched from the shared tier into a RESERVED entry visible (the same
