@@ -127,6 +127,31 @@ def test_a_slab_passing_to_another_domain_gets_fresh_sealed_memory() -> None:
         arena.close()
 
 
+def test_the_addresses_of_a_batch_are_each_slots_address() -> None:
+    """A reply names its slots in one pass (``addresses``): each is the slot's own ``address``
+    (its slab file's uid and the offset in it), across slabs, and a missing slot (-1) or a GPU
+    pool slot is passed on as it is."""
+    arena = SharedMemoryArena(HEADER_BYTES + 4 * MiB)
+    try:
+        alloc = SlabAllocator(arena.size_bytes, 1 * MiB, back=arena.back)
+        arena.slab_bytes = alloc.slab_bytes
+        slots = [alloc.allocate(256 * KiB, domain=0) for _ in range(9)]  # three slabs
+        assert all(s is not None for s in slots)
+        offsets = [s for s in slots if s is not None]
+        assert len({arena.address(o) >> 32 for o in offsets}) == 3
+        assert arena.addresses(offsets) == [arena.address(o) for o in offsets]
+        mixed = [offsets[0], -1, 4096, offsets[5]]
+        on_gpu = [False, False, True, False]
+        assert arena.addresses(mixed, on_gpu) == [
+            arena.address(offsets[0]),
+            -1,
+            4096,
+            arena.address(offsets[5]),
+        ]
+    finally:
+        arena.close()
+
+
 # ----------------------------------------------------------------- 2. mixed block sizes
 
 

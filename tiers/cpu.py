@@ -57,7 +57,7 @@ import heapq
 import mmap
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 HEADER_BYTES = 4096
@@ -279,6 +279,19 @@ class SharedMemoryArena:
         base = HEADER_BYTES + (offset - HEADER_BYTES) // self.slab_bytes * self.slab_bytes
         f = self._files[base]
         return (f.uid << 32) | (offset - base)
+
+    def addresses(self, offsets: Sequence[int], on_gpu: Sequence[bool] | None = None) -> list[int]:
+        """``address`` of each offset, in one pass (a batch's replies name every slot); an
+        offset below 0, or one ``on_gpu`` marks (a GPU pool slot), is passed on as it is."""
+        header, slab, files = HEADER_BYTES, self.slab_bytes, self._files
+        out = []
+        for i, offset in enumerate(offsets):
+            if offset < 0 or (on_gpu is not None and on_gpu[i]):
+                out.append(offset)
+                continue
+            base = header + (offset - header) // slab * slab
+            out.append((files[base].uid << 32) | (offset - base))
+        return out
 
     def file(self, uid: int) -> tuple[int, SlabFile] | None:
         """(base offset, file) of a live slab file, None if ``uid`` was retired or never was."""

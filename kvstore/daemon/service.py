@@ -244,10 +244,6 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             )
         return handle
 
-    def _address(self, offset: int) -> int:
-        """What a client is told for a CPU slot (the slab file's uid and the offset in it)."""
-        return self.store.arena.address(offset) if offset >= 0 else offset
-
     def _keys(self, packed: bytes) -> list[bytes]:
         return _keys(packed, self.limits.max_keys_per_request)
 
@@ -330,7 +326,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             gpu=request.gpu,
             wait_s=remaining_s(context),
         )
-        offsets = result.offsets if result.gpu else [self._address(o) for o in result.offsets]
+        offsets = result.offsets if result.gpu else self.store.arena.addresses(result.offsets)
         return pb.ReserveResponse(
             reservation_id=result.reservation_id,
             offsets=offsets,
@@ -374,10 +370,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         )
         if request.prefetch and len(result.offsets) < len(keys):
             self._prefetch(handle, keys[len(result.offsets) :], request.gpu)
-        offsets = [
-            o if gpu else self._address(o)
-            for o, gpu in zip(result.offsets, result.on_gpu, strict=True)
-        ]
+        offsets = self.store.arena.addresses(result.offsets, result.on_gpu)
         return pb.AcquireResponse(
             lease_id=result.lease_id,
             offsets=offsets,
