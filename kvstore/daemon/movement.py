@@ -22,7 +22,7 @@ from kvstore.checksum import block_checksum
 from kvstore.daemon.room import TierSlots, make_room
 from kvstore.errors import CapacityError
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, State
-from kvstore.tiers.codecs import LOSSY, block_format_of, encode_payload
+from kvstore.tiers.codecs import LOSSY, BlockFormat, block_format_of, encode_payload
 
 if TYPE_CHECKING:
     from kvstore.daemon.namespaces import NamespaceRecord
@@ -34,6 +34,19 @@ log = logging.getLogger(__name__)
 # The CPU and NVMe bits: a CPU block is dirty when it has no disk copy (a GPU copy above it
 # does not make it durable).
 _LOCAL = IN_CPU | IN_NVME
+
+
+def encode_payload_privately(
+    block: Any, fmt: BlockFormat, slot: memoryview, namespace: bytes, key: bytes
+) -> tuple[int, int]:
+    """``codecs.encode_payload`` of ``block`` into an arena ``slot``, encoded and hashed in
+    private memory and only then copied into the slot: the checksums vouch for this block
+    whatever else writes into the shared slot meanwhile (a stalled writer's late copy), as a
+    client's put does (``kvstore.client.payloads``). Blocks: run it off the loop."""
+    private = memoryview(bytearray(slot.nbytes))
+    sums = encode_payload(block, fmt, private, namespace, key)
+    slot[:] = private
+    return sums
 
 
 class Mover:
@@ -646,7 +659,7 @@ class Mover:
                     if not first.cpu_codec:
                         reads.append(tier.read_into_checked(*args))
                     elif tier.codec_of(disk) in LOSSY:
-                        reads.append(tier.read_payload_into(*args))
+                        reads.append(self._read_payload(tier, *args))
                     else:
                         reads.append(self._read_encoded(tier, first, *args))
                 oks = await asyncio.gather(*reads, return_exceptions=True)
@@ -683,6 +696,20 @@ class Mover:
         return results
 
     @staticmethod
+    async def _read_payload(
+        tier: Any, disk: int, key: bytes, fp: bytes, checksum: int, out: memoryview
+    ) -> tuple[int, int] | None:
+        """An fp8 record's payload promoted into a CPU tier of payloads: read, and its checksum
+        taken, in private memory, then copied into the arena slot ``out`` (the checksum vouches
+        for what came from disk, whatever writes into the shared slot meanwhile). (Its
+        decoded-form checksum, its payload checksum); None: a miss."""
+        private = bytearray(out.nbytes)
+        got: tuple[int, int] | None = await tier.read_payload_into(disk, key, fp, checksum, private)
+        if got is not None:
+            await asyncio.to_thread(out.__setitem__, slice(None), private)
+        return got
+
+    @staticmethod
     async def _read_encoded(
         tier: Any,
         record: NamespaceRecord,
@@ -704,7 +731,7 @@ class Mover:
         if await tier.read_into_checked(disk, key, fp, checksum, block) is None:
             return None
         sums: tuple[int, int] = await asyncio.to_thread(
-            encode_payload, memoryview(block), fmt, out, fp, key
+            encode_payload_privately, memoryview(block), fmt, out, fp, key
         )
         return sums
 

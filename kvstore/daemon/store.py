@@ -87,7 +87,6 @@ from kvstore.tiers.codecs import (
     block_format_of,
     codec_id,
     decode,
-    encode_payload,
     plan,
 )
 from kvstore.tiers.cpu import SharedMemoryArena, SlabAllocator
@@ -1067,7 +1066,11 @@ class BlockStore:
         fmt = block_format_of(record.namespace.layout) if record.namespace else None
         try:
             assert fmt is not None  # a namespace with an fp8 cpu codec has a known format
-            sums = await asyncio.to_thread(encode_payload, block, fmt, slot, fingerprint, key)
+            from kvstore.daemon.movement import encode_payload_privately  # hashed privately
+
+            sums = await asyncio.to_thread(
+                encode_payload_privately, block, fmt, slot, fingerprint, key
+            )
         except BaseException:
             self.abort(handle, reserved.reservation_id)
             raise
