@@ -662,7 +662,16 @@ class Mover:
                         reads.append(self._read_payload(tier, *args))
                     else:
                         reads.append(self._read_encoded(tier, first, *args))
-                oks = await asyncio.gather(*reads, return_exceptions=True)
+                reading = asyncio.gather(*reads, return_exceptions=True)
+                try:
+                    oks = await asyncio.shield(reading)
+                except asyncio.CancelledError:
+                    # The caller gave up, but the reads go on in the tier's IO threads, into
+                    # these slots: they return to the pool only once the reads end. Freed now,
+                    # the next block put in one was overwritten by a read nobody waits for.
+                    held, offsets = offsets, []
+                    reading.add_done_callback(lambda _: self._unalloc(held, block_bytes))
+                    raise
                 for j, (i, (_, key, _), ok) in enumerate(zip(todo, idents, oks, strict=True)):
                     e = eids[i]
                     if not index.has_key(e, index.ns[e], key) or index.state[e] != State.COMMITTED:
@@ -686,14 +695,17 @@ class Mover:
                     store.nvme_counters.promotions += 1
                     results[i] = True
         finally:
-            for offset in offsets:
-                if offset >= 0:
-                    store.cpu_unalloc(offset, block_bytes)
+            self._unalloc(offsets, block_bytes)
             for i, eid in enumerate(eids):
                 del self._promoting[eid]
                 futures[eid].set_result(results[i])
                 store.unpin(eid)
         return results
+
+    def _unalloc(self, offsets: list[int], block_bytes: int) -> None:
+        for offset in offsets:
+            if offset >= 0:
+                self.store.cpu_unalloc(offset, block_bytes)
 
     @staticmethod
     async def _read_payload(
