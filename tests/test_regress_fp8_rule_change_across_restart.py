@@ -84,3 +84,42 @@ async def test_fp8_records_read_under_a_changed_rule_are_their_fp8_form(
         await after.stop()
     finally:
         after.close()
+
+
+async def test_a_lossless_record_promoted_into_an_fp8_namespace_is_found_again_after_eviction(
+    tmp_path: Path,
+) -> None:
+    """Regression: the first promotion of a lossless record (written before the namespace's
+    ``cpu = "fp8"`` rule) gave its entry the checksum of the fp8 form, while its disk copy
+    stayed the lossless record; once the CPU copy was evicted (a clean block: only the CPU
+    copy goes), the next promotion asked the disk for a record of that checksum, found a
+    mismatch, and dropped the block as corrupt."""
+    blocks = random_blocks(SMALL_LAYOUT, N, seed=4)
+    want = [fp8_form(blocks)[i].view(torch.uint8).numpy().tobytes() for i in range(N)]
+    before = BlockStore(config(tmp_path, "", ""))
+    try:
+        await before.start()
+        handle = before.open_namespace(NS)
+        for i, key in enumerate(KEYS):
+            block = blocks[i].view(torch.uint8).numpy().tobytes()
+            checksum = block_checksum(block, NS.fingerprint, key)
+            assert await before.put_block(handle, key, [block], checksum)
+        await before.stop()  # written down, lossless
+    finally:
+        before.close()
+    after = BlockStore(config(tmp_path, "fp8", "fp8"))
+    try:
+        await after.start()
+        handle = after.open_namespace(NS)
+        for round_ in range(3):
+            for i, key in enumerate(KEYS):
+                assert await read(after, handle, key) == want[i], (round_, i)
+            for key in KEYS:  # evicted: clean blocks, so only their CPU copies go
+                eid = after.index.get(handle.ns_id, key)
+                assert eid is not None
+                after.drop_cpu_copy(eid)
+            after.check()
+        assert after.nvme_counters.checksum_failures == 0
+        await after.stop()
+    finally:
+        after.close()

@@ -65,6 +65,12 @@ class Mover:
         self._wake = asyncio.Event()
         self._room = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Entries whose CPU copy is the fp8 form of a lossless disk record (written before
+        # their namespace's ``cpu = "fp8"`` rule): their checksum is now that form's, which no
+        # record on disk has, so the record's own is kept here for their next promotion, with
+        # the (disk slot, namespace, key) it holds for (an entry id is reused: checked on use).
+        self._lossless: dict[int, tuple[int, int, bytes, int]] = {}
+        self._lossless_prune_at = 1024
         self._flusher: asyncio.Task[None] | None = None
         self._batches = 0  # write-back batches in flight
         allocator = store.allocator
@@ -653,7 +659,10 @@ class Mover:
                 # Each read: the checksum its bytes were verified against, or for a payload
                 # (decoded-form checksum, payload checksum); None: a miss.
                 reads: list[Awaitable[int | tuple[int, int] | None]] = []
-                for (disk, key, fp), offset, i in zip(idents, offsets, todo, strict=False):
+                lossless: dict[int, int] = {}  # j -> checksum of the lossless record read
+                for j, ((disk, key, fp), offset, i) in enumerate(
+                    zip(idents, offsets, todo, strict=False)
+                ):
                     view = store.arena.view[offset : offset + block_bytes]
                     args = (disk, key, fp, index.checksum[eids[i]], view)
                     if not first.cpu_codec:
@@ -661,6 +670,8 @@ class Mover:
                     elif tier.codec_of(disk) in LOSSY:
                         reads.append(self._read_payload(tier, *args))
                     else:
+                        lossless[j] = self._lossless_sum(eids[i], disk, ns_id, key, args[3])
+                        args = (disk, key, fp, lossless[j], view)
                         reads.append(self._read_encoded(tier, first, *args))
                 reading = asyncio.gather(*reads, return_exceptions=True)
                 try:
@@ -686,6 +697,8 @@ class Mover:
                     if isinstance(ok, tuple):  # a payload: (decoded-form, payload checksum)
                         ok, payload_sum = ok
                         store.payload_sums[e] = payload_sum
+                    if j in lossless and ok != lossless[j]:
+                        self._keep_lossless_sum(e, index.disk[e], ns_id, key, lossless[j])
                     if ok != index.checksum[e]:
                         # A lossy record: the CPU copy is its decoded form, verified against the
                         # checksum taken of that form when it was encoded.
@@ -701,6 +714,30 @@ class Mover:
                 futures[eid].set_result(results[i])
                 store.unpin(eid)
         return results
+
+    def _lossless_sum(self, eid: int, disk: int, ns_id: int, key: bytes, checksum: int) -> int:
+        """The checksum to read ``eid``'s lossless disk record with: its own, kept when an
+        earlier promotion gave the entry its fp8 form's (``_lossless``), else ``checksum``."""
+        kept = self._lossless.get(eid)
+        if kept is None:
+            return checksum
+        if kept[:3] != (disk, ns_id, key):  # another block's, or another copy since
+            del self._lossless[eid]
+            return checksum
+        return kept[3]
+
+    def _keep_lossless_sum(
+        self, eid: int, disk: int, ns_id: int, key: bytes, checksum: int
+    ) -> None:
+        if len(self._lossless) >= self._lossless_prune_at:  # drop those of gone copies
+            index = self.store.index
+            self._lossless = {
+                e: v
+                for e, v in self._lossless.items()
+                if index.has_key(e, v[1], v[2]) and index.disk[e] == v[0]
+            }
+            self._lossless_prune_at = max(1024, 2 * len(self._lossless))
+        self._lossless[eid] = (disk, ns_id, key, checksum)
 
     def _unalloc(self, offsets: list[int], block_bytes: int) -> None:
         for offset in offsets:
