@@ -68,8 +68,9 @@ class Mover:
         # Entries whose CPU copy is the fp8 form of a lossless disk record (written before
         # their namespace's ``cpu = "fp8"`` rule): their checksum is now that form's, which no
         # record on disk has, so the record's own is kept here for their next promotion, with
-        # the (disk slot, namespace, key) it holds for (an entry id is reused: checked on use).
-        self._lossless: dict[int, tuple[int, int, bytes, int]] = {}
+        # the (disk slot, namespace, key, entry checksum) it holds for (an entry id is reused:
+        # checked on use).
+        self._lossless: dict[int, tuple[int, int, bytes, int, int]] = {}
         self._lossless_prune_at = 1024
         self._flusher: asyncio.Task[None] | None = None
         self._batches = 0  # write-back batches in flight
@@ -670,7 +671,7 @@ class Mover:
                     elif tier.codec_of(disk) in LOSSY:
                         reads.append(self._read_payload(tier, *args))
                     else:
-                        lossless[j] = self._lossless_sum(eids[i], disk, ns_id, key, args[3])
+                        lossless[j] = self._lossless_sum(eids[i], disk, ns_id, key)
                         args = (disk, key, fp, lossless[j], view)
                         reads.append(self._read_encoded(tier, first, *args))
                 reading = asyncio.gather(*reads, return_exceptions=True)
@@ -698,7 +699,7 @@ class Mover:
                         ok, payload_sum = ok
                         store.payload_sums[e] = payload_sum
                     if j in lossless and ok != lossless[j]:
-                        self._keep_lossless_sum(e, index.disk[e], ns_id, key, lossless[j])
+                        self._keep_lossless_sum(e, index.disk[e], ns_id, key, ok, lossless[j])
                     if ok != index.checksum[e]:
                         # A lossy record: the CPU copy is its decoded form, verified against the
                         # checksum taken of that form when it was encoded.
@@ -715,29 +716,31 @@ class Mover:
                 store.unpin(eid)
         return results
 
-    def _lossless_sum(self, eid: int, disk: int, ns_id: int, key: bytes, checksum: int) -> int:
+    def _lossless_sum(self, eid: int, disk: int, ns_id: int, key: bytes) -> int:
         """The checksum to read ``eid``'s lossless disk record with: its own, kept when an
-        earlier promotion gave the entry its fp8 form's (``_lossless``), else ``checksum``."""
+        earlier promotion gave the entry its fp8 form's (``_lossless``), else the entry's."""
+        checksum = self.store.index.checksum[eid]
         kept = self._lossless.get(eid)
         if kept is None:
             return checksum
-        if kept[:3] != (disk, ns_id, key):  # another block's, or another copy since
+        if kept[:4] != (disk, ns_id, key, checksum):  # another block's, or a copy since
             del self._lossless[eid]
             return checksum
-        return kept[3]
+        return kept[4]
 
     def _keep_lossless_sum(
-        self, eid: int, disk: int, ns_id: int, key: bytes, checksum: int
+        self, eid: int, disk: int, ns_id: int, key: bytes, entry_sum: int, record_sum: int
     ) -> None:
         if len(self._lossless) >= self._lossless_prune_at:  # drop those of gone copies
             index = self.store.index
             self._lossless = {
                 e: v
                 for e, v in self._lossless.items()
-                if index.has_key(e, v[1], v[2]) and index.disk[e] == v[0]
+                if index.has_key(e, v[1], v[2])
+                and (index.disk[e], index.checksum[e]) == (v[0], v[3])
             }
             self._lossless_prune_at = max(1024, 2 * len(self._lossless))
-        self._lossless[eid] = (disk, ns_id, key, checksum)
+        self._lossless[eid] = (disk, ns_id, key, entry_sum, record_sum)
 
     def _unalloc(self, offsets: list[int], block_bytes: int) -> None:
         for offset in offsets:
