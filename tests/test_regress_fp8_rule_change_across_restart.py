@@ -18,7 +18,6 @@ from kvstore.checksum import block_checksum
 from kvstore.config import CodecRule, CpuTierConfig, DaemonConfig, GpuTierConfig, NvmeTierConfig
 from kvstore.daemon.store import BlockStore
 from kvstore.keys import Namespace, block_hashes
-from kvstore.tiers import codecs
 
 MODEL = "rule-change"
 BB = SMALL_LAYOUT.block_bytes
@@ -54,24 +53,29 @@ async def read(store: BlockStore, handle, key: bytes) -> bytes | None:
         store.release(handle, lease.lease_id)
 
 
-@pytest.mark.parametrize("then", [("", ""), ("fp8", "fp8+lz4"), ("", "fp8")])
-async def test_fp8_records_read_under_a_changed_rule_are_their_fp8_form(
-    tmp_path: Path, then: tuple[str, str]
-) -> None:
-    blocks = random_blocks(SMALL_LAYOUT, N, seed=3)
-    want = [fp8_form(blocks)[i].view(torch.uint8).numpy().tobytes() for i in range(N)]
-    before = BlockStore(config(tmp_path, "fp8", "fp8"))
+async def written_down(nvme: Path, cpu: str, nvme_codec: str, blocks: torch.Tensor) -> list[bytes]:
+    """A store under that rule puts ``blocks`` under ``KEYS`` over the bytes path and stops
+    (writing them down); returns each block's fp8 form, what a reader must get back."""
+    before = BlockStore(config(nvme, cpu, nvme_codec))
     try:
         await before.start()
         handle = before.open_namespace(NS)
-        assert handle.record.cpu_codec == codecs.CODEC_FP8
+        assert bool(handle.record.cpu_codec) == (cpu == "fp8")
         for i, key in enumerate(KEYS):
             block = blocks[i].view(torch.uint8).numpy().tobytes()
             checksum = block_checksum(block, NS.fingerprint, key)
             assert await before.put_block(handle, key, [block], checksum)
-        await before.stop()  # written down as payloads
+        await before.stop()
     finally:
         before.close()
+    return [fp8_form(blocks)[i].view(torch.uint8).numpy().tobytes() for i in range(N)]
+
+
+@pytest.mark.parametrize("then", [("", ""), ("fp8", "fp8+lz4"), ("", "fp8")])
+async def test_fp8_records_read_under_a_changed_rule_are_their_fp8_form(
+    tmp_path: Path, then: tuple[str, str]
+) -> None:
+    want = await written_down(tmp_path, "fp8", "fp8", random_blocks(SMALL_LAYOUT, N, seed=3))
     after = BlockStore(config(tmp_path, *then))
     try:
         await after.start()
@@ -94,19 +98,7 @@ async def test_a_lossless_record_promoted_into_an_fp8_namespace_is_found_again_a
     stayed the lossless record; once the CPU copy was evicted (a clean block: only the CPU
     copy goes), the next promotion asked the disk for a record of that checksum, found a
     mismatch, and dropped the block as corrupt."""
-    blocks = random_blocks(SMALL_LAYOUT, N, seed=4)
-    want = [fp8_form(blocks)[i].view(torch.uint8).numpy().tobytes() for i in range(N)]
-    before = BlockStore(config(tmp_path, "", ""))
-    try:
-        await before.start()
-        handle = before.open_namespace(NS)
-        for i, key in enumerate(KEYS):
-            block = blocks[i].view(torch.uint8).numpy().tobytes()
-            checksum = block_checksum(block, NS.fingerprint, key)
-            assert await before.put_block(handle, key, [block], checksum)
-        await before.stop()  # written down, lossless
-    finally:
-        before.close()
+    want = await written_down(tmp_path, "", "", random_blocks(SMALL_LAYOUT, N, seed=4))
     after = BlockStore(config(tmp_path, "fp8", "fp8"))
     try:
         await after.start()
