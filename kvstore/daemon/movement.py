@@ -22,7 +22,7 @@ from kvstore.checksum import block_checksum
 from kvstore.daemon.room import TierSlots, make_room
 from kvstore.errors import CapacityError
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, State
-from kvstore.tiers.codecs import LOSSY, block_format_of, encode_payload
+from kvstore.tiers.codecs import LOSSY, BlockFormat, block_format_of, encode_payload
 
 if TYPE_CHECKING:
     from kvstore.daemon.namespaces import NamespaceRecord
@@ -34,6 +34,19 @@ log = logging.getLogger(__name__)
 # The CPU and NVMe bits: a CPU block is dirty when it has no disk copy (a GPU copy above it
 # does not make it durable).
 _LOCAL = IN_CPU | IN_NVME
+
+
+def encode_payload_privately(
+    block: Any, fmt: BlockFormat, slot: memoryview, namespace: bytes, key: bytes
+) -> tuple[int, int]:
+    """``codecs.encode_payload`` of ``block`` into an arena ``slot``, encoded and hashed in
+    private memory and only then copied into the slot: the checksums vouch for this block
+    whatever else writes into the shared slot meanwhile (a stalled writer's late copy), as a
+    client's put does (``kvstore.client.payloads``). Blocks: run it off the loop."""
+    private = memoryview(bytearray(slot.nbytes))
+    sums = encode_payload(block, fmt, private, namespace, key)
+    slot[:] = private
+    return sums
 
 
 class Mover:
@@ -52,6 +65,13 @@ class Mover:
         self._wake = asyncio.Event()
         self._room = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Entries whose CPU copy is the fp8 form of a lossless disk record (written before
+        # their namespace's ``cpu = "fp8"`` rule): their checksum is now that form's, which no
+        # record on disk has, so the record's own is kept here for their next promotion, with
+        # the (disk slot, namespace, key, entry checksum) it holds for (an entry id is reused:
+        # checked on use).
+        self._lossless: dict[int, tuple[int, int, bytes, int, int]] = {}
+        self._lossless_prune_at = 1024
         self._flusher: asyncio.Task[None] | None = None
         self._batches = 0  # write-back batches in flight
         allocator = store.allocator
@@ -640,16 +660,30 @@ class Mover:
                 # Each read: the checksum its bytes were verified against, or for a payload
                 # (decoded-form checksum, payload checksum); None: a miss.
                 reads: list[Awaitable[int | tuple[int, int] | None]] = []
-                for (disk, key, fp), offset, i in zip(idents, offsets, todo, strict=False):
+                lossless: dict[int, int] = {}  # j -> checksum of the lossless record read
+                for j, ((disk, key, fp), offset, i) in enumerate(
+                    zip(idents, offsets, todo, strict=False)
+                ):
                     view = store.arena.view[offset : offset + block_bytes]
                     args = (disk, key, fp, index.checksum[eids[i]], view)
                     if not first.cpu_codec:
                         reads.append(tier.read_into_checked(*args))
                     elif tier.codec_of(disk) in LOSSY:
-                        reads.append(tier.read_payload_into(*args))
+                        reads.append(self._read_payload(tier, *args))
                     else:
+                        lossless[j] = self._lossless_sum(eids[i], disk, ns_id, key)
+                        args = (disk, key, fp, lossless[j], view)
                         reads.append(self._read_encoded(tier, first, *args))
-                oks = await asyncio.gather(*reads, return_exceptions=True)
+                reading = asyncio.gather(*reads, return_exceptions=True)
+                try:
+                    oks = await asyncio.shield(reading)
+                except asyncio.CancelledError:
+                    # The caller gave up, but the reads go on in the tier's IO threads, into
+                    # these slots: they return to the pool only once the reads end. Freed now,
+                    # the next block put in one was overwritten by a read nobody waits for.
+                    held, offsets = offsets, []
+                    reading.add_done_callback(lambda _: self._unalloc(held, block_bytes))
+                    raise
                 for j, (i, (_, key, _), ok) in enumerate(zip(todo, idents, oks, strict=True)):
                     e = eids[i]
                     if not index.has_key(e, index.ns[e], key) or index.state[e] != State.COMMITTED:
@@ -664,6 +698,8 @@ class Mover:
                     if isinstance(ok, tuple):  # a payload: (decoded-form, payload checksum)
                         ok, payload_sum = ok
                         store.payload_sums[e] = payload_sum
+                    if j in lossless and ok != lossless[j]:
+                        self._keep_lossless_sum(e, index.disk[e], ns_id, key, ok, lossless[j])
                     if ok != index.checksum[e]:
                         # A lossy record: the CPU copy is its decoded form, verified against the
                         # checksum taken of that form when it was encoded.
@@ -673,14 +709,57 @@ class Mover:
                     store.nvme_counters.promotions += 1
                     results[i] = True
         finally:
-            for offset in offsets:
-                if offset >= 0:
-                    store.cpu_unalloc(offset, block_bytes)
+            self._unalloc(offsets, block_bytes)
             for i, eid in enumerate(eids):
                 del self._promoting[eid]
                 futures[eid].set_result(results[i])
                 store.unpin(eid)
         return results
+
+    def _lossless_sum(self, eid: int, disk: int, ns_id: int, key: bytes) -> int:
+        """The checksum to read ``eid``'s lossless disk record with: its own, kept when an
+        earlier promotion gave the entry its fp8 form's (``_lossless``), else the entry's."""
+        checksum = self.store.index.checksum[eid]
+        kept = self._lossless.get(eid)
+        if kept is None:
+            return checksum
+        if kept[:4] != (disk, ns_id, key, checksum):  # another block's, or a copy since
+            del self._lossless[eid]
+            return checksum
+        return kept[4]
+
+    def _keep_lossless_sum(
+        self, eid: int, disk: int, ns_id: int, key: bytes, entry_sum: int, record_sum: int
+    ) -> None:
+        if len(self._lossless) >= self._lossless_prune_at:  # drop those of gone copies
+            index = self.store.index
+            self._lossless = {
+                e: v
+                for e, v in self._lossless.items()
+                if index.has_key(e, v[1], v[2])
+                and (index.disk[e], index.checksum[e]) == (v[0], v[3])
+            }
+            self._lossless_prune_at = max(1024, 2 * len(self._lossless))
+        self._lossless[eid] = (disk, ns_id, key, entry_sum, record_sum)
+
+    def _unalloc(self, offsets: list[int], block_bytes: int) -> None:
+        for offset in offsets:
+            if offset >= 0:
+                self.store.cpu_unalloc(offset, block_bytes)
+
+    @staticmethod
+    async def _read_payload(
+        tier: Any, disk: int, key: bytes, fp: bytes, checksum: int, out: memoryview
+    ) -> tuple[int, int] | None:
+        """An fp8 record's payload promoted into a CPU tier of payloads: read, and its checksum
+        taken, in private memory, then copied into the arena slot ``out`` (the checksum vouches
+        for what came from disk, whatever writes into the shared slot meanwhile). (Its
+        decoded-form checksum, its payload checksum); None: a miss."""
+        private = bytearray(out.nbytes)
+        got: tuple[int, int] | None = await tier.read_payload_into(disk, key, fp, checksum, private)
+        if got is not None:
+            await asyncio.to_thread(out.__setitem__, slice(None), private)
+        return got
 
     @staticmethod
     async def _read_encoded(
@@ -704,7 +783,7 @@ class Mover:
         if await tier.read_into_checked(disk, key, fp, checksum, block) is None:
             return None
         sums: tuple[int, int] = await asyncio.to_thread(
-            encode_payload, memoryview(block), fmt, out, fp, key
+            encode_payload_privately, memoryview(block), fmt, out, fp, key
         )
         return sums
 

@@ -1130,12 +1130,18 @@ class BlockStore:
         offset = reserved.offsets[0]
         slot = self.arena.view[offset : offset + record.cpu_bytes]
         fmt = block_format_of(record.namespace.layout) if record.namespace else None
+        # Encoded and hashed in private memory: the checksums vouch for this block whatever
+        # writes into the shared slot, and the thread never touches the slot, so a put given
+        # up meanwhile (its slot freed, maybe reused) cannot write into another block.
+        private = memoryview(bytearray(record.cpu_bytes))
         try:
             assert fmt is not None  # a namespace with an fp8 cpu codec has a known format
-            sums = await asyncio.to_thread(encode_payload, block, fmt, slot, fingerprint, key)
+            sums = await asyncio.to_thread(encode_payload, block, fmt, private, fingerprint, key)
         except BaseException:
             self.abort(handle, reserved.reservation_id)
             raise
+        if reserved.reservation_id in handle.reservations:  # still live: no await until commit
+            slot[:] = private
         await self.commit_durably(
             handle,
             reserved.reservation_id,

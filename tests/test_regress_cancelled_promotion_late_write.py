@@ -1,0 +1,119 @@
+"""Regression: a read of a promotion whose caller gave up (an Acquire past its deadline, a
+client gone) kept running in the NVMe tier's IO thread, writing the record into its CPU slot,
+but the promotion gave the slot back to the pool at once. The next block put there was then
+overwritten by the stale read: its readers failed their checksum (a miss, counted) and the
+block was lost. Any reader could do it to the blocks of a tenant it may read (a shared one
+too): acquire blocks that are on disk with a short deadline, again and again. A cancelled
+promotion now gives its slots back only once its reads have ended.
+
+Real store, real shared memory, real slab file; the read is held in its IO thread (an event)
+so that the order is the one that lost the block."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SMALL_LAYOUT, random_blocks
+
+from kvstore.checksum import block_checksum
+from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig, NvmeTierConfig
+from kvstore.daemon.store import BlockStore
+from kvstore.keys import Namespace, block_hashes
+
+BB = SMALL_LAYOUT.block_bytes
+SLOTS = 8
+NS = Namespace(model="late-read", layout=SMALL_LAYOUT)
+KEYS = block_hashes(NS.seed, list(range((1 + SLOTS) * 16)))
+
+
+def config(nvme: Path) -> DaemonConfig:
+    return DaemonConfig(
+        gpu=GpuTierConfig(enabled="off"),
+        cpu=CpuTierConfig(capacity_bytes=SLOTS * BB, slab_bytes=4 * BB, prefault=False),
+        nvme=NvmeTierConfig(path=str(nvme), capacity_bytes=1 << 20, direct_io=False),
+    )
+
+
+def raw(i: int) -> bytes:
+    return random_blocks(SMALL_LAYOUT, 1, seed=100 + i)[0].view(torch.uint8).numpy().tobytes()
+
+
+async def put(store: BlockStore, handle, keys: list[bytes], first: int) -> None:
+    """A client's put: copy into the reserved slots, checksums of what it copied."""
+    reserved = await store.reserve(handle, keys)
+    sums = []
+    for j, offset in enumerate(reserved.offsets):
+        block = raw(first + j)
+        store.arena.view[offset : offset + BB] = block
+        sums.append(block_checksum(block, NS.fingerprint, keys[j]))
+    store.commit(handle, reserved.reservation_id, sums)
+
+
+async def intact(store: BlockStore, handle, key: bytes, i: int) -> bool:
+    lease = await store.acquire(handle, [key])
+    if not lease.lease_id:
+        return False
+    try:
+        _, data, checksum, _ = store.read_leased(handle, lease.lease_id, 0)
+        return data == raw(i) and block_checksum(data, NS.fingerprint, key) == checksum
+    finally:
+        store.release(handle, lease.lease_id)
+
+
+async def test_a_cancelled_promotion_does_not_write_into_a_slot_given_to_another_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = BlockStore(config(tmp_path))
+    try:
+        await first.start()
+        handle = first.open_namespace(NS)
+        await put(first, handle, KEYS[:1], 0)
+        await first.stop()  # written down
+    finally:
+        first.close()
+
+    store = BlockStore(config(tmp_path))
+    try:
+        await store.start()
+        handle = store.open_namespace(NS)
+        assert store.nvme is not None and store.cpu_used_bytes == 0
+        io = store.nvme._io
+        read_record = io.read_record
+        started, go, ended = threading.Event(), threading.Event(), threading.Event()
+
+        def held_read(*args):  # type: ignore[no-untyped-def]
+            started.set()
+            go.wait(30)
+            try:
+                return read_record(*args)
+            finally:
+                ended.set()
+
+        monkeypatch.setattr(io, "read_record", held_read)
+        loop = asyncio.get_running_loop()
+        reader = asyncio.create_task(store.acquire(handle, KEYS[:1]))
+        assert await loop.run_in_executor(None, started.wait, 30)
+        reader.cancel()  # the caller's deadline: it gives up while the read runs
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        # Another client fills every free slot with blocks of its own.
+        free = (SLOTS * BB - store.cpu_used_bytes) // BB
+        fresh = KEYS[1 : 1 + free]
+        await put(store, handle, fresh, 1)
+        go.set()  # the stale read ends now
+        assert await loop.run_in_executor(None, ended.wait, 30)
+        monkeypatch.undo()
+        for _ in range(3000):  # its end reaches the loop, which frees its slot (a hang guard)
+            if store.cpu_used_bytes == len(fresh) * BB:
+                break
+            await asyncio.sleep(0.01)
+        for i, key in enumerate(fresh):
+            assert await intact(store, handle, key, 1 + i), f"block {i} was overwritten"
+        store.check()
+        await store.stop()
+    finally:
+        store.close()
