@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -807,6 +808,45 @@ async def test_values_of_every_codec_are_read_whatever_the_writer_is_configured_
             else:  # the deterministic decoded form, whose checksum the writer stated
                 assert bytes(out) == codecs.round_trip(CODEC_FP8, memoryview(data), CODEC_FMT)
         assert reader.stats()["checksum_failures"] == 0
+
+
+async def test_a_read_given_up_while_its_value_decodes_never_writes_the_buffer_afterwards(
+    server: RedisProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The daemon fetches into CPU-tier slots and frees them at once when the fetch is cancelled
+    # (its caller's deadline, its client gone); the decoding thread ran on and wrote into the
+    # freed slot, destroying the block put there next. Held in the decode until the read is
+    # cancelled and the buffer holds "the next block", the thread must leave it alone.
+    entered, go, finished = threading.Event(), threading.Event(), threading.Event()
+    real_decode = codecs.decode
+
+    def held_decode(*args: Any) -> bool:
+        entered.set()
+        go.wait(30)
+        try:
+            return real_decode(*args)
+        finally:
+            finished.set()
+
+    async with opened(server.url) as tier:
+        k, data, c = kv_value(3)
+        assert await tier.put(NS, [(k, data, c)], codec=codecs.NAMES["lz4"], block_format=CODEC_FMT)
+        monkeypatch.setattr(codecs, "decode", held_decode)
+        slot = bytearray(len(data))
+        read = asyncio.ensure_future(tier.get_into_checked(NS, [(k, None, memoryview(slot))]))
+        assert await asyncio.to_thread(entered.wait, 30), "the decode never started"
+        read.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await read
+        slot[:] = b"N" * len(slot)  # the slot, freed, holds the next block now
+        go.set()
+        assert await asyncio.to_thread(finished.wait, 30)
+        await asyncio.sleep(0)
+        assert bytes(slot) == b"N" * len(slot), "the abandoned decode overwrote the buffer"
+        monkeypatch.setattr(codecs, "decode", real_decode)
+        out = bytearray(len(data))  # and a read that is not given up still gets the block
+        assert await tier.get_into_checked(NS, [(k, None, memoryview(out))]) == [c]
+        assert bytes(out) == data
 
 
 @pytest.mark.parametrize("drv", DRIVERS)

@@ -443,10 +443,16 @@ class RedisTier:
                     self._counters["mac_failures"] += 1
             decode = [(i, h) for i, h in decode if stated[i] is not None]
         if decode:  # payloads that are not the block itself: decoded off the event loop
-            done = await asyncio.to_thread(_decode_values, namespace, items, heads, outs, decode)
-            for (i, _), ok in zip(decode, done, strict=True):
-                if not ok:
+            # Into private buffers, copied into ``outs`` here on the loop: a caller that gives up
+            # (cancelled: its deadline, its client gone) frees its buffers (CPU-tier slots) at
+            # once, while the decoding thread runs on; writing ``outs`` there, it overwrote the
+            # block put in a freed slot next.
+            blocks = await asyncio.to_thread(_decode_values, namespace, items, heads, outs, decode)
+            for (i, _), decoded in zip(decode, blocks, strict=True):
+                if decoded is None:
                     stated[i] = None
+                else:
+                    outs[i][:] = decoded
         sums: list[int | None] = []
         for (key, _, _), out, result, h in zip(items, outs, results, stated, strict=True):
             verified = None
@@ -566,26 +572,29 @@ def _decode_values(
     heads: list[memoryview],
     outs: list[memoryview],
     todo: list[tuple[int, fmt.ValueHeader]],
-) -> list[bool]:
-    """Turn values whose payload is not the block itself into blocks, in place in ``outs``
-    (on a thread). The payload arrived at the tail of ``heads[i]`` and the head of
-    ``outs[i]``; it is checked against its checksum, then decoded. A version 2 value (an
-    80-byte header) is the raw block shifted by 16 bytes."""
-    done = []
+) -> list[bytearray | None]:
+    """Turn values whose payload is not the block itself into blocks (on a thread): the block
+    of each, in memory of its own (never ``outs``, which the caller may free meanwhile), or
+    None where the payload fails its checksum or does not decode. The payload arrived at the
+    tail of ``heads[i]`` and the head of ``outs[i]``, and is copied out first; it is checked
+    against its checksum, then decoded. A version 2 value (an 80-byte header) is the raw block
+    shifted by 16 bytes."""
+    blocks: list[bytearray | None] = []
     for i, h in todo:
         head, out, key = heads[i], outs[i], items[i][0]
         spill = len(head) - h.header_bytes  # payload bytes that landed in ``head``
         payload = bytes(head[h.header_bytes :]) + bytes(out[: h.stored_length - spill])
         if h.codec == CODEC_NONE:
-            out[:] = payload
-            done.append(True)
+            blocks.append(bytearray(payload))
             continue
         if block_checksum(payload, namespace, key) != h.stored_checksum:
-            done.append(False)
+            blocks.append(None)
             continue
+        block = bytearray(len(out))
         scratch = memoryview(bytearray(codecs.scratch_bytes(len(out))))
-        done.append(codecs.decode(h.codec, memoryview(payload), out, scratch))
-    return done
+        ok = codecs.decode(h.codec, memoryview(payload), memoryview(block), scratch)
+        blocks.append(block if ok else None)
+    return blocks
 
 
 def _flat(buf: Any, *, writable: bool) -> memoryview:
