@@ -107,12 +107,72 @@ async def test_a_cancelled_promotion_does_not_write_into_a_slot_given_to_another
         go.set()  # the stale read ends now
         assert await loop.run_in_executor(None, ended.wait, 30)
         monkeypatch.undo()
-        for _ in range(3000):  # its end reaches the loop, which frees its slot (a hang guard)
-            if store.cpu_used_bytes == len(fresh) * BB:
+        for _ in range(3000):  # its end reaches the loop, which ends the promotion (hang guard)
+            if not store.mover._promoting:
                 break
             await asyncio.sleep(0.01)
+        assert not store.mover._promoting
         for i, key in enumerate(fresh):
             assert await intact(store, handle, key, 1 + i), f"block {i} was overwritten"
+        assert await intact(store, handle, KEYS[0], 0)  # the read installed the block it read
+        store.check()
+        await store.stop()
+    finally:
+        store.close()
+
+
+async def test_a_retry_after_a_cancelled_promotion_waits_for_its_read_and_gets_the_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cancelled promotion unregistered itself at once while its read ran on: every retry of
+    # an impatient reader (a short deadline, again and again) started another read into more
+    # slots, and the abandoned reads and the slots they held grew with each retry. The
+    # promotion now ends when its read does: a retry waits for that read, which installs the
+    # block, and no second read starts.
+    first = BlockStore(config(tmp_path))
+    try:
+        await first.start()
+        handle = first.open_namespace(NS)
+        await put(first, handle, KEYS[:1], 0)
+        await first.stop()  # written down
+    finally:
+        first.close()
+
+    store = BlockStore(config(tmp_path))
+    try:
+        await store.start()
+        handle = store.open_namespace(NS)
+        assert store.nvme is not None and store.cpu_used_bytes == 0
+        io = store.nvme._io
+        read_record = io.read_record
+        reads, go = [], threading.Event()
+        started = threading.Event()
+
+        def held_read(*args):  # type: ignore[no-untyped-def]
+            reads.append(args)
+            started.set()
+            go.wait(30)
+            return read_record(*args)
+
+        monkeypatch.setattr(io, "read_record", held_read)
+        loop = asyncio.get_running_loop()
+        impatient = asyncio.create_task(store.acquire(handle, KEYS[:1]))
+        assert await loop.run_in_executor(None, started.wait, 30)
+        impatient.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await impatient
+        retry = asyncio.create_task(store.acquire(handle, KEYS[:1]))
+        for _ in range(20):  # the retry runs up to its wait (or, before the fix, a new read)
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.05)
+        go.set()
+        lease = await asyncio.wait_for(retry, 30)
+        assert len(reads) == 1, "the retry started a second read"
+        assert lease.lease_id and len(lease.offsets) == 1
+        _, data, checksum, _ = store.read_leased(handle, lease.lease_id, 0)
+        assert data == raw(0) and block_checksum(data, NS.fingerprint, KEYS[0]) == checksum
+        store.release(handle, lease.lease_id)
+        monkeypatch.undo()
         store.check()
         await store.stop()
     finally:

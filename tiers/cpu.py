@@ -155,12 +155,12 @@ def populate_huge(fd: int, size: int) -> None:
     slab took 27 ms with 4 KiB pages and 0.1 ms with huge ones here. Best effort: a kernel
     without ``MADV_POPULATE_WRITE`` (before 5.14), or memory that cannot be had, leaves the
     rest to ``posix_fallocate``, which decides whether the slab is backed."""
-    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as m:
-        try:
+    try:  # the mapping too: one that cannot be made (address space, map count) is no refusal
+        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as m:
             m.madvise(mmap.MADV_HUGEPAGE)
             m.madvise(_MADV_POPULATE_WRITE)
-        except OSError:
-            pass
+    except OSError:
+        pass
 
 
 class SharedMemoryArena:

@@ -625,6 +625,15 @@ class Mover:
         results = [False] * len(eids)
         offsets: list[int] = []
         block_bytes = 0
+        detached = False  # the caller gave up during the reads: they end the promotion
+
+        def end() -> None:
+            self._unalloc(offsets, block_bytes)
+            for i, eid in enumerate(eids):
+                del self._promoting[eid]
+                futures[eid].set_result(results[i])
+                store.unpin(eid)
+
         try:
             todo = [
                 i
@@ -674,47 +683,75 @@ class Mover:
                         lossless[j] = self._lossless_sum(eids[i], disk, ns_id, key)
                         args = (disk, key, fp, lossless[j], view)
                         reads.append(self._read_encoded(tier, first, *args))
+
+                def take(oks: list[Any]) -> None:
+                    """Give each entry read intact its new CPU copy."""
+                    for j, (i, (_, key, _), ok) in enumerate(zip(todo, idents, oks, strict=True)):
+                        if self._take_read(eids[i], key, ok, j, offsets, lossless, ns_id):
+                            results[i] = True
+
                 reading = asyncio.gather(*reads, return_exceptions=True)
                 try:
                     oks = await asyncio.shield(reading)
                 except asyncio.CancelledError:
                     # The caller gave up, but the reads go on in the tier's IO threads, into
-                    # these slots: they return to the pool only once the reads end. Freed now,
-                    # the next block put in one was overwritten by a read nobody waits for.
-                    held, offsets = offsets, []
-                    reading.add_done_callback(lambda _: self._unalloc(held, block_bytes))
+                    # these slots: the promotion ends when they do, not now. Its slots freed
+                    # now, the next block put in one was overwritten by a read nobody waited
+                    # for; unregistered now, every retry of an impatient reader started
+                    # another read into more slots. A retry waits for this one instead.
+                    detached = True
+
+                    def finish(done: asyncio.Future[list[Any]]) -> None:
+                        try:
+                            if not done.cancelled():
+                                take(done.result())
+                        finally:
+                            end()
+
+                    reading.add_done_callback(finish)
                     raise
-                for j, (i, (_, key, _), ok) in enumerate(zip(todo, idents, oks, strict=True)):
-                    e = eids[i]
-                    if not index.has_key(e, index.ns[e], key) or index.state[e] != State.COMMITTED:
-                        continue  # deleted while reading: the slot goes back below
-                    if index.tier[e] & IN_CPU:
-                        continue
-                    if ok is None or isinstance(ok, BaseException):
-                        # Corrupt, torn or unreadable on disk: a miss, counted.
-                        store.nvme_counters.checksum_failures += 1
-                        store.forget(e)
-                        continue
-                    if isinstance(ok, tuple):  # a payload: (decoded-form, payload checksum)
-                        ok, payload_sum = ok
-                        store.payload_sums[e] = payload_sum
-                    if j in lossless and ok != lossless[j]:
-                        self._keep_lossless_sum(e, index.disk[e], ns_id, key, ok, lossless[j])
-                    if ok != index.checksum[e]:
-                        # A lossy record: the CPU copy is its decoded form, verified against the
-                        # checksum taken of that form when it was encoded.
-                        store.set_host_checksum(e, ok)
-                    store.mark_in_cpu(e, offsets[j])
-                    offsets[j] = -1  # taken by the entry
-                    store.nvme_counters.promotions += 1
-                    results[i] = True
+                take(oks)
         finally:
-            self._unalloc(offsets, block_bytes)
-            for i, eid in enumerate(eids):
-                del self._promoting[eid]
-                futures[eid].set_result(results[i])
-                store.unpin(eid)
+            if not detached:
+                end()
         return results
+
+    def _take_read(
+        self,
+        e: int,
+        key: bytes,
+        ok: Any,
+        j: int,
+        offsets: list[int],
+        lossless: dict[int, int],
+        ns_id: int,
+    ) -> bool:
+        """Install the CPU copy read for entry ``e`` into ``offsets[j]`` (then -1: taken), if
+        the entry is still the block read and the read verified; False otherwise (the slot goes
+        back to the pool with the others)."""
+        store, index = self.store, self.store.index
+        if not index.has_key(e, index.ns[e], key) or index.state[e] != State.COMMITTED:
+            return False  # deleted while reading: the slot goes back to the pool
+        if index.tier[e] & IN_CPU:
+            return False
+        if ok is None or isinstance(ok, BaseException):
+            # Corrupt, torn or unreadable on disk: a miss, counted.
+            store.nvme_counters.checksum_failures += 1
+            store.forget(e)
+            return False
+        if isinstance(ok, tuple):  # a payload: (decoded-form, payload checksum)
+            ok, payload_sum = ok
+            store.payload_sums[e] = payload_sum
+        if j in lossless and ok != lossless[j]:
+            self._keep_lossless_sum(e, index.disk[e], ns_id, key, ok, lossless[j])
+        if ok != index.checksum[e]:
+            # A lossy record: the CPU copy is its decoded form, verified against the checksum
+            # taken of that form when it was encoded.
+            store.set_host_checksum(e, ok)
+        store.mark_in_cpu(e, offsets[j])
+        offsets[j] = -1  # taken by the entry
+        store.nvme_counters.promotions += 1
+        return True
 
     def _lossless_sum(self, eid: int, disk: int, ns_id: int, key: bytes) -> int:
         """The checksum to read ``eid``'s lossless disk record with: its own, kept when an

@@ -1138,7 +1138,10 @@ class BlockStore:
             assert fmt is not None  # a namespace with an fp8 cpu codec has a known format
             sums = await asyncio.to_thread(encode_payload, block, fmt, private, fingerprint, key)
         except BaseException:
-            self.abort(handle, reserved.reservation_id)
+            # Aborted unless it is gone already (reaped, its handle closed): an abort of it
+            # would raise in place of what ended the encode.
+            if reserved.reservation_id in handle.reservations:
+                self.abort(handle, reserved.reservation_id)
             raise
         if reserved.reservation_id in handle.reservations:  # still live: no await until commit
             slot[:] = private
