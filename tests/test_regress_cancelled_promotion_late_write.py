@@ -64,17 +64,23 @@ async def intact(store: BlockStore, handle, key: bytes, i: int) -> bool:
         store.release(handle, lease.lease_id)
 
 
-async def test_a_cancelled_promotion_does_not_write_into_a_slot_given_to_another_block(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    first = BlockStore(config(tmp_path))
+async def written_down(nvme: Path) -> None:
+    """Block 0 stored and written down to NVMe by a daemon that then stops: the next store
+    finds it on disk only."""
+    first = BlockStore(config(nvme))
     try:
         await first.start()
         handle = first.open_namespace(NS)
         await put(first, handle, KEYS[:1], 0)
-        await first.stop()  # written down
+        await first.stop()
     finally:
         first.close()
+
+
+async def test_a_cancelled_promotion_does_not_write_into_a_slot_given_to_another_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await written_down(tmp_path)
 
     store = BlockStore(config(tmp_path))
     try:
@@ -129,14 +135,7 @@ async def test_a_retry_after_a_cancelled_promotion_waits_for_its_read_and_gets_t
     # slots, and the abandoned reads and the slots they held grew with each retry. The
     # promotion now ends when its read does: a retry waits for that read, which installs the
     # block, and no second read starts.
-    first = BlockStore(config(tmp_path))
-    try:
-        await first.start()
-        handle = first.open_namespace(NS)
-        await put(first, handle, KEYS[:1], 0)
-        await first.stop()  # written down
-    finally:
-        first.close()
+    await written_down(tmp_path)
 
     store = BlockStore(config(tmp_path))
     try:
