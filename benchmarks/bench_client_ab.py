@@ -53,6 +53,8 @@ def figures(name: str, doc: dict[str, Any]) -> dict[str, float]:
         out["empty gRPC call p50 us"] = doc["us"]["empty"]["median"]
         for key, label in (
             ("lookup128_alone", "back to back"),
+            ("call128", "as a call (no presence table)"),
+            ("lookup128_miss", "last key missing"),
             ("async_lookup128", "async"),
             ("three_calls128", "+ acquire + prefetch, 3 calls"),
             ("one_call128", "+ acquire + prefetch, 1 call"),

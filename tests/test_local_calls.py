@@ -22,6 +22,13 @@ from kvstore.v1 import kvstore_pb2 as pb
 LOOKUP = wire.METHOD_INDEX["Lookup"]
 
 
+@pytest.fixture(autouse=True)
+def _lookups_are_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the calls: lookups are not answered from presence tables
+    (``tests/test_presence.py``)."""
+    monkeypatch.setenv("KVSTORE_PRESENCE_TABLES", "0")
+
+
 def client(daemon, **kw) -> KVStoreClient:
     return KVStoreClient(daemon.address, layout=SMALL_LAYOUT, model="local", **kw)
 

@@ -213,7 +213,10 @@ def test_exposition_matches_stats(metrics_daemon: MetricsDaemon) -> None:
     assert exp.types["kvstore_rpc_duration_seconds"] == "histogram"
 
 
-def test_rpc_histogram_counts_calls_and_errors(metrics_daemon: MetricsDaemon) -> None:
+def test_rpc_histogram_counts_calls_and_errors(
+    metrics_daemon: MetricsDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSTORE_PRESENCE_TABLES", "0")  # every lookup is a call to count
     with client(metrics_daemon) as kv, client(metrics_daemon, transport="grpc") as kv_bytes:
         keys = kv.hash_tokens(tokens(3, offset=2000))
         before = metrics_daemon.scrape()

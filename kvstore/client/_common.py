@@ -189,6 +189,10 @@ class PendingReleases:
         self._ids.append(lease_id)
         return len(self._ids) >= self.MAX
 
+    def waiting(self, handle: bytes) -> bool:
+        """Whether any of ``handle``'s are waiting for a call to carry them."""
+        return handle == self._handle and bool(self._ids)
+
     def take(self, handle: bytes) -> list[int]:
         """The ids to send with a call of ``handle`` (they are then the daemon's to release)."""
         if handle != self._handle or not self._ids:

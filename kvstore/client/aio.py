@@ -13,6 +13,7 @@ one client are safe for reads and writes of distinct keys.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -192,6 +193,11 @@ class AsyncKVStoreClient(ClientCore):
         return AsyncReadLease(*args, run=self._run)  # type: ignore[misc]  # args: 8
 
     async def close(self) -> None:
+        tally = self._tally_call()
+        if tally is not None:
+            session, method, request, timeout_s = tally
+            with contextlib.suppress(KVStoreError, OSError):
+                await session.acall(method, request, timeout_s)
         self._close_local()
         if self._channel is not None:
             await self._channel.close()

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from kvstore import local_calls
 from kvstore.client import paged_io, payloads
 from kvstore.client._common import (
     Credentials,
@@ -51,6 +52,7 @@ from kvstore.client._common import (
     seeds_for,
 )
 from kvstore.client.leases import _LeaseState, _ReservationState
+from kvstore.client.presence_link import PresenceLink
 from kvstore.client.session import ClientSession
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey, Namespace, block_hashes, unpack_keys
@@ -58,6 +60,7 @@ from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
 
 R = TypeVar("R")
+LOOKUP_METHOD = local_calls.METHOD_INDEX["Lookup"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ class ClientCore:
         self._session: ClientSession | None = None
         self._arena: MappedArena | None = None
         self._pool_link = PoolLink()
+        self._presence = PresenceLink()
         self._handle = b""
         self._stream: Any = None  # the OpenNamespace call whose life is the handle's
         self._chunk_bytes = 1 << 20
@@ -138,6 +142,7 @@ class ClientCore:
         self._handle = reply.handle
         self._chunk_bytes = reply.max_chunk_bytes or self._chunk_bytes
         self._pool_link.reset(reply if self.transport != "grpc" else None)
+        self._presence.reset()
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -179,11 +184,25 @@ class ClientCore:
         if stream is not None:
             stream.cancel()  # the daemon closes the handle and reclaims what it holds
 
+    def _tally_call(self) -> tuple[ClientSession, int, bytes, float] | None:
+        """(session, method, request, timeout) of a local ``Lookup`` of no keys carrying the
+        tally of lookups answered from the presence table, for the faces to send before the
+        handle closes (best effort: a failed one is not retried), so the daemon counts them.
+        None when there is nothing to count or no local call to send it with."""
+        keys, found = self._presence.take_tally()
+        session = self._session
+        if not keys or session is None or not session.calls or not self._handle:
+            return None
+        request = pb.LookupRequest(handle=self._handle, table_keys=keys, table_found=found)
+        timeout_s = min(self.timeout_s, 1.0)
+        return session, LOOKUP_METHOD, request.SerializeToString(), timeout_s
+
     def _close_local(self) -> None:
         """Close what is not the channel: the handle's stream, the pool, the arena, the
         session (the handle's leases, pending releases included, go with it)."""
         self._close_stream()
         self._pool_link.close()
+        self._presence.close()
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -202,12 +221,25 @@ class ClientCore:
         packed = check_keys(keys)
         if not keys:
             return 0
-        reply = yield Call(
-            "Lookup",
-            lambda: pb.LookupRequest(
-                handle=self._handle, keys=packed, release_leases=self._take_releases()
-            ),
-        )
+        session = self._session
+        if session is not None and not self._releases.waiting(self._handle):
+            found = self._presence.lookup(session, self._handle, packed, len(keys))
+            if found is not None:  # answered from the namespace's presence table: no call
+                return found
+
+        # Taken once: a retry after a reopen carries the same tally.
+        table_keys, table_found = self._presence.take_tally()
+
+        def build() -> pb.LookupRequest:
+            return pb.LookupRequest(
+                handle=self._handle,
+                keys=packed,
+                release_leases=self._take_releases(),
+                table_keys=table_keys,
+                table_found=table_found,
+            )
+
+        reply = yield Call("Lookup", build)
         return int(reply.found)
 
     def _prefetch(self, keys: Sequence[bytes]) -> Op[None]:

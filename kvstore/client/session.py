@@ -65,6 +65,9 @@ class ClientSession:
         self.calls = bool(hello.get("calls")) and os.environ.get("KVSTORE_LOCAL_CALLS") != "0"
         """The daemon serves local calls on this connection (``KVSTORE_LOCAL_CALLS=0``: never
         use them)."""
+        self.presence_tables = os.environ.get("KVSTORE_PRESENCE_TABLES") != "0"
+        """Answer lookups from the namespace's presence table where it can
+        (``KVSTORE_PRESENCE_TABLES=0``: always call)."""
         self._call_id = 0
         self._reply = bytearray(local_calls.MAX_REPLY_BYTES)
         # A call reply read by ``slab`` (another thread, or the loop while an asyncio call
@@ -117,20 +120,43 @@ class ClientSession:
             raise KVStoreError(message)
         return reply, fds
 
-    def slab(self, uid: int) -> tuple[int, int, bool]:
-        """(descriptor, size, writable) of slab file ``uid``; the caller owns the descriptor.
-        SlabUnavailable if the daemon will not hand it over."""
+    def _descriptor(self, request: dict[str, object], what: str) -> tuple[int, dict]:
+        """Send ``request`` and receive (the descriptor its reply carries, the reply)."""
         with self._lock:
             try:
-                self._sock.send(json.dumps({"op": "map", "slab": uid}).encode())
+                self._sock.send(json.dumps(request).encode())
             except OSError as exc:
                 raise UnavailableError(f"the session with the daemon failed: {exc}") from None
             reply, fds = self._receive()
         if len(fds) != 1:
             for fd in fds:
                 os.close(fd)
-            raise KVStoreError("the daemon sent a slab without its descriptor")
-        return fds[0], int(reply["size"]), bool(reply["writable"])
+            raise KVStoreError(f"the daemon sent {what} without its descriptor")
+        return fds[0], reply
+
+    def slab(self, uid: int) -> tuple[int, int, bool]:
+        """(descriptor, size, writable) of slab file ``uid``; the caller owns the descriptor.
+        SlabUnavailable if the daemon will not hand it over."""
+        fd, reply = self._descriptor({"op": "map", "slab": uid}, "a slab")
+        return fd, int(reply["size"]), bool(reply["writable"])
+
+    def presence(self, handle: bytes) -> tuple[int, bool]:
+        """(descriptor, ask_on_miss) of the presence table (``kvstore.presence``) of the
+        namespace ``handle`` names; the caller owns the descriptor. ``SlabUnavailable`` if the
+        daemon will not hand it over, ``KVStoreError`` if it keeps none."""
+        request: dict[str, object] = {"op": "presence", "handle": handle.hex()}
+        fd, reply = self._descriptor(request, "a presence table")
+        return fd, bool(reply.get("ask_on_miss", True))
+
+    def busy(self) -> bool:
+        """An asyncio call of this session is in flight: a blocking request now (a table, a
+        slab) would stall the event loop until the daemon answers that call first."""
+        return self._acall_lock is not None and self._acall_lock.locked()
+
+    def quiet(self) -> bool:
+        """Nothing waits to be read on the connection: the daemon has not closed it (a
+        daemon sends nothing unasked), and no late reply waits to be dropped. A poll, ~1 us."""
+        return not self._readable.poll(0)
 
     def call(self, method: int, request: bytes, timeout_s: float) -> tuple[int, memoryview]:
         """One local call: (status, body) of its reply (``kvstore.local_calls``). The body is a

@@ -14,6 +14,7 @@ give each thread its own client (they are cheap; the daemon is shared).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -181,6 +182,11 @@ class KVStoreClient(ClientCore):
         return ReadLease(*args, run=self._run)  # type: ignore[misc]  # args: 8, run: 9th
 
     def close(self) -> None:
+        tally = self._tally_call()
+        if tally is not None:
+            session, method, request, timeout_s = tally
+            with contextlib.suppress(KVStoreError, OSError):
+                session.call(method, request, timeout_s)
         self._close_local()
         self._channel.close()
 

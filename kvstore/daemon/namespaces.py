@@ -67,6 +67,9 @@ class NamespaceRecord:
     cpu_codec: int = 0
     cpu_payload_bytes: int = 0
     cpu_codec_set: bool = False
+    # Its committed keys for same-host clients (``kvstore.presence``): made when a client
+    # first asks, kept by the store from then on, retired when the record is freed.
+    presence: Any = None
 
     @property
     def cpu_bytes(self) -> int:
@@ -345,6 +348,11 @@ class NamespaceTable:
         if record.handles or record.entries or self._records.get(record.ns_id) is not record:
             return
         del self._records[record.ns_id]
+        if record.presence is not None:
+            # Before the id is reused: a client still mapping this table must never see
+            # another namespace's keys in it.
+            record.presence.retire()
+            record.presence = None
         self._free_ids.append(record.ns_id)
         self._by_fingerprint.pop(record.fingerprint, None)
         key = identity(record.namespace) if record.namespace is not None else None

@@ -246,6 +246,7 @@ class Daemon:
             # Before any await: every session that connects from now on is offered them.
             observe = self.rpc_metrics.observe if self.rpc_metrics is not None else None
             sessions.calls = LocalCalls(self.servicer, observe).serve
+            sessions.presence = self.servicer.presence_of
         add_to_server(self.servicer, self.server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)

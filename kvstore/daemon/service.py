@@ -41,6 +41,7 @@ from kvstore.errors import (
 from kvstore.index import IN_CPU, IN_GPU
 from kvstore.keys import HASH_VERSION, KEY_BYTES, Namespace, unpack_keys
 from kvstore.layout import SCALE_NONE, KVLayout, dtype_from_name
+from kvstore.presence import PresenceTable
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -219,6 +220,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         end now rather than after the stop's grace period."""
         self._closing.set()
 
+    def presence_of(self, principal: Principal, token: bytes) -> tuple[PresenceTable, bool]:
+        """For the session socket: the presence table of the namespace handle ``token`` names,
+        if ``principal`` opened it (as ``_handle``), and whether a lookup may still find a key
+        it lacks (in the Redis tier)."""
+        handle = self.store.handle(token)
+        if handle.principal is not None and handle.principal != principal:
+            raise UnknownNamespaceError("unknown namespace handle")
+        return self.store.presence(handle), self.store.shared.enabled
+
     def _handle(self, token: bytes, write: bool = False, release: Sequence[int] = ()) -> Handle:
         """The handle ``token`` names, if the caller is the one that opened it (anything else
         is NOT_FOUND, like a handle that never existed); ``write``: the call stores or deletes,
@@ -313,6 +323,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     async def Lookup(self, request, context):
         handle = self._handle(request.handle, release=request.release_leases)
+        if request.table_keys:
+            self.store.count_table_lookups(handle, request.table_keys, request.table_found)
         found = await self.store.lookup(handle, self._keys(request.keys))
         return pb.LookupResponse(found=found)
 

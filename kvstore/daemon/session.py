@@ -16,10 +16,13 @@ the tier's size.
 
 Messages are one JSON object each (a datagram of the seqpacket socket):
 ``{"op": "map", "slab": UID}`` -> ``{"ok": true, "size": N, "writable": B}`` plus the
-descriptor, or ``{"ok": false, "error": "..."}``. The first message from the daemon is
-``{"ok": true, "session": TOKEN, "principal": NAME, "calls": B}`` or an error (then it
-closes). With ``calls`` true the connection also carries local calls (``kvstore.local_calls``):
-binary frames, one call in flight at a time, run as the session's principal.
+descriptor, or ``{"ok": false, "error": "..."}``; ``{"op": "presence", "handle": HEX}`` ->
+``{"ok": true, "ask_on_miss": B}`` plus a read-only descriptor of the presence table
+(``kvstore.presence``) of the namespace that handle (the principal's own) names. The first
+message from the daemon is ``{"ok": true, "session": TOKEN, "principal": NAME, "calls": B}``
+or an error (then it closes). With ``calls`` true the connection also carries local calls
+(``kvstore.local_calls``): binary frames, one call in flight at a time, run as the session's
+principal.
 """
 
 from __future__ import annotations
@@ -38,12 +41,18 @@ from dataclasses import dataclass
 
 from kvstore import local_calls
 from kvstore.daemon.auth import SESSION_TOKEN_BYTES, Policy, Principal
+from kvstore.errors import KVStoreError
+from kvstore.presence import PresenceTable
 from kvstore.tiers.cpu import SharedMemoryArena
 
 log = logging.getLogger(__name__)
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 MAX_MESSAGE = 4096
+
+PresenceOf = Callable[[Principal, bytes], "tuple[PresenceTable, bool]"]
+"""(principal, handle token) -> (its namespace's presence table, ask the daemon on a miss);
+``UnknownNamespaceError`` for a handle the principal did not open."""
 
 Calls = Callable[[str, bytes, Callable[[bytes], None]], "bytes | Awaitable[bytes]"]
 """``LocalCalls.serve``: (session token, call frame, answer) -> the reply frame, or a task that
@@ -85,6 +94,9 @@ class SessionServer:
         self.calls: Calls | None = None
         """Serves a local call frame of a session (its token, the frame, where to send the
         reply): the reply frame at once, or a task that sends it."""
+        self.presence: PresenceOf | None = None
+        """The presence table of the namespace a handle of the session's principal names,
+        and whether a key it lacks may still be found by a lookup (the Redis tier)."""
 
     def principal(self, token: str) -> Principal | None:
         """The principal of the live session ``token`` names (None: unknown or closed)."""
@@ -270,8 +282,12 @@ class SessionServer:
     def _answer(self, conn: socket.socket, session: Session, data: bytes) -> None:
         try:
             request = json.loads(data)
-            if request.get("op") != "map":
-                raise ValueError(f"unknown op {request.get('op')!r}")
+            op = request.get("op")
+            if op == "presence":
+                self._answer_presence(conn, session, bytes.fromhex(request["handle"]))
+                return
+            if op != "map":
+                raise ValueError(f"unknown op {op!r}")
             uid = int(request["slab"])
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             self._send(conn, {"ok": False, "code": "invalid", "error": f"bad request: {exc}"})
@@ -288,6 +304,25 @@ class SessionServer:
             size = os.fstat(fd).st_size
             socket.send_fds(
                 conn, [json.dumps({"ok": True, "size": size, "writable": access}).encode()], [fd]
+            )
+        finally:
+            os.close(fd)
+
+    def _answer_presence(self, conn: socket.socket, session: Session, handle: bytes) -> None:
+        """``{"op": "presence", "handle": HEX}``: the presence table of the handle's namespace
+        (``kvstore.presence``), read-only, if the session's principal opened the handle."""
+        if self.presence is None:
+            self._send(conn, {"ok": False, "code": "invalid", "error": "no presence tables"})
+            return
+        try:
+            table, ask_on_miss = self.presence(session.principal, handle)
+        except KVStoreError as exc:  # the same answer for a closed handle and another's
+            self._send(conn, {"ok": False, "code": "unavailable", "error": str(exc)})
+            return
+        fd = table.export()
+        try:
+            socket.send_fds(
+                conn, [json.dumps({"ok": True, "ask_on_miss": ask_on_miss}).encode()], [fd]
             )
         finally:
             os.close(fd)

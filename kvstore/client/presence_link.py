@@ -1,0 +1,109 @@
+"""A same-host client's view of its namespace's presence table (``kvstore.presence``): lookups
+answered from shared memory, with no call, wherever the answer is the one the daemon would give.
+
+The table comes over the session socket on the first lookup after a handle is opened, and again
+when the daemon retires it (it grew, or was rebuilt). A lookup goes to the daemon instead when:
+
+- the client has no table (the bytes path, an old daemon, ``KVSTORE_PRESENCE_TABLES=0``);
+- the session connection has something to read: the daemon closed it (stopped, restarted), so
+  the call finds out and reopens, and a table frozen by a dead daemon is never trusted;
+- an asyncio call of the session is in flight (asking for a table would block the event loop
+  behind it), or the lookup is larger than a local call may be (the daemon's bounds decide);
+- the client holds read leases it is done with (the call carries their release: a lookup-only
+  client must not keep blocks pinned);
+- a key is not in the table and the daemon may still find it: in the Redis tier, or because
+  the table could not hold every key (``overflow``);
+- no lookup went to the daemon for ``FLUSH_S``: at most one a second is the daemon's, and it
+  carries the tally of those the client answered, so the namespace's hit counts include them
+  within about a second, and the per-tier hit counts (which only the daemon can tell) are
+  sampled at least once a second; a client that looks up less often than that always calls.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from kvstore import local_calls
+from kvstore.client.session import ClientSession
+from kvstore.errors import KVStoreError
+from kvstore.presence import PresenceView
+
+MAX_KEYS_BYTES = local_calls.MAX_REQUEST_BYTES - local_calls.REQUEST.size - 64
+"""Larger lookups go to the daemon, as they would over a local call (~2000 keys)."""
+FLUSH_S = 1.0
+"""A lookup goes to the daemon when none did for this long (seconds)."""
+
+
+class PresenceLink:
+    """The table of one client's current handle, and the lookups it answered; see the module
+    docstring. Not thread-safe (as ``ClientCore``)."""
+
+    def __init__(self) -> None:
+        self._view: PresenceView | None = None
+        self._refused = False  # the daemon keeps no table for this handle: do not ask again
+        self._ask_on_miss = True
+        self._keys = 0
+        self._found = 0
+        self._called = 0.0  # monotonic time of the last lookup sent to the daemon
+        self.answered = 0
+        """Lookups answered from the table over the client's life (for benchmarks and tests)."""
+
+    def reset(self) -> None:
+        """A new handle (an open or reopen): its namespace's table is asked for afresh."""
+        self.close()
+        self._refused = False
+
+    def close(self) -> None:
+        if self._view is not None:
+            self._view.close()
+            self._view = None
+
+    def lookup(
+        self, session: ClientSession, handle: bytes, packed: bytes, count: int
+    ) -> int | None:
+        """Leading keys of ``packed`` (``count`` 32-byte keys) committed, or None: call."""
+        if not session.presence_tables or self._refused or session.busy():
+            return None
+        if len(packed) > MAX_KEYS_BYTES:
+            return None  # the daemon's bounds decide (``limits.max_keys_per_request``)
+        if time.monotonic() - self._called > FLUSH_S:
+            return None  # this one is the daemon's: it carries the tally and samples the tiers
+        view = self._view
+        if view is None or view.retired:
+            view = self._map(session, handle)
+            if view is None:
+                return None
+        if not session.quiet():
+            return None
+        found = view.leading(packed)
+        if found < count and (self._ask_on_miss or view.overflow):
+            return None
+        self._keys += count
+        self._found += found
+        self.answered += 1
+        return found
+
+    def take_tally(self) -> tuple[int, int]:
+        """(keys, found) of the lookups answered since the last call that carried them; the
+        caller sends them now."""
+        self._called = time.monotonic()
+        tally = self._keys, self._found
+        self._keys = self._found = 0
+        return tally
+
+    def _map(self, session: ClientSession, handle: bytes) -> PresenceView | None:
+        self.close()
+        try:
+            fd, self._ask_on_miss = session.presence(handle)
+        except KVStoreError:  # an old daemon, a closed handle, a broken session: calls say
+            self._refused = True
+            return None
+        try:
+            self._view = PresenceView(fd)
+        except (OSError, ValueError):
+            self._refused = True
+            return None
+        finally:
+            os.close(fd)
+        return self._view

@@ -1,0 +1,313 @@
+"""Presence tables: which keys of one namespace are committed, readable by same-host clients
+without a call.
+
+A ``lookup`` over the session socket costs a round trip through the daemon's Python, ~200 us
+here whatever the daemon does inside (``README``: "Same-host client"), and an engine's
+scheduler pays one for every new request. So the daemon publishes, per namespace, a table of
+its committed keys' fingerprints in a shared-memory file that same-host clients of that
+namespace map read-only (handed over as a descriptor, like a slab) and probe with numpy: a
+lookup of 128 keys is then a few microseconds of the client's own CPU and no call at all.
+
+What a client may learn is exactly what ``lookup`` would tell it: which keys of its own
+namespace are committed. A table is one namespace's (a namespace id that is recycled gets a new
+table: the old one is *retired* first, see ``PresenceTable.retire``), is handed only to a
+session whose principal holds an open handle of that namespace, as a read-only descriptor of
+an owner-only file (``0600``, as the slabs: a client of another uid cannot reopen it writable).
+
+The table is advisory, as ``lookup`` is (a block found may be evicted before it is read): a
+fingerprint is the key's first 8 bytes, so two keys that share them are one entry (2**-64 for
+honest keys, which are seeded hashes; a client forging keys only confuses its own namespace's
+answers), and reads check the whole key and the block's checksum. A key the table cannot hold
+(its probe window is full) sets ``overflow``: clients then ask the daemon about every key the
+table does not have, so an answer is never a miss the daemon would call a hit.
+
+Layout (little endian, 8-byte words): a 64-byte header, then ``capacity + WINDOW`` slots.
+
+- header: magic ``b"KVPRESv1"``, ``capacity`` (a power of two), ``retired`` (nonzero: this
+  table is no longer kept; ask for the current one), ``overflow``, ``count``;
+- a slot is ``EMPTY`` (0), ``GONE`` (1, a removed entry) or a fingerprint (>= 2). A key's
+  *home* is ``fingerprint & (capacity - 1)``; it lives in the first free slot of
+  ``[home, home + WINDOW)`` (open addressing, linear probing, never wrapping: the table has
+  ``WINDOW`` spare slots at its end), so a probe reads at most ``WINDOW`` slots.
+
+Concurrency: the daemon (one thread, its event loop) changes a table only by storing whole
+aligned 8-byte words (a slot becomes a fingerprint, or ``GONE``), which readers on x86-64 and
+arm64 see whole; a reader may see each slot before or after a concurrent store, so a lookup is
+answered as of some moment during it, as a call's is. A table is never reorganised in place:
+growing or compacting builds a new table and retires the old one, which stays consistent.
+
+Shared by ``kvstore.client`` and ``kvstore.daemon``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+from collections.abc import Iterable
+
+import numpy as np
+
+MAGIC = int.from_bytes(b"KVPRESv1", "little")
+HEADER_WORDS = 8
+HEADER_BYTES = HEADER_WORDS * 8
+# Header word indices.
+_MAGIC, _CAPACITY, _RETIRED, _OVERFLOW, _COUNT = range(5)
+
+EMPTY = 0
+GONE = 1
+_FIRST = 2  # the smallest fingerprint
+_FIRST_U64 = np.uint64(_FIRST)
+WINDOW = 32
+"""Slots a key may sit past its home: the most any probe reads."""
+MIN_CAPACITY = 1024
+MAX_LOAD = 0.5
+"""Entries plus removed slots per home position before the table is rebuilt bigger."""
+MAX_SPARSENESS = 16
+"""A table is not grown past this many home positions per entry to place a key: keys that
+still crowd one window (forged ones) set ``overflow`` instead, so memory stays bounded."""
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def fingerprint(key: bytes) -> int:
+    """A key's table word: its first 8 bytes (little endian), at least 2 (off the two marks)."""
+    return max(int.from_bytes(key[:8], "little"), _FIRST)
+
+
+def fingerprints(packed: bytes | memoryview) -> np.ndarray:
+    """``fingerprint`` of each 32-byte key of ``packed`` (their concatenation)."""
+    return np.maximum(np.frombuffer(packed, dtype="<u8")[::4], _FIRST_U64)
+
+
+def _capacity_for(entries: int) -> int:
+    capacity = MIN_CAPACITY
+    while entries > capacity * MAX_LOAD / 2:  # built at most a quarter full
+        capacity *= 2
+    return capacity
+
+
+class PresenceTable:
+    """The daemon's end of one namespace's table: it adds a key when its block is committed
+    and removes it when the block is forgotten. Owned by the daemon's event loop."""
+
+    def __init__(self, keys: Iterable[bytes] = ()) -> None:
+        self._build(fingerprints(b"".join(keys)))
+
+    @classmethod
+    def of_fingerprints(cls, fps: np.ndarray) -> PresenceTable:
+        """A table of these fingerprints (``fingerprints`` of the keys): no Python per key."""
+        table = cls.__new__(cls)
+        table._build(fps)
+        return table
+
+    def _build(self, fps: np.ndarray) -> None:
+        self._open(_capacity_for(len(fps)))
+        self._fill(fps)
+
+    def _open(self, capacity: int) -> None:
+        self.capacity = capacity
+        size = HEADER_BYTES + (capacity + WINDOW) * 8
+        fd = os.memfd_create("kvstore-presence", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            # Owner-only, as the slabs: a read-only descriptor handed to a client of another
+            # uid cannot be reopened read-write through /proc/self/fd (and the seal below
+            # forbids writable mappings anyway).
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            # A client cannot shrink it under another's mapping (SIGBUS). Not sealed against
+            # writes (``F_SEAL_FUTURE_WRITE``): that would also forbid freeing a retired
+            # table's pages, which a client keeping its descriptor would otherwise pin.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._words = memoryview(self._mmap).cast("Q")
+        self._words[_MAGIC] = MAGIC
+        self._words[_CAPACITY] = capacity
+        self._mask = capacity - 1
+        self._slots = np.frombuffer(self._mmap, dtype=np.uint64, offset=HEADER_BYTES)
+        self.count = 0
+        self._gone = 0
+
+    def _fill(self, fps: np.ndarray) -> None:
+        """Place ``fps`` in an empty table at once: sorted by home, each takes the first free
+        slot at or after it (a running maximum, in C)."""
+        if not len(fps):
+            return
+        fps = np.unique(fps)
+        homes = (fps & np.uint64(self._mask)).astype(np.int64)
+        order = np.argsort(homes, kind="stable")
+        fps, homes = fps[order], homes[order]
+        rank = np.arange(len(fps), dtype=np.int64)
+        slots = rank + np.maximum.accumulate(homes - rank)
+        fits = slots - homes < WINDOW
+        self._slots[slots[fits]] = fps[fits]
+        self.count = int(fits.sum())
+        self._words[_COUNT] = self.count
+        if not fits.all():
+            self._words[_OVERFLOW] = 1
+
+    @property
+    def size(self) -> int:
+        return len(self._mmap)
+
+    @property
+    def overflow(self) -> bool:
+        return bool(self._words[_OVERFLOW])
+
+    @property
+    def retired(self) -> bool:
+        return bool(self._words[_RETIRED])
+
+    def export(self) -> int:
+        """A new read-only descriptor of the table (the caller sends and closes it)."""
+        return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def add(self, key: bytes) -> PresenceTable:
+        """Note ``key`` committed. Returns the table to keep: this one, or the bigger one that
+        replaced it (this one is then retired)."""
+        fp = max(int.from_bytes(key[:8], "little"), _FIRST)
+        words, slot = self._words, HEADER_WORDS + (fp & self._mask)
+        end = slot + WINDOW
+        while slot < end:
+            if words[slot] <= GONE:
+                if words[slot] == GONE:
+                    self._gone -= 1
+                words[slot] = fp
+                self.count += 1
+                words[_COUNT] = self.count
+                if (self.count + self._gone) > self.capacity * MAX_LOAD:
+                    return self._rebuilt(self.count)
+                return self
+            slot += 1
+        # The window is full: a bigger table spreads honest keys; forged ones crowd any size.
+        if self.capacity < MAX_SPARSENESS * max(self.count, MIN_CAPACITY // MAX_SPARSENESS):
+            return self._rebuilt(self.count, extra=(fp,))
+        words[_OVERFLOW] = 1
+        return self
+
+    def add_many(self, keys: Iterable[bytes]) -> PresenceTable:
+        table = self
+        for key in keys:
+            table = table.add(key)
+        return table
+
+    def remove(self, key: bytes) -> None:
+        """Note ``key`` no longer committed (evicted from its last tier, deleted, corrupt)."""
+        fp = max(int.from_bytes(key[:8], "little"), _FIRST)
+        words, slot = self._words, HEADER_WORDS + (fp & self._mask)
+        end = slot + WINDOW
+        while slot < end:
+            word = words[slot]
+            if word == fp:
+                words[slot] = GONE
+                self.count -= 1
+                self._gone += 1
+                words[_COUNT] = self.count
+                return
+            slot += 1  # past an EMPTY too: a table filled with ``overflow`` has gaps
+
+    def _rebuilt(self, entries: int, extra: tuple[int, ...] = ()) -> PresenceTable:
+        """A new table holding this one's entries (and ``extra``); this one is retired."""
+        fps = self._slots[self._slots > GONE]
+        if extra:
+            fps = np.concatenate([fps, np.array(extra, dtype=np.uint64)])
+        new = PresenceTable.__new__(PresenceTable)
+        # Sized for what it holds (removed slots are not carried over, so churn does not grow
+        # it); twice as big at least when a window was full.
+        capacity = _capacity_for(entries + len(extra))
+        if extra:
+            capacity = max(capacity, self.capacity * 2)
+        new._open(capacity)
+        new._fill(fps)
+        if self.overflow:  # a key dropped before is still missing
+            new._words[_OVERFLOW] = 1
+        self.retire()
+        return new
+
+    def retire(self) -> None:
+        """Stop keeping this table: readers see ``retired`` and ask for the current one (or
+        learn that their namespace is gone). Its memory goes with the last mapping."""
+        if self._fd < 0:
+            return
+        self._words[_RETIRED] = 1
+        # Free its pages past the first (the header stays, saying ``retired``): a client that
+        # keeps the descriptor pins a page, not the table. A reader in the middle of a probe
+        # then reads EMPTY slots: misses, as a lookup racing a rebuild may answer.
+        if len(self._mmap) > mmap.PAGESIZE:
+            try:
+                self._mmap.madvise(mmap.MADV_REMOVE, mmap.PAGESIZE)
+            except OSError:  # best effort: the pages then go with the last mapping
+                pass
+        os.close(self._fd)
+        self._fd = -1
+
+    def close(self) -> None:
+        """Retire and unmap (the daemon is stopping)."""
+        self.retire()
+        self._slots = np.empty(0, dtype=np.uint64)
+        self._words.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass
+
+
+class PresenceView:
+    """A client's read-only mapping of a presence table (from a descriptor the daemon handed
+    over). ``leading`` answers a lookup; ``retired`` says to ask for a new table."""
+
+    def __init__(self, fd: int) -> None:
+        size = os.fstat(fd).st_size
+        if size < HEADER_BYTES + (MIN_CAPACITY + WINDOW) * 8:
+            raise ValueError(f"a presence table of {size} bytes is too small")
+        self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        header = np.frombuffer(self._mmap, dtype=np.uint64, count=HEADER_WORDS)
+        capacity = int(header[_CAPACITY])
+        if int(header[_MAGIC]) != MAGIC or size != HEADER_BYTES + (capacity + WINDOW) * 8:
+            self._mmap.close()
+            raise ValueError("not a presence table")
+        self._header = header
+        self._mask = np.uint64(capacity - 1)
+        self._slots = np.frombuffer(self._mmap, dtype=np.uint64, offset=HEADER_BYTES)
+
+    @property
+    def retired(self) -> bool:
+        return bool(self._header[_RETIRED])
+
+    @property
+    def overflow(self) -> bool:
+        return bool(self._header[_OVERFLOW])
+
+    def leading(self, packed: bytes) -> int:
+        """How many leading keys of ``packed`` (32-byte keys, concatenated) the table holds."""
+        fps = fingerprints(packed)
+        homes = (fps & self._mask).astype(np.intp)
+        slots = self._slots
+        probe = slots[homes]
+        hit = probe == fps  # most keys sit at their home
+        if hit.all():
+            return len(fps)
+        # The others, one slot further at a time: a key is past its home only if every slot
+        # before it was taken when it was placed, so an EMPTY slot ends its probe (where the
+        # table has gaps, ``overflow`` sends a miss to the daemon anyway).
+        rest = np.flatnonzero(~hit & (probe != EMPTY))
+        step = 1
+        while len(rest) and step < WINDOW:
+            probe = slots[homes[rest] + step]
+            found = probe == fps[rest]
+            hit[rest[found]] = True
+            rest = rest[~found & (probe != EMPTY)]
+            step += 1
+        return len(fps) if hit.all() else int(hit.argmin())
+
+    def close(self) -> None:
+        self._slots = np.empty(0, dtype=np.uint64)
+        self._header = np.empty(0, dtype=np.uint64)
+        try:
+            self._mmap.close()
+        except BufferError:  # an array still views it: the mapping goes when collected
+            pass

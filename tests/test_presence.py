@@ -1,0 +1,416 @@
+"""Presence tables (``kvstore.presence``): lookups a same-host client answers from shared memory.
+
+The promise: a lookup answered from the table is the answer the daemon would give (the leading
+keys committed in the namespace), never another namespace's, and a client falls back to the
+call wherever the table cannot say (Redis, overflow, a dead daemon, releases to carry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import mmap
+import os
+import socket
+from collections.abc import Iterator
+
+import pytest
+from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tokens
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_store import NS, make_store, put
+
+from kvstore import AsyncKVStoreClient, KVStoreClient, Namespace, block_hashes
+from kvstore.client import presence_link
+from kvstore.presence import (
+    MAX_SPARSENESS,
+    MIN_CAPACITY,
+    WINDOW,
+    PresenceTable,
+    PresenceView,
+)
+
+
+def rand_keys(n: int) -> list[bytes]:
+    return [os.urandom(32) for _ in range(n)]
+
+
+def view_of(table: PresenceTable) -> PresenceView:
+    fd = table.export()
+    try:
+        return PresenceView(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- the table alone
+def test_a_view_sees_adds_and_removes_made_after_it_mapped() -> None:
+    keys = rand_keys(40)
+    table = PresenceTable(keys[:10])
+    view = view_of(table)
+    packed = b"".join(keys)
+    assert view.leading(packed) == 10
+    for k in keys[10:30]:
+        table = table.add(k)
+    assert not view.retired  # 30 keys fit the first table
+    assert view.leading(packed) == 30
+    table.remove(keys[4])
+    assert view.leading(packed) == 4  # leading run: stops at the first key not held
+    assert view.leading(b"".join(keys[5:30])) == 25
+    table = table.add(keys[4])
+    assert view.leading(packed) == 30
+
+
+def test_growing_retires_the_old_table_and_the_new_one_holds_every_key() -> None:
+    keys = rand_keys(3 * MIN_CAPACITY)
+    table = PresenceTable()
+    first = view_of(table)
+    for k in keys:
+        table = table.add(k)
+    assert first.retired  # a reader must ask for the current table
+    assert table.capacity > MIN_CAPACITY and not table.retired and not table.overflow
+    assert view_of(table).leading(b"".join(keys)) == len(keys)
+
+
+def test_churn_does_not_grow_the_table() -> None:
+    table = PresenceTable()
+    live = rand_keys(100)
+    table = table.add_many(live)
+    for _ in range(50):
+        batch = rand_keys(200)
+        table = table.add_many(batch)
+        for k in batch:
+            table.remove(k)
+    assert table.capacity == MIN_CAPACITY
+    assert view_of(table).leading(b"".join(live)) == 100
+
+
+def test_keys_forged_to_crowd_one_window_set_overflow_and_memory_stays_bounded() -> None:
+    # Same low bits: every key has the same home whatever the capacity.
+    forged = [(i << 40).to_bytes(8, "little") + os.urandom(24) for i in range(1, 200)]
+    table = PresenceTable()
+    for k in forged:
+        table = table.add(k)
+    assert table.overflow
+    assert table.capacity <= MAX_SPARSENESS * 2 * len(forged)
+    view = view_of(table)
+    held = sum(view.leading(k) for k in forged)
+    assert WINDOW <= held < len(forged)  # a full window's worth, and never a wrong hit
+    assert view.leading(os.urandom(32)) == 0
+
+
+def test_a_table_is_handed_out_read_only_and_cannot_be_shrunk() -> None:
+    table = PresenceTable(rand_keys(5))
+    fd = table.export()
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, table.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_WRITE)
+        with pytest.raises(OSError):
+            os.pwrite(fd, b"\xff" * 8, 64)
+        assert os.fstat(fd).st_mode & 0o777 == 0o600  # another uid cannot reopen it writable
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_SEAL  # never a SIGBUS
+    finally:
+        os.close(fd)
+
+
+def test_a_retired_table_frees_its_pages_though_a_client_keeps_its_descriptor() -> None:
+    """A client keeping every descriptor it was handed pins a page per retired table, not the
+    table: put/delete churn retires tables again and again."""
+    table = PresenceTable(rand_keys(20_000))
+    fd = table.export()
+    try:
+        view = PresenceView(fd)
+        assert os.fstat(fd).st_blocks * 512 >= 64 << 10
+        table.retire()
+        assert view.retired
+        assert os.fstat(fd).st_blocks * 512 <= 2 * mmap.PAGESIZE
+        assert view.leading(os.urandom(32)) == 0
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- the store's table
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["put", "delete"]), st.integers(0, 11), st.integers(1, 4)),
+        max_size=25,
+    )
+)
+def test_the_table_answers_what_the_daemons_lookup_answers(ops) -> None:
+    """Puts (with evictions: 8 blocks of room for 15 keys), deletes; after each, the table's
+    answer for every prefix equals ``BlockStore.lookup``'s."""
+
+    async def run() -> None:
+        store = make_store(capacity_blocks=8)
+        try:
+            handle = store.open_namespace(NS)
+            view = view_of(store.presence(handle))
+            all_keys = block_hashes(NS.seed, list(range(15 * 16)))
+            for op, start, n in ops:
+                ks = all_keys[start : start + n]
+                if op == "put":
+                    await put(store, handle, ks)
+                else:
+                    store.delete(handle, ks)
+                if view.retired:
+                    view = view_of(store.presence(handle))
+                for first in range(0, 15, 3):
+                    asked = all_keys[first:]
+                    want = await store.lookup(handle, asked)
+                    assert view.leading(b"".join(asked)) == want
+        finally:
+            store.close()
+
+    asyncio.run(run())
+
+
+async def test_a_table_that_cannot_be_rebuilt_is_dropped_and_the_commit_stands(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rebuild out of memory or descriptors must not fail the commit that caused it (its
+    blocks are stored) nor leave a table that misses committed keys: the table is retired (its
+    clients call) and made afresh when next asked for."""
+    store = make_store(capacity_blocks=2 * MIN_CAPACITY)
+    try:
+        handle = store.open_namespace(NS)
+        view = view_of(store.presence(handle))
+        ks = block_hashes(NS.seed, list(range(16 * (MIN_CAPACITY // 2 + 16))))
+        assert await put(store, handle, ks[: MIN_CAPACITY // 2 - 8]) == MIN_CAPACITY // 2 - 8
+        assert not view.retired
+
+        def no_memory(self, capacity):
+            raise OSError(12, "Cannot allocate memory")
+
+        with monkeypatch.context() as m:
+            m.setattr(PresenceTable, "_open", no_memory)
+            assert await put(store, handle, ks[MIN_CAPACITY // 2 - 8 : MIN_CAPACITY // 2 + 8]) == 16
+        assert view.retired and handle.record.presence is None
+        assert await store.lookup(handle, ks[: MIN_CAPACITY // 2 + 8]) == MIN_CAPACITY // 2 + 8
+        fresh = view_of(store.presence(handle))
+        assert fresh.leading(b"".join(ks[: MIN_CAPACITY // 2 + 8])) == MIN_CAPACITY // 2 + 8
+    finally:
+        store.close()
+
+
+async def test_a_freed_namespace_retires_its_table_before_its_id_is_reused() -> None:
+    store = make_store()
+    try:
+        first = store.open_namespace(NS)
+        view = view_of(store.presence(first))
+        ns_id = first.ns_id
+        store.close_handle(first)
+        assert view.retired  # no handle, no entry: the record is gone, its table retired
+        other = store.open_namespace(Namespace(model="other", layout=NS.layout, tenant="b"))
+        assert other.ns_id == ns_id  # the id is reused...
+        ks = block_hashes(other.record.namespace.seed, list(range(32)))
+        await put(store, other, ks)
+        assert view.leading(b"".join(ks)) == 0  # ...but the old table never shows its keys
+    finally:
+        store.close()
+
+
+# ----------------------------------------------------------------------------- a real daemon
+@pytest.fixture(autouse=True)
+def _no_sampling_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client sends a lookup to the daemon when none went for ``FLUSH_S``; on a slow machine
+    that could fall anywhere in a test, so these tests make it never due unless they say so."""
+    monkeypatch.setattr(presence_link, "FLUSH_S", float("inf"))
+
+
+def client(daemon, **kw) -> KVStoreClient:
+    return KVStoreClient(daemon.address, layout=SMALL_LAYOUT, model="presence", **kw)
+
+
+@contextlib.contextmanager
+def no_calls(kv) -> Iterator[None]:
+    """Within it, every local call and gRPC call of ``kv`` fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the lookup made a call")
+
+    rpc = kv._rpc
+    kv._session.call = refuse
+    kv._session.acall = refuse
+    kv._rpc = None
+    try:
+        yield
+    finally:
+        del kv._session.call, kv._session.acall  # the class's methods again
+        kv._rpc = rpc
+
+
+def test_lookups_are_answered_from_the_table_and_follow_puts_deletes_and_evictions(
+    daemon_factory,
+) -> None:
+    daemon = daemon_factory(cpu_capacity="2MiB", slab="1MiB")
+    per_mib = (1 << 20) // SMALL_LAYOUT.block_bytes
+    with client(daemon) as kv, client(daemon) as writer:
+        keys = kv.hash_tokens(tokens(6))
+        blocks = random_blocks(SMALL_LAYOUT, 6)
+        assert writer.put(keys, blocks) == 6
+        assert kv.lookup(keys) == 6  # maps the table
+        with no_calls(kv):
+            assert kv.lookup(keys) == 6
+            assert kv.lookup(keys[:2] + kv.hash_tokens(tokens(1, offset=900))) == 2
+            assert writer.delete(keys[3:]) == 3
+            assert kv.lookup(keys) == 3  # deleted means gone, at once
+            # Evicted means gone: fill the tier with other blocks until the first ones go.
+            more = writer.hash_tokens(tokens(4 * per_mib, offset=1000))
+            for i in range(0, len(more), 16):
+                writer.put(more[i : i + 16], random_blocks(SMALL_LAYOUT, len(more[i : i + 16])))
+            assert kv.lookup(keys) == 0
+        assert kv._presence.answered >= 4
+
+
+def test_the_table_is_the_callers_namespace_only(daemon) -> None:
+    with client(daemon) as kv, client(daemon, tenant="other") as other:
+        keys = kv.hash_tokens(tokens(4))
+        kv.put(keys, random_blocks(SMALL_LAYOUT, 4))
+        assert kv.lookup(keys) == 4
+        assert other.lookup(keys) == 0  # its own table: none of these keys
+        # Another session (another principal's session) presenting kv's handle gets nothing.
+        assert other._session is not None
+        with pytest.raises(Exception, match="unknown namespace handle"):
+            other._session.presence(kv._handle)
+        # The session socket keeps serving after the refusal.
+        assert other.lookup(keys) == 0 and kv.lookup(keys) == 4
+
+
+def test_a_bad_presence_request_is_refused_and_the_session_serves_on(daemon) -> None:
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(2))
+        kv.put(keys, random_blocks(SMALL_LAYOUT, 2))
+        sock = kv._session._sock
+        for bad in (b'{"op": "presence"}', b'{"op": "presence", "handle": "zz"}'):
+            sock.send(bad)
+            reply = sock.recv(4096)
+            assert b'"ok": false' in reply
+        assert kv.lookup(keys) == 2
+
+
+def test_pending_releases_and_a_due_tally_go_with_a_call(daemon, monkeypatch) -> None:
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(3))
+        blocks = random_blocks(SMALL_LAYOUT, 3)
+        kv.put(keys, blocks)
+        assert kv.lookup(keys) == 3
+        answered = kv._presence.answered
+        assert same_bytes(kv.get(keys), blocks)  # its release waits for the next call
+        assert kv.lookup(keys) == 3
+        assert kv._presence.answered == answered  # the lookup was a call: it carried it
+        assert not kv._releases.waiting(kv._handle)
+        before = kv.stats().namespaces[0].hits
+        for _ in range(5):
+            assert kv.lookup(keys) == 3
+        assert kv._presence.answered == answered + 5
+        monkeypatch.setattr(presence_link, "FLUSH_S", 0.0)
+        assert kv.lookup(keys) == 3  # the tally is due: a call carries it
+        ns = kv.stats().namespaces[0]
+        assert ns.hits == before + 5 * 3 + 3  # table lookups counted, and the call's own
+
+
+def test_a_restarted_daemon_is_asked_not_the_dead_ones_table(daemon_factory) -> None:
+    import signal
+
+    daemon = daemon_factory()
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(4))
+        kv.put(keys, random_blocks(SMALL_LAYOUT, 4))
+        assert kv.lookup(keys) == 4
+        daemon.stop(signal.SIGKILL)  # no chance to retire its tables
+        daemon.start()
+        assert kv.lookup(keys) == 0  # the table still says 4: it is not asked
+        kv.put(keys[:2], random_blocks(SMALL_LAYOUT, 2))
+        assert kv.lookup(keys) == 2
+        answered = kv._presence.answered
+        assert kv.lookup(keys) == 2 and kv._presence.answered == answered + 1
+
+
+def test_with_a_redis_tier_a_miss_is_asked_of_the_daemon(daemon_factory, redis_server) -> None:
+    daemon = daemon_factory(redis_url=redis_server.url)
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(3))
+        kv.put(keys, random_blocks(SMALL_LAYOUT, 3))
+        assert kv.lookup(keys) == 3
+        answered = kv._presence.answered
+        assert kv.lookup(keys) == 3  # a full hit is the table's
+        assert kv._presence.answered == answered + 1
+        missing = keys + kv.hash_tokens(tokens(1, offset=500))
+        assert kv.lookup(missing) == 3  # a miss may be in Redis: asked
+        assert kv._presence.answered == answered + 1
+
+
+def test_without_tables_every_lookup_is_a_call(daemon, monkeypatch) -> None:
+    monkeypatch.setenv("KVSTORE_PRESENCE_TABLES", "0")
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(2))
+        kv.put(keys, random_blocks(SMALL_LAYOUT, 2))
+        assert kv.lookup(keys) == 2 and kv.lookup(keys) == 2
+        assert kv._presence.answered == 0
+
+
+async def test_the_async_client_answers_from_the_table_too(daemon) -> None:
+    async with AsyncKVStoreClient(daemon.address, layout=SMALL_LAYOUT, model="presence") as kv:
+        keys = kv.hash_tokens(tokens(5))
+        await kv.put(keys, random_blocks(SMALL_LAYOUT, 5))
+        assert await kv.lookup(keys) == 5
+        with no_calls(kv):
+            assert await kv.lookup(keys) == 5
+            assert await kv.lookup(keys[:1] + kv.hash_tokens(tokens(1, offset=70))) == 1
+    # Closing sent the tally: the daemon counted the table's lookups.
+    async with AsyncKVStoreClient(daemon.address, layout=SMALL_LAYOUT, model="presence") as kv:
+        (ns,) = [n for n in (await kv.stats()).namespaces if n.name.startswith("presence")]
+        assert ns.hits == 5 + 5 + 1 and ns.misses == 1
+
+
+async def test_an_async_lookup_never_blocks_the_loop_behind_another_tasks_call(daemon) -> None:
+    """Asking for a table is a blocking request the daemon answers after the call in flight;
+    while an asyncio call of the session waits (here on another client's write), a lookup
+    calls instead of asking, and the loop runs on."""
+    async with (
+        AsyncKVStoreClient(daemon.address, layout=SMALL_LAYOUT, model="presence") as kv,
+        AsyncKVStoreClient(daemon.address, layout=SMALL_LAYOUT, model="presence") as writer,
+    ):
+        keys = kv.hash_tokens(tokens(3))
+        await kv.put(keys[:2], random_blocks(SMALL_LAYOUT, 2))
+        reservation = await writer.reserve(keys[2:3])  # keys[2] is being written
+        getter = asyncio.create_task(kv.get(keys))  # its acquire waits for that writer
+        while not kv._session.busy():
+            await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        ticks = 0
+
+        async def beat() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        beating = asyncio.create_task(beat())
+        assert await kv.lookup(keys[:2]) == 2  # a call, waiting its turn on the loop
+        beating.cancel()
+        assert kv._presence.answered == 0
+        assert ticks >= 1  # the loop ran while the lookup waited
+        await reservation.abort()
+        await getter
+        assert loop.time() - t0 < 30
+        assert await kv.lookup(keys[:2]) == 2  # a call: it carries the get's release
+        assert await kv.lookup(keys[:2]) == 2 and kv._presence.answered == 1
+
+
+def test_a_raw_session_cannot_get_a_table_without_a_handle(daemon) -> None:
+    from kvstore.address import session_socket_path
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(session_socket_path(str(daemon.socket_path)))
+    try:
+        assert b'"ok": true' in sock.recv(4096)
+        sock.send(b'{"op": "presence", "handle": "' + os.urandom(16).hex().encode() + b'"}')
+        reply, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+        assert b'"ok": false' in reply and not fds
+    finally:
+        sock.close()
