@@ -25,10 +25,12 @@ Layout (little endian, 8-byte words): a 64-byte header, then ``capacity + WINDOW
 
 - header: magic ``b"KVPRESv1"``, ``capacity`` (a power of two), ``retired`` (nonzero: this
   table is no longer kept; ask for the current one), ``overflow``, ``count``;
-- a slot is ``EMPTY`` (0), ``GONE`` (1, a removed entry) or a fingerprint (>= 2). A key's
-  *home* is ``fingerprint & (capacity - 1)``; it lives in the first free slot of
+- a slot is ``EMPTY`` (0), ``GONE`` (1, a removed entry) or a fingerprint (>= 2). Slots come
+  in buckets of ``BUCKET`` (64 bytes, a cache line); a key's *home* is the first slot of
+  bucket ``fingerprint & (capacity / BUCKET - 1)``, and it lives in the first free slot of
   ``[home, home + WINDOW)`` (open addressing, linear probing, never wrapping: the table has
-  ``WINDOW`` spare slots at its end), so a probe reads at most ``WINDOW`` slots.
+  ``WINDOW`` spare slots at its end), so a probe reads at most ``WINDOW`` slots, and nearly
+  always just its home bucket: one cache line, compared in one numpy pass for a whole lookup.
 
 Concurrency: the daemon (one thread, its event loop) changes a table only by storing whole
 aligned 8-byte words (a slot becomes a fingerprint, or ``GONE``), which readers on x86-64 and
@@ -58,7 +60,9 @@ EMPTY = 0
 GONE = 1
 _FIRST = 2  # the smallest fingerprint
 _FIRST_U64 = np.uint64(_FIRST)
-WINDOW = 32
+BUCKET = 8
+"""Slots per bucket (a home is a bucket's first slot)."""
+WINDOW = 4 * BUCKET
 """Slots a key may sit past its home: the most any probe reads."""
 MIN_CAPACITY = 1024
 MAX_LOAD = 0.5
@@ -127,7 +131,7 @@ class PresenceTable:
         self._words = memoryview(self._mmap).cast("Q")
         self._words[_MAGIC] = MAGIC
         self._words[_CAPACITY] = capacity
-        self._mask = capacity - 1
+        self._mask = capacity // BUCKET - 1  # of the bucket number
         self._slots = np.frombuffer(self._mmap, dtype=np.uint64, offset=HEADER_BYTES)
         self.count = 0
         self._gone = 0
@@ -138,7 +142,7 @@ class PresenceTable:
         if not len(fps):
             return
         fps = np.unique(fps)
-        homes = (fps & np.uint64(self._mask)).astype(np.int64)
+        homes = (fps & np.uint64(self._mask)).astype(np.int64) * BUCKET
         order = np.argsort(homes, kind="stable")
         fps, homes = fps[order], homes[order]
         rank = np.arange(len(fps), dtype=np.int64)
@@ -170,7 +174,7 @@ class PresenceTable:
         """Note ``key`` committed. Returns the table to keep: this one, or the bigger one that
         replaced it (this one is then retired)."""
         fp = max(int.from_bytes(key[:8], "little"), _FIRST)
-        words, slot = self._words, HEADER_WORDS + (fp & self._mask)
+        words, slot = self._words, HEADER_WORDS + (fp & self._mask) * BUCKET
         end = slot + WINDOW
         while slot < end:
             if words[slot] <= GONE:
@@ -198,7 +202,7 @@ class PresenceTable:
     def remove(self, key: bytes) -> None:
         """Note ``key`` no longer committed (evicted from its last tier, deleted, corrupt)."""
         fp = max(int.from_bytes(key[:8], "little"), _FIRST)
-        words, slot = self._words, HEADER_WORDS + (fp & self._mask)
+        words, slot = self._words, HEADER_WORDS + (fp & self._mask) * BUCKET
         end = slot + WINDOW
         while slot < end:
             word = words[slot]
@@ -271,8 +275,12 @@ class PresenceView:
             self._mmap.close()
             raise ValueError("not a presence table")
         self._header = header
-        self._mask = np.uint64(capacity - 1)
-        self._slots = np.frombuffer(self._mmap, dtype=np.uint64, offset=HEADER_BYTES)
+        self._mask = np.uint64(capacity // BUCKET - 1)
+        # Bucket by bucket: row b is bucket b's slots (rows past the last home are the spare
+        # slots of the window).
+        self._rows = np.frombuffer(self._mmap, dtype=np.uint64, offset=HEADER_BYTES).reshape(
+            -1, BUCKET
+        )
 
     @property
     def retired(self) -> bool:
@@ -285,27 +293,27 @@ class PresenceView:
     def leading(self, packed: bytes) -> int:
         """How many leading keys of ``packed`` (32-byte keys, concatenated) the table holds."""
         fps = fingerprints(packed)
-        homes = (fps & self._mask).astype(np.intp)
-        slots = self._slots
-        probe = slots[homes]
-        hit = probe == fps  # most keys sit at their home
+        buckets = (fps & self._mask).astype(np.intp)
+        rows = self._rows
+        probe = rows[buckets]  # (keys, BUCKET): each key's home bucket
+        hit = (probe == fps[:, None]).any(axis=1)
         if hit.all():
             return len(fps)
-        # The others, one slot further at a time: a key is past its home only if every slot
-        # before it was taken when it was placed, so an EMPTY slot ends its probe (where the
-        # table has gaps, ``overflow`` sends a miss to the daemon anyway).
-        rest = np.flatnonzero(~hit & (probe != EMPTY))
+        # The others, one bucket further at a time: a key is past its home bucket only if
+        # that bucket was full when it was placed, so a bucket with an EMPTY slot ends its
+        # probe (where the table has gaps, ``overflow`` sends a miss to the daemon anyway).
+        rest = np.flatnonzero(~hit & (probe != EMPTY).all(axis=1))
         step = 1
-        while len(rest) and step < WINDOW:
-            probe = slots[homes[rest] + step]
-            found = probe == fps[rest]
+        while len(rest) and step < WINDOW // BUCKET:
+            probe = rows[buckets[rest] + step]
+            found = (probe == fps[rest, None]).any(axis=1)
             hit[rest[found]] = True
-            rest = rest[~found & (probe != EMPTY)]
+            rest = rest[~found & (probe != EMPTY).all(axis=1)]
             step += 1
         return len(fps) if hit.all() else int(hit.argmin())
 
     def close(self) -> None:
-        self._slots = np.empty(0, dtype=np.uint64)
+        self._rows = np.empty((0, BUCKET), dtype=np.uint64)
         self._header = np.empty(0, dtype=np.uint64)
         try:
             self._mmap.close()
