@@ -46,6 +46,8 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import sys
+from array import array
 from collections.abc import Iterable
 
 import numpy as np
@@ -194,8 +196,34 @@ class PresenceTable:
         return self
 
     def add_many(self, keys: Iterable[bytes]) -> PresenceTable:
+        """``add`` of each key (a commit's batch): one tight loop while each finds a free
+        slot and the table stays under ``MAX_LOAD``; what is left then goes through ``add``."""
+        keys = list(keys)
+        fps = array("Q", b"".join(keys))[::4]  # each key's first 8 bytes
+        if sys.byteorder == "big":  # fingerprints read them little endian
+            fps.byteswap()
+        words, mask, limit = self._words, self._mask, self.capacity * MAX_LOAD
+        count, gone, done = self.count, self._gone, 0
+        for fp in fps:
+            if fp < _FIRST:
+                fp = _FIRST
+            if count + gone >= limit:
+                break
+            slot = HEADER_WORDS + (fp & mask) * BUCKET
+            end = slot + WINDOW
+            while slot < end and words[slot] > GONE:
+                slot += 1
+            if slot == end:
+                break
+            if words[slot] == GONE:
+                gone -= 1
+            words[slot] = fp
+            count += 1
+            done += 1
+        self.count, self._gone = count, gone
+        words[_COUNT] = count
         table = self
-        for key in keys:
+        for key in keys[done:]:
             table = table.add(key)
         return table
 

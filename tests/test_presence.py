@@ -73,6 +73,15 @@ def test_growing_retires_the_old_table_and_the_new_one_holds_every_key() -> None
     assert view_of(table).leading(b"".join(keys)) == len(keys)
 
 
+def test_a_batch_that_fills_a_table_lands_in_the_bigger_one() -> None:
+    keys = rand_keys(MIN_CAPACITY)  # past half full midway through the batch
+    table = PresenceTable()
+    first = view_of(table)
+    table = table.add_many(keys)
+    assert first.retired and table.count == len(keys) and not table.overflow
+    assert view_of(table).leading(b"".join(keys)) == len(keys)
+
+
 def test_churn_does_not_grow_the_table() -> None:
     table = PresenceTable()
     live = rand_keys(100)
@@ -115,8 +124,9 @@ def test_the_table_holds_exactly_the_keys_added_and_not_removed(first, ops, home
     Every live key is found, no other key is, except that a table that could not place a key
     (``overflow``) may lack live ones (its clients then ask the daemon)."""
     pool = [(((i % homes) * 8) | (i << 32)).to_bytes(8, "little") + bytes(24) for i in range(200)]
-    table, live = PresenceTable(), set()
-    for add, i in [(True, i) for i in range(first)] + ops:
+    table = PresenceTable().add_many(pool[:first])  # a commit's batch
+    live = set(range(first))
+    for add, i in ops:
         if add and i not in live:
             table = table.add(pool[i])
             live.add(i)
@@ -326,7 +336,10 @@ def test_a_bad_presence_request_is_refused_and_the_session_serves_on(daemon) -> 
         assert kv.lookup(keys) == 2
 
 
-def test_pending_releases_and_a_due_tally_go_with_a_call(daemon, monkeypatch) -> None:
+def test_a_due_lookup_carries_the_tally_and_pending_releases(daemon, monkeypatch) -> None:
+    """Lookups answered from the table leave a get's releases waiting (as any client's do
+    until its next call), for at most ``FLUSH_S``: then a lookup goes to the daemon and
+    carries them, and the tally, which the daemon counts as the namespace's hits."""
     with client(daemon) as kv:
         keys = kv.hash_tokens(tokens(3))
         blocks = random_blocks(SMALL_LAYOUT, 3)
@@ -334,17 +347,20 @@ def test_pending_releases_and_a_due_tally_go_with_a_call(daemon, monkeypatch) ->
         assert kv.lookup(keys) == 3
         answered = kv._presence.answered
         assert same_bytes(kv.get(keys), blocks)  # its release waits for the next call
-        assert kv.lookup(keys) == 3
-        assert kv._presence.answered == answered  # the lookup was a call: it carried it
-        assert not kv._releases.waiting(kv._handle)
         before = kv.stats().namespaces[0].hits
         for _ in range(5):
             assert kv.lookup(keys) == 3
         assert kv._presence.answered == answered + 5
+        assert kv._releases.waiting(kv._handle)
         monkeypatch.setattr(presence_link, "FLUSH_S", 0.0)
-        assert kv.lookup(keys) == 3  # the tally is due: a call carries it
+        assert kv.lookup(keys) == 3  # due: a call, carrying the tally and the release
+        assert kv._presence.answered == answered + 5
+        assert not kv._releases.waiting(kv._handle)
         ns = kv.stats().namespaces[0]
-        assert ns.hits == before + 5 * 3 + 3  # table lookups counted, and the call's own
+        # The six table lookups counted (the first was answered before the get), and the call's.
+        assert ns.hits == before + 6 * 3 + 3
+        assert kv.delete(keys) == 3  # nothing leased: deleted at once
+        assert kv.lookup(keys) == 0
 
 
 def test_a_restarted_daemon_is_asked_not_the_dead_ones_table(daemon_factory) -> None:
@@ -433,7 +449,6 @@ async def test_an_async_lookup_never_blocks_the_loop_behind_another_tasks_call(d
         await reservation.abort()
         await getter
         assert loop.time() - t0 < 30
-        assert await kv.lookup(keys[:2]) == 2  # a call: it carries the get's release
         assert await kv.lookup(keys[:2]) == 2 and kv._presence.answered == 1
 
 

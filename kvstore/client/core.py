@@ -222,7 +222,9 @@ class ClientCore:
         if not keys:
             return 0
         session = self._session
-        if session is not None and not self._releases.waiting(self._handle):
+        if session is not None:
+            # Releases waiting meanwhile ride on the next call, as after any get: at the
+            # latest the lookup the table sends to the daemon after ``FLUSH_S``.
             found = self._presence.lookup(session, self._handle, packed, len(keys))
             if found is not None:  # answered from the namespace's presence table: no call
                 return found

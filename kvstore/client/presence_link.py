@@ -9,14 +9,14 @@ when the daemon retires it (it grew, or was rebuilt). A lookup goes to the daemo
   the call finds out and reopens, and a table frozen by a dead daemon is never trusted;
 - an asyncio call of the session is in flight (asking for a table would block the event loop
   behind it), or the lookup is larger than a local call may be (the daemon's bounds decide);
-- the client holds read leases it is done with (the call carries their release: a lookup-only
-  client must not keep blocks pinned);
 - a key is not in the table and the daemon may still find it: in the Redis tier, or because
   the table could not hold every key (``overflow``);
 - no lookup went to the daemon for ``FLUSH_S``: at most one a second is the daemon's, and it
-  carries the tally of those the client answered, so the namespace's hit counts include them
-  within about a second, and the per-tier hit counts (which only the daemon can tell) are
-  sampled at least once a second; a client that looks up less often than that always calls.
+  carries the tally of those the client answered (and the releases of leases the client is
+  done with: a client that only looks up keeps a get's blocks pinned a second at most), so
+  the namespace's hit counts include them within about a second, and the per-tier hit counts
+  (which only the daemon can tell) are sampled at least once a second; a client that looks up
+  less often than that always calls.
 """
 
 from __future__ import annotations
