@@ -223,8 +223,13 @@ class PresenceTable:
         self.count, self._gone = count, gone
         words[_COUNT] = count
         table = self
-        for key in keys[done:]:
-            table = table.add(key)
+        try:
+            for key in keys[done:]:
+                table = table.add(key)
+        except BaseException:
+            if table is not self:  # a replacement the caller never got: not left open
+                table.retire()
+            raise
         return table
 
     def remove(self, key: bytes) -> None:

@@ -176,6 +176,81 @@ def test_a_retired_table_frees_its_pages_though_a_client_keeps_its_descriptor() 
         os.close(fd)
 
 
+def test_a_replacement_table_is_not_left_open_when_a_later_rebuild_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    opened: list[PresenceTable] = []
+    real_open = PresenceTable._open
+
+    def open_twice(self, capacity):
+        if len(opened) == 1:
+            raise OSError(24, "Too many open files")
+        opened.append(self)
+        real_open(self, capacity)
+
+    table = PresenceTable()
+    monkeypatch.setattr(PresenceTable, "_open", open_twice)
+    with pytest.raises(OSError):
+        table.add_many(rand_keys(3 * MIN_CAPACITY))  # rebuilt twice on the way: the 2nd fails
+    assert table.retired
+    assert len(opened) == 1 and opened[0].retired  # the 1st replacement, never returned
+
+
+class _Session:
+    """What ``PresenceLink`` uses of a ``ClientSession``, over a real table."""
+
+    presence_tables = True
+
+    def __init__(self, table: PresenceTable) -> None:
+        self.table = table
+
+    def busy(self) -> bool:
+        return False
+
+    def quiet(self) -> bool:
+        return True
+
+    def presence(self, handle: bytes) -> tuple[int, bool]:
+        return self.table.export(), False
+
+
+def test_a_miss_read_from_a_table_retired_during_the_probe_is_asked_of_the_daemon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A commit may rebuild the table while a client probes it: the old one's freed pages read
+    as EMPTY, so its misses are not answers (its hits are)."""
+    monkeypatch.setattr(presence_link, "FLUSH_S", float("inf"))
+    keys = rand_keys(200)
+    table = PresenceTable(keys)
+    link = presence_link.PresenceLink()
+    session = _Session(table)
+    packed = b"".join(keys)
+    assert link.lookup(session, b"h", packed, 200) == 200  # type: ignore[arg-type]
+    real = PresenceView.leading
+
+    def retired_midway(view, packed):
+        table.retire()  # the daemon rebuilt it just now
+        return real(view, packed)
+
+    monkeypatch.setattr(PresenceView, "leading", retired_midway)
+    assert link.lookup(session, b"h", packed, 200) is None  # a call, not "0 found"
+
+
+def test_a_table_that_cannot_be_handed_over_is_refused_and_the_session_lives_on() -> None:
+    from kvstore.daemon.session import Session, SessionServer
+
+    def out_of_descriptors(principal, handle):
+        raise OSError(24, "Too many open files")
+
+    server = SessionServer("unused", None, None, lambda d: None, 4, 0o600)  # type: ignore[arg-type]
+    server.presence = out_of_descriptors
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours, theirs:
+        server._answer(ours, Session("t", None, 0, 0), b'{"op": "presence", "handle": "00"}')  # type: ignore[arg-type]
+        reply = theirs.recv(4096)
+        assert b'"ok": false' in reply and b"use Lookup" in reply
+
+
 # ----------------------------------------------------------------------------- the store's table
 @settings(max_examples=40, deadline=None)
 @given(

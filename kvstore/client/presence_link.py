@@ -13,7 +13,8 @@ when the daemon retires it (it grew, or was rebuilt). A lookup goes to the daemo
   the table could not hold every key (``overflow``);
 - no lookup went to the daemon for ``FLUSH_S``: at most one a second is the daemon's, and it
   carries the tally of those the client answered (and the releases of leases the client is
-  done with: a client that only looks up keeps a get's blocks pinned a second at most), so
+  done with: while a client keeps looking up, a get's blocks stay pinned a second at most;
+  one that goes idle keeps them until its next call or their lease ends, as before), so
   the namespace's hit counts include them within about a second, and the per-tier hit counts
   (which only the daemon can tell) are sampled at least once a second; a client that looks up
   less often than that always calls.
@@ -77,7 +78,9 @@ class PresenceLink:
         if not session.quiet():
             return None
         found = view.leading(packed)
-        if found < count and (self._ask_on_miss or view.overflow):
+        if found < count and (self._ask_on_miss or view.overflow or view.retired):
+            # Retired during the probe (rebuilt by a commit): its freed pages read as EMPTY,
+            # so a miss may be wrong; a hit never is.
             return None
         self._keys += count
         self._found += found

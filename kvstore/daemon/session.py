@@ -316,10 +316,16 @@ class SessionServer:
             return
         try:
             table, ask_on_miss = self.presence(session.principal, handle)
+            fd = table.export()
         except KVStoreError as exc:  # the same answer for a closed handle and another's
             self._send(conn, {"ok": False, "code": "unavailable", "error": str(exc)})
             return
-        fd = table.export()
+        except OSError as exc:  # out of memory or descriptors: refused, the session lives on
+            log.warning("presence table not handed over: %s", exc)
+            self._send(conn, {"ok": False, "code": "unavailable", "error": (
+                f"no presence table now ({exc.strerror or exc}): use Lookup"
+            )})  # fmt: skip
+            return
         try:
             socket.send_fds(
                 conn, [json.dumps({"ok": True, "ask_on_miss": ask_on_miss}).encode()], [fd]
