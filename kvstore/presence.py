@@ -76,13 +76,9 @@ still crowd one window (forged ones) set ``overflow`` instead, so memory stays b
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
-def fingerprint(key: bytes) -> int:
-    """A key's table word: its first 8 bytes (little endian), at least 2 (off the two marks)."""
-    return max(int.from_bytes(key[:8], "little"), _FIRST)
-
-
 def fingerprints(packed: bytes | memoryview) -> np.ndarray:
-    """``fingerprint`` of each 32-byte key of ``packed`` (their concatenation)."""
+    """The table word of each 32-byte key of ``packed`` (their concatenation): its first 8
+    bytes (little endian), at least 2 (off the two marks)."""
     return np.maximum(np.frombuffer(packed, dtype="<u8")[::4], _FIRST_U64)
 
 
