@@ -21,9 +21,19 @@ answers), and reads check the whole key and the block's checksum. A key the tabl
 (its probe window is full) sets ``overflow``: clients then ask the daemon about every key the
 table does not have, so an answer is never a miss the daemon would call a hit.
 
-Layout (little endian, 8-byte words): a 64-byte header, then ``capacity + WINDOW`` slots.
+A slot also says where its block's CPU copy is, and that copy's checksum (its *place*), so a
+client can ``get`` a block with no call either: it copies the slot and verifies the copy
+against the checksum, which is bound to the namespace and key (``kvstore.checksum``). The place
+is a hint like the rest: the slot may be evicted, reused or rewritten during the copy, and
+then the copy does not verify and the client calls. Nothing a client reads from the table is
+trusted, only the bytes that verify: the promise is ``get``'s (a block's committed bytes, or a
+miss), held by the check where the bytes are copied, as on every other path.
 
-- header: magic ``b"KVPRESv1"``, ``capacity`` (a power of two), ``retired`` (nonzero: this
+Layout (little endian, 8-byte words): a 64-byte header, then ``capacity + WINDOW`` slots,
+then as many places (slot ``i``'s block's arena address plus one; 0: no CPU copy a client can
+read, so ask), then as many checksums (of the block at slot ``i``'s place).
+
+- header: magic ``b"KVPRESv2"``, ``capacity`` (a power of two), ``retired`` (nonzero: this
   table is no longer kept; ask for the current one), ``overflow``, ``count``;
 - a slot is ``EMPTY`` (0), ``GONE`` (1, a removed entry) or a fingerprint (>= 2). Slots come
   in buckets of ``BUCKET`` (64 bytes, a cache line); a key's *home* is the first slot of
@@ -33,10 +43,13 @@ Layout (little endian, 8-byte words): a 64-byte header, then ``capacity + WINDOW
   always just its home bucket: one cache line, compared in one numpy pass for a whole lookup.
 
 Concurrency: the daemon (one thread, its event loop) changes a table only by storing whole
-aligned 8-byte words (a slot becomes a fingerprint, or ``GONE``), which readers on x86-64 and
-arm64 see whole; a reader may see each slot before or after a concurrent store, so a lookup is
-answered as of some moment during it, as a call's is. A table is never reorganised in place:
-growing or compacting builds a new table and retires the old one, which stays consistent.
+aligned 8-byte words (a slot becomes a fingerprint after its place and checksum are stored, or
+``GONE``; a place is cleared before its checksum changes), which readers on x86-64 and arm64
+see whole; a reader may see each word before or after a concurrent store, so a lookup is
+answered as of some moment during it, as a call's is. A place read with another block's
+checksum (a slot reused between the two reads) fails the copy's verification: the reader
+calls. A table is never reorganised in place: growing or compacting builds a new table and
+retires the old one, which stays consistent.
 
 Shared by ``kvstore.client`` and ``kvstore.daemon``.
 """
@@ -48,11 +61,11 @@ import mmap
 import os
 import sys
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-MAGIC = int.from_bytes(b"KVPRESv1", "little")
+MAGIC = int.from_bytes(b"KVPRESv2", "little")
 HEADER_WORDS = 8
 HEADER_BYTES = HEADER_WORDS * 8
 # Header word indices.
@@ -73,6 +86,9 @@ MAX_SPARSENESS = 16
 """A table is not grown past this many home positions per entry to place a key: keys that
 still crowd one window (forged ones) set ``overflow`` instead, so memory stays bounded."""
 
+ARRAYS = 3
+"""Word arrays of ``capacity + WINDOW`` after the header: slots, places, checksums."""
+
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -80,6 +96,10 @@ def fingerprints(packed: bytes | memoryview) -> np.ndarray:
     """The table word of each 32-byte key of ``packed`` (their concatenation): its first 8
     bytes (little endian), at least 2 (off the two marks)."""
     return np.maximum(np.frombuffer(packed, dtype="<u8")[::4], _FIRST_U64)
+
+
+def table_bytes(capacity: int) -> int:
+    return HEADER_BYTES + ARRAYS * (capacity + WINDOW) * 8
 
 
 def _capacity_for(entries: int) -> int:
@@ -97,19 +117,24 @@ class PresenceTable:
         self._build(fingerprints(b"".join(keys)))
 
     @classmethod
-    def of_fingerprints(cls, fps: np.ndarray) -> PresenceTable:
-        """A table of these fingerprints (``fingerprints`` of the keys): no Python per key."""
+    def of_fingerprints(
+        cls, fps: np.ndarray, places: np.ndarray | None = None, sums: np.ndarray | None = None
+    ) -> PresenceTable:
+        """A table of these fingerprints (``fingerprints`` of the keys), with their blocks'
+        ``places`` (arena address plus one, 0 for none) and checksums: no Python per key."""
         table = cls.__new__(cls)
-        table._build(fps)
+        table._build(fps, places, sums)
         return table
 
-    def _build(self, fps: np.ndarray) -> None:
+    def _build(
+        self, fps: np.ndarray, places: np.ndarray | None = None, sums: np.ndarray | None = None
+    ) -> None:
         self._open(_capacity_for(len(fps)))
-        self._fill(fps)
+        self._fill(fps, places, sums)
 
     def _open(self, capacity: int) -> None:
         self.capacity = capacity
-        size = HEADER_BYTES + (capacity + WINDOW) * 8
+        size = table_bytes(capacity)
         fd = os.memfd_create("kvstore-presence", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             # Owner-only, as the slabs: a read-only descriptor handed to a client of another
@@ -130,22 +155,33 @@ class PresenceTable:
         self._words[_MAGIC] = MAGIC
         self._words[_CAPACITY] = capacity
         self._mask = capacity // BUCKET - 1  # of the bucket number
-        self._slots = np.frombuffer(self._mmap, dtype=np.uint64, offset=HEADER_BYTES)
+        n = capacity + WINDOW
+        self._places_at = HEADER_WORDS + n  # word index of slot 0's place
+        self._sums_at = HEADER_WORDS + 2 * n
+        words = np.frombuffer(self._mmap, dtype=np.uint64, offset=HEADER_BYTES)
+        self._slots, self._places, self._sums = words[:n], words[n : 2 * n], words[2 * n :]
         self.count = 0
         self._gone = 0
 
-    def _fill(self, fps: np.ndarray) -> None:
-        """Place ``fps`` in an empty table at once: sorted by home, each takes the first free
-        slot at or after it (a running maximum, in C)."""
+    def _fill(
+        self, fps: np.ndarray, places: np.ndarray | None = None, sums: np.ndarray | None = None
+    ) -> None:
+        """Place ``fps`` (and their places) in an empty table at once: sorted by home, each
+        takes the first free slot at or after it (a running maximum, in C)."""
         if not len(fps):
             return
-        fps = np.unique(fps)
+        fps, first = np.unique(fps, return_index=True)
         homes = (fps & np.uint64(self._mask)).astype(np.int64) * BUCKET
         order = np.argsort(homes, kind="stable")
-        fps, homes = fps[order], homes[order]
+        fps, homes, first = fps[order], homes[order], first[order]
         rank = np.arange(len(fps), dtype=np.int64)
         slots = rank + np.maximum.accumulate(homes - rank)
         fits = slots - homes < WINDOW
+        if places is not None and sums is not None:
+            # Keys that share a fingerprint are one entry: it keeps the first one's place
+            # (another key's reads then fail verification and call).
+            self._places[slots[fits]] = places[first[fits]]
+            self._sums[slots[fits]] = sums[first[fits]]
         self._slots[slots[fits]] = fps[fits]
         self.count = int(fits.sum())
         self._words[_COUNT] = self.count
@@ -168,9 +204,10 @@ class PresenceTable:
         """A new read-only descriptor of the table (the caller sends and closes it)."""
         return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
 
-    def add(self, key: bytes) -> PresenceTable:
-        """Note ``key`` committed. Returns the table to keep: this one, or the bigger one that
-        replaced it (this one is then retired)."""
+    def add(self, key: bytes, place: int = 0, checksum: int = 0) -> PresenceTable:
+        """Note ``key`` committed (with its block's ``place``, the arena address plus one, 0
+        for none, and that copy's ``checksum``). Returns the table to keep: this one, or the
+        bigger one that replaced it (this one is then retired)."""
         fp = max(int.from_bytes(key[:8], "little"), _FIRST)
         words, slot = self._words, HEADER_WORDS + (fp & self._mask) * BUCKET
         end = slot + WINDOW
@@ -178,6 +215,9 @@ class PresenceTable:
             if words[slot] <= GONE:
                 if words[slot] == GONE:
                     self._gone -= 1
+                # The place before the fingerprint: a reader that sees the key sees its place.
+                words[slot + self._places_at - HEADER_WORDS] = place
+                words[slot + self._sums_at - HEADER_WORDS] = checksum
                 words[slot] = fp
                 self.count += 1
                 words[_COUNT] = self.count
@@ -187,20 +227,29 @@ class PresenceTable:
             slot += 1
         # The window is full: a bigger table spreads honest keys; forged ones crowd any size.
         if self.capacity < MAX_SPARSENESS * max(self.count, MIN_CAPACITY // MAX_SPARSENESS):
-            return self._rebuilt(self.count, extra=(fp,))
+            return self._rebuilt(self.count, extra=(fp, place, checksum))
         words[_OVERFLOW] = 1
         return self
 
-    def add_many(self, keys: Iterable[bytes]) -> PresenceTable:
-        """``add`` of each key (a commit's batch): one tight loop while each finds a free
-        slot and the table stays under ``MAX_LOAD``; what is left then goes through ``add``."""
+    def add_many(
+        self,
+        keys: Iterable[bytes],
+        places: Sequence[int] | None = None,
+        sums: Sequence[int] | None = None,
+    ) -> PresenceTable:
+        """``add`` of each key (a commit's batch; ``places`` and ``sums`` as ``add``'s, one
+        per key, or none): one tight loop while each finds a free slot and the table stays
+        under ``MAX_LOAD``; what is left then goes through ``add``."""
         keys = list(keys)
         fps = array("Q", b"".join(keys))[::4]  # each key's first 8 bytes
         if sys.byteorder == "big":  # fingerprints read them little endian
             fps.byteswap()
+        if places is None or sums is None:
+            places = sums = [0] * len(keys)
         words, mask, limit = self._words, self._mask, self.capacity * MAX_LOAD
+        to_place, to_sum = self._places_at - HEADER_WORDS, self._sums_at - HEADER_WORDS
         count, gone, done = self.count, self._gone, 0
-        for fp in fps:
+        for fp, place, checksum in zip(fps, places, sums, strict=True):
             if fp < _FIRST:
                 fp = _FIRST
             if count + gone >= limit:
@@ -213,6 +262,8 @@ class PresenceTable:
                 break
             if words[slot] == GONE:
                 gone -= 1
+            words[slot + to_place] = place
+            words[slot + to_sum] = checksum
             words[slot] = fp
             count += 1
             done += 1
@@ -220,42 +271,70 @@ class PresenceTable:
         words[_COUNT] = count
         table = self
         try:
-            for key in keys[done:]:
-                table = table.add(key)
+            for i in range(done, len(keys)):
+                table = table.add(keys[i], places[i], sums[i])
         except BaseException:
             if table is not self:  # a replacement the caller never got: not left open
                 table.retire()
             raise
         return table
 
-    def remove(self, key: bytes) -> None:
-        """Note ``key`` no longer committed (evicted from its last tier, deleted, corrupt)."""
+    def _slot_of(self, key: bytes) -> int | None:
+        """The word index of ``key``'s slot (the first holding its fingerprint), or None."""
         fp = max(int.from_bytes(key[:8], "little"), _FIRST)
         words, slot = self._words, HEADER_WORDS + (fp & self._mask) * BUCKET
         end = slot + WINDOW
         while slot < end:
-            word = words[slot]
-            if word == fp:
-                words[slot] = GONE
-                self.count -= 1
-                self._gone += 1
-                words[_COUNT] = self.count
-                return
+            if words[slot] == fp:
+                return slot
             slot += 1  # past an EMPTY too: a table filled with ``overflow`` has gaps
+        return None
 
-    def _rebuilt(self, entries: int, extra: tuple[int, ...] = ()) -> PresenceTable:
-        """A new table holding this one's entries (and ``extra``); this one is retired."""
-        fps = self._slots[self._slots > GONE]
+    def remove(self, key: bytes) -> None:
+        """Note ``key`` no longer committed (evicted from its last tier, deleted, corrupt)."""
+        slot = self._slot_of(key)
+        if slot is not None:
+            self._words[slot] = GONE
+            self.count -= 1
+            self._gone += 1
+            self._words[_COUNT] = self.count
+
+    def locate(self, key: bytes, place: int, checksum: int) -> None:
+        """``key``'s block has a CPU copy a client can read at ``place`` (0: none now), whose
+        checksum is ``checksum``. A key the table does not hold is left out."""
+        slot = self._slot_of(key)
+        if slot is None:
+            return
+        words, at = self._words, slot - HEADER_WORDS
+        words[self._places_at + at] = 0  # never the new place with the old checksum
+        words[self._sums_at + at] = checksum
+        words[self._places_at + at] = place
+
+    def unlocate(self, key: bytes, place: int) -> None:
+        """The copy at ``place`` is no longer ``key``'s (its slot was freed): readers ask."""
+        slot = self._slot_of(key)
+        if slot is not None and self._words[self._places_at + slot - HEADER_WORDS] == place:
+            self._words[self._places_at + slot - HEADER_WORDS] = 0
+
+    def _rebuilt(self, entries: int, extra: tuple[int, int, int] | None = None) -> PresenceTable:
+        """A new table holding this one's entries (and ``extra``: a fingerprint, its place
+        and checksum); this one is retired."""
+        held = self._slots > GONE
+        fps, places, sums = self._slots[held], self._places[held], self._sums[held]
         if extra:
-            fps = np.concatenate([fps, np.array(extra, dtype=np.uint64)])
+            fps, places, sums = (
+                np.concatenate([a, np.array([x], dtype=np.uint64)])
+                for a, x in zip((fps, places, sums), extra, strict=True)
+            )
         new = PresenceTable.__new__(PresenceTable)
         # Sized for what it holds (removed slots are not carried over, so churn does not grow
         # it); twice as big at least when a window was full.
-        capacity = _capacity_for(entries + len(extra))
+        added = 1 if extra else 0
+        capacity = _capacity_for(entries + added)
         if extra:
             capacity = max(capacity, self.capacity * 2)
         new._open(capacity)
-        new._fill(fps)
+        new._fill(fps, places, sums)
         if self.overflow:  # a key dropped before is still missing
             new._words[_OVERFLOW] = 1
         self.retire()
@@ -281,7 +360,7 @@ class PresenceTable:
     def close(self) -> None:
         """Retire and unmap (the daemon is stopping)."""
         self.retire()
-        self._slots = np.empty(0, dtype=np.uint64)
+        self._slots = self._places = self._sums = np.empty(0, dtype=np.uint64)
         self._words.release()
         try:
             self._mmap.close()
@@ -291,25 +370,27 @@ class PresenceTable:
 
 class PresenceView:
     """A client's read-only mapping of a presence table (from a descriptor the daemon handed
-    over). ``leading`` answers a lookup; ``retired`` says to ask for a new table."""
+    over). ``leading`` answers a lookup, ``places`` says where to read the leading blocks;
+    ``retired`` says to ask for a new table."""
 
     def __init__(self, fd: int) -> None:
         size = os.fstat(fd).st_size
-        if size < HEADER_BYTES + (MIN_CAPACITY + WINDOW) * 8:
+        if size < table_bytes(MIN_CAPACITY):
             raise ValueError(f"a presence table of {size} bytes is too small")
         self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         header = np.frombuffer(self._mmap, dtype=np.uint64, count=HEADER_WORDS)
         capacity = int(header[_CAPACITY])
-        if int(header[_MAGIC]) != MAGIC or size != HEADER_BYTES + (capacity + WINDOW) * 8:
+        if int(header[_MAGIC]) != MAGIC or size != table_bytes(capacity):
             self._mmap.close()
             raise ValueError("not a presence table")
         self._header = header
         self._mask = np.uint64(capacity // BUCKET - 1)
+        n = capacity + WINDOW
+        words = np.frombuffer(self._mmap, dtype=np.uint64, offset=HEADER_BYTES)
         # Bucket by bucket: row b is bucket b's slots (rows past the last home are the spare
         # slots of the window).
-        self._rows = np.frombuffer(self._mmap, dtype=np.uint64, offset=HEADER_BYTES).reshape(
-            -1, BUCKET
-        )
+        self._rows = words[:n].reshape(-1, BUCKET)
+        self._places, self._sums = words[n : 2 * n], words[2 * n :]
 
     @property
     def retired(self) -> bool:
@@ -319,15 +400,17 @@ class PresenceView:
     def overflow(self) -> bool:
         return bool(self._header[_OVERFLOW])
 
-    def leading(self, packed: bytes) -> int:
-        """How many leading keys of ``packed`` (32-byte keys, concatenated) the table holds."""
+    def _probe(self, packed: bytes) -> tuple[np.ndarray, np.ndarray]:
+        """(whether the table holds each key of ``packed``, the slot it holds it in)."""
         fps = fingerprints(packed)
         buckets = (fps & self._mask).astype(np.intp)
         rows = self._rows
         probe = rows[buckets]  # (keys, BUCKET): each key's home bucket
-        hit = (probe == fps[:, None]).any(axis=1)
+        same = probe == fps[:, None]
+        hit = same.any(axis=1)
+        slot = buckets * BUCKET + same.argmax(axis=1)
         if hit.all():
-            return len(fps)
+            return hit, slot
         # The others, one bucket further at a time: a key is past its home bucket only if
         # that bucket was full when it was placed, so a bucket with an EMPTY slot ends its
         # probe (where the table has gaps, ``overflow`` sends a miss to the daemon anyway).
@@ -335,15 +418,34 @@ class PresenceView:
         step = 1
         while len(rest) and step < WINDOW // BUCKET:
             probe = rows[buckets[rest] + step]
-            found = (probe == fps[rest, None]).any(axis=1)
+            same = probe == fps[rest, None]
+            found = same.any(axis=1)
             hit[rest[found]] = True
+            slot[rest[found]] = (buckets[rest] + step)[found] * BUCKET + same[found].argmax(1)
             rest = rest[~found & (probe != EMPTY).all(axis=1)]
             step += 1
-        return len(fps) if hit.all() else int(hit.argmin())
+        return hit, slot
+
+    def leading(self, packed: bytes) -> int:
+        """How many leading keys of ``packed`` (32-byte keys, concatenated) the table holds."""
+        hit, _ = self._probe(packed)
+        return len(hit) if hit.all() else int(hit.argmin())
+
+    def places(self, packed: bytes) -> tuple[np.ndarray, np.ndarray]:
+        """(arena addresses, checksums) of the blocks of the leading keys of ``packed`` that
+        the table holds with a place: hints, to be copied and verified (module docstring)."""
+        hit, slot = self._probe(packed)
+        n = len(hit) if hit.all() else int(hit.argmin())
+        places = self._places[slot[:n]]  # read after the slots, before the checksums
+        sums = self._sums[slot[:n]]
+        placed = places != 0
+        if not placed.all():
+            n = int(placed.argmin())
+        return places[:n] - np.uint64(1), sums[:n]
 
     def close(self) -> None:
         self._rows = np.empty((0, BUCKET), dtype=np.uint64)
-        self._header = np.empty(0, dtype=np.uint64)
+        self._header = self._places = self._sums = np.empty(0, dtype=np.uint64)
         try:
             self._mmap.close()
         except BufferError:  # an array still views it: the mapping goes when collected

@@ -16,6 +16,7 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+import torch
 from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -421,7 +422,8 @@ def test_a_due_lookup_carries_the_tally_and_pending_releases(daemon, monkeypatch
         kv.put(keys, blocks)
         assert kv.lookup(keys) == 3
         answered = kv._presence.answered
-        assert same_bytes(kv.get(keys), blocks)  # its release waits for the next call
+        lease = kv.acquire(keys)  # a get may read from the table's places, with no lease
+        lease.release()  # waits for the next call
         before = kv.stats().namespaces[0].hits
         for _ in range(5):
             assert kv.lookup(keys) == 3
@@ -539,3 +541,212 @@ def test_a_raw_session_cannot_get_a_table_without_a_handle(daemon) -> None:
         assert b'"ok": false' in reply and not fds
     finally:
         sock.close()
+
+
+# ----------------------------------------------------------------------------- gets from places
+def test_places_follow_the_daemons_moves_and_survive_rebuilds() -> None:
+    """A slot's place (address + 1) and checksum are what the daemon last said: set with the
+    key, moved by ``locate``, cleared by ``unlocate`` of that very place only, gone with the
+    key, and carried into every bigger table."""
+    keys = rand_keys(1500)  # past the first tables' load: several rebuilds
+    table = PresenceTable().add_many(keys[:10], list(range(1, 11)), list(range(100, 110)))
+    view = view_of(table)
+    packed = b"".join(keys[:10])
+    places, sums = view.places(packed)
+    assert places.tolist() == list(range(10)) and sums.tolist() == list(range(100, 110))
+    table.unlocate(keys[3], 999)  # not its place: kept
+    assert len(view.places(packed)[0]) == 10
+    table.unlocate(keys[3], 4)
+    assert len(view.places(packed)[0]) == 3  # the leading run of keys with a place
+    assert view.leading(packed) == 10  # still committed (on another tier)
+    table.locate(keys[3], 78, 7)
+    places, sums = view.places(packed)
+    assert places[3] == 77 and sums[3] == 7
+    table.remove(keys[5])
+    assert len(view.places(packed)[0]) == 5
+    for i, k in enumerate(keys[10:700]):
+        table = table.add(k, 1000 + i, i)
+    rest = keys[700:]
+    table = table.add_many(rest, [5000 + i for i in range(len(rest))], list(range(len(rest))))
+    assert view.retired
+    view = view_of(table)
+    places, sums = view.places(b"".join(keys[6:]))
+    assert len(places) == len(keys) - 6
+    assert places[:4].tolist() == [6, 7, 8, 9] and sums[:4].tolist() == [106, 107, 108, 109]
+    assert places[4:694].tolist() == list(range(999, 1689))
+    assert places[694:].tolist() == list(range(4999, 4999 + len(rest)))
+    assert view.places(keys[3] + keys[4])[0].tolist() == [77, 4]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["put", "delete"]), st.integers(0, 11), st.integers(1, 4)),
+        max_size=20,
+    )
+)
+def test_the_tables_places_are_where_the_daemon_keeps_each_block(ops) -> None:
+    """Through puts, evictions and deletes, every place the table gives is the address and
+    checksum of that key's CPU copy that an ``acquire`` would hand out."""
+
+    async def run() -> None:
+        store = make_store(capacity_blocks=8)
+        try:
+            handle = store.open_namespace(NS)
+            all_keys = block_hashes(NS.seed, list(range(15 * 16)))
+            for op, start, n in ops:
+                ks = all_keys[start : start + n]
+                if op == "put":
+                    await put(store, handle, ks, fill=start + 1)
+                else:
+                    store.delete(handle, ks)
+                view = view_of(store.presence(handle))
+                for key in all_keys:
+                    places, sums = view.places(key)
+                    eid = store._committed(handle.ns_id, key)
+                    if eid is None:
+                        assert len(places) == 0
+                        continue
+                    (address,) = store.arena.addresses([store.index.offset[eid]])
+                    assert places.tolist() == [address]
+                    assert sums.tolist() == [store.index.checksum[eid]]
+                view.close()
+        finally:
+            store.close()
+
+    asyncio.run(run())
+
+
+def test_gets_read_blocks_from_the_table_with_no_call(daemon) -> None:
+    with client(daemon) as kv, client(daemon) as writer:
+        keys = kv.hash_tokens(tokens(6))
+        blocks = random_blocks(SMALL_LAYOUT, 6, seed=3)
+        assert writer.put(keys, blocks) == 6
+        assert same_bytes(kv.get(keys), blocks)  # maps the table and the slabs
+        served = kv._presence.served
+        with no_calls(kv):
+            assert same_bytes(kv.get(keys), blocks)
+            out = torch.zeros_like(blocks)
+            got = kv.get(keys[2:5], out=out[:3])
+            assert same_bytes(got, blocks[2:5]) and same_bytes(out[:3], blocks[2:5])
+            assert writer.delete(keys[4:]) == 2
+            assert same_bytes(kv.get(keys[:4]), blocks[:4])
+        assert kv._presence.served == served + 3
+        assert same_bytes(kv.get(keys), blocks[:4])  # deleted means gone: a call, a miss
+
+
+def test_a_place_whose_bytes_changed_is_never_served(daemon) -> None:
+    """The table says where a block was; the copy is what is checked. A slot scribbled on
+    (reused, rewritten) is a miss from that block on, never its bytes."""
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(4))
+        blocks = random_blocks(SMALL_LAYOUT, 4, seed=5)
+        kv.put(keys, blocks)
+        assert same_bytes(kv.get(keys), blocks)
+        view = kv._presence._view
+        assert view is not None
+        places, _ = view.places(b"".join(keys))
+        slot = kv._arena.slot(int(places[2]), SMALL_LAYOUT.block_bytes)
+        slot[100] ^= 0xFF
+        served = kv._presence.served
+        got = kv.get(keys)
+        assert same_bytes(got, blocks[:2])
+        assert kv._presence.served == served + 1  # the table's two, then the call's miss
+        assert same_bytes(kv.get(keys[1:]), blocks[1:2])  # and so again, from that block on
+
+
+def test_a_block_evicted_to_disk_is_read_through_a_call_then_from_its_new_place(
+    daemon_factory, tmp_path
+) -> None:
+    daemon = daemon_factory(
+        cpu_capacity="1MiB", slab="512KiB", nvme_path=tmp_path / "nvme", nvme_capacity="8MiB"
+    )
+    per_mib = (1 << 20) // SMALL_LAYOUT.block_bytes
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(4))
+        blocks = random_blocks(SMALL_LAYOUT, 4, seed=7)
+        kv.put(keys, blocks)
+        assert same_bytes(kv.get(keys), blocks)
+        more = kv.hash_tokens(tokens(2 * per_mib, offset=5000))
+        for i in range(0, len(more), 16):
+            kv.put(more[i : i + 16], random_blocks(SMALL_LAYOUT, len(more[i : i + 16]), seed=i))
+        assert kv.lookup(keys) == 4  # still stored, on disk
+        view = kv._presence._view
+        assert view is not None
+        assert len(view.places(b"".join(keys))[0]) == 0  # no CPU copy: no place
+        served = kv._presence.served
+        assert same_bytes(kv.get(keys), blocks)  # a call: promoted into the CPU tier
+        assert kv._presence.served == served
+        with no_calls(kv):
+            assert same_bytes(kv.get(keys), blocks)  # from the new places
+        assert kv._presence.served == served + 1
+
+
+def test_blocks_read_from_the_table_count_as_read_for_eviction(daemon_factory, monkeypatch) -> None:
+    """The keys a client read itself ride on its next acquire: the LRU policy keeps them
+    over blocks written after them but not read since."""
+    daemon = daemon_factory(cpu_capacity="1MiB", slab="512KiB")
+    with client(daemon) as kv:
+        old = kv.hash_tokens(tokens(4))
+        new = kv.hash_tokens(tokens(4, offset=1000))
+        kv.put(old, random_blocks(SMALL_LAYOUT, 4, seed=1))
+        kv.put(new, random_blocks(SMALL_LAYOUT, 4, seed=2))
+        served = kv._presence.served
+        for _ in range(3):
+            assert kv.get(old).shape[0] == 4
+        assert kv._presence.served == served + 3
+        monkeypatch.setattr(presence_link, "FLUSH_S", 0.0)
+        assert kv.get(kv.hash_tokens(tokens(1, offset=9000))).shape[0] == 0  # carries them
+        monkeypatch.setattr(presence_link, "FLUSH_S", float("inf"))
+        offset = 20000
+        while kv.lookup(new) == 4:
+            kv.put(kv.hash_tokens(tokens(1, offset=offset)), random_blocks(SMALL_LAYOUT, 1))
+            offset += 16
+        assert kv.lookup(old) == 4
+
+
+async def test_the_async_client_reads_from_the_table_too(daemon) -> None:
+    async with AsyncKVStoreClient(daemon.address, layout=SMALL_LAYOUT, model="presence") as kv:
+        keys = kv.hash_tokens(tokens(5))
+        blocks = random_blocks(SMALL_LAYOUT, 5, seed=9)
+        await kv.put(keys, blocks)
+        assert same_bytes(await kv.get(keys), blocks)
+        with no_calls(kv):
+            assert same_bytes(await kv.get(keys), blocks)
+        assert kv._presence.served >= 2
+
+
+def test_a_paged_load_reads_cpu_caches_from_the_table_and_checks_every_copy(daemon) -> None:
+    layout = SMALL_LAYOUT
+    shape = (2, 12, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    g = torch.Generator().manual_seed(11)
+    src = [torch.randn(shape, generator=g).to(layout.dtype) for _ in range(layout.num_layers)]
+
+    def fresh() -> list[torch.Tensor]:
+        return [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+
+    def same(a: list[torch.Tensor], b: list[torch.Tensor], src_ids, dst_ids) -> bool:
+        return all(
+            torch.equal(x[:, s], y[:, d])
+            for x, y in zip(a, b, strict=True)
+            for s, d in zip(src_ids, dst_ids, strict=True)
+        )
+
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(6))
+        assert kv.offload(src, list(range(6)), keys) == 6
+        dst = fresh()
+        assert kv.load(dst, list(range(6)), keys) == 6  # maps the table
+        served = kv._presence.served
+        dst = fresh()
+        with no_calls(kv):
+            assert kv.load(dst, [11, 10, 9, 8, 7, 6], keys) == 6
+        assert kv._presence.served == served + 1
+        assert same(src, dst, range(6), [11, 10, 9, 8, 7, 6])
+        view = kv._presence._view
+        assert view is not None
+        places, _ = view.places(b"".join(keys))
+        kv._arena.slot(int(places[4]), layout.block_bytes)[7] ^= 0x10
+        dst = fresh()
+        assert kv.load(dst, list(range(6)), keys) == 4  # block 4 fails its check, then a call
+        assert same(src, dst, range(4), range(4))

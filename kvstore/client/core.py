@@ -55,7 +55,7 @@ from kvstore.client.leases import _LeaseState, _ReservationState
 from kvstore.client.presence_link import PresenceLink
 from kvstore.client.session import ClientSession
 from kvstore.errors import KVStoreError
-from kvstore.keys import BlockKey, Namespace, block_hashes, unpack_keys
+from kvstore.keys import KEY_BYTES, BlockKey, Namespace, block_hashes, unpack_keys
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -300,15 +300,46 @@ class ClientCore:
             return out[:0] if out is not None else empty_blocks(self.layout, 0)
         if self._arena is None:
             return (yield from self._get_bytes(packed, out))
-        lease = yield from self._acquire(keys, packed, None)
-        try:
-            dest = empty_blocks(self.layout, len(lease)) if out is None else out
+        dest = rows = None
+        done = 0
+        session = self._session
+        placed = None
+        if session is not None:
+            placed = self._presence.places(session, self._handle, packed, len(keys))
+        if placed is not None:  # every block has a place: read them with no call
+            dest = empty_blocks(self.layout, len(keys)) if out is None else out
             rows = byte_rows(self.layout, dest)
+            nbytes = len(keys) * self.layout.block_bytes
+            done = yield Blocking(partial(self._read_places, *placed, packed, rows), nbytes)
+            self._presence.note_read(packed[: done * KEY_BYTES])
+            if done == len(keys):
+                return dest[:done]
+        # The rest through a lease: all of it, or from the first block whose copy did not
+        # verify (moved or evicted since the table said where it was).
+        lease = yield from self._acquire(keys[done:], packed[done * KEY_BYTES :], None)
+        try:
+            if dest is None:
+                dest = empty_blocks(self.layout, len(lease)) if out is None else out
+                rows = byte_rows(self.layout, dest)
+            assert rows is not None
             nbytes = len(lease) * self.layout.block_bytes
-            m = yield Blocking(lambda: lease.copy_into(rows, self.verify_checksums), nbytes)
+            m = yield Blocking(lambda: lease.copy_into(rows[done:], self.verify_checksums), nbytes)
         finally:
             yield from lease._release_op()  # no call: the next one carries it
-        return dest[:m]
+        return dest[: done + m]
+
+    def _read_places(
+        self, addresses: list[int], sums: list[int], packed: bytes, rows: torch.Tensor
+    ) -> int:
+        """Copy blocks from the places a presence table gave into ``rows``, each verified as
+        it is copied against the checksum bound to its key (always: nothing else vouches for
+        a place); how many leading blocks arrived intact."""
+        arena = self._require_arena("get")
+        seeds = seeds_for(self.namespace, unpack_keys(packed))
+        try:
+            return arena.copy_out(addresses, sums, seeds, rows, verify=True)
+        except KVStoreError:  # a slab the daemon will not hand over (retired): call
+            return 0
 
     # ------------------------------------------------------------------ paged caches
     def _offload(
@@ -390,15 +421,59 @@ class ClientCore:
                 )
                 n = got.shape[0]
             else:
-                lease = yield from self._acquire(ck, None, gpu)
-                try:
-                    n = yield from self._scatter(lease, kv_caches, cids[: len(lease)], stream)
-                finally:
-                    yield from lease._release_op()
+                n = 0
+                if gpu is None and kv_caches[0].device.type == "cpu":
+                    n = yield from self._load_from_places(ck, kv_caches, cids)
+                if n < len(ck):  # the rest through a lease (module docstring of presence_link)
+                    lease = yield from self._acquire(ck[n:], None, gpu)
+                    try:
+                        ids_leased = cids[n : n + len(lease)]
+                        n += yield from self._scatter(lease, kv_caches, ids_leased, stream)
+                    finally:
+                        yield from lease._release_op()
             loaded += n
             if n < len(ck):
                 break
         return loaded
+
+    def _load_from_places(
+        self, keys: Sequence[bytes], kv_caches: Sequence[torch.Tensor], ids: list[int]
+    ) -> Op[int]:
+        """Load CPU caches from the places the presence table gives, with no call, where it
+        gives every key one; how many leading blocks arrived intact (0: call for them)."""
+        session = self._session
+        if session is None:
+            return 0
+        packed = b"".join(keys)
+        placed = self._presence.places(session, self._handle, packed, len(keys))
+        if placed is None:
+            return 0
+        n = yield Blocking(
+            partial(self._scatter_places, *placed, packed, kv_caches, ids), thread=True
+        )
+        self._presence.note_read(packed[: n * KEY_BYTES])
+        return int(n)
+
+    def _scatter_places(
+        self,
+        addresses: list[int],
+        sums: list[int],
+        packed: bytes,
+        kv_caches: Sequence[torch.Tensor],
+        ids: list[int],
+    ) -> int:
+        """``_read_places`` into physical blocks ``ids`` of CPU caches."""
+        arena = self._require_arena("load")
+        nbytes, layout = self.layout.block_bytes, self.layout
+        try:
+            views = [
+                arena.slot(a, nbytes).view(layout.dtype).view(layout.block_shape) for a in addresses
+            ]
+        except KVStoreError:  # a slab the daemon will not hand over (retired): call
+            return 0
+        seeds = seeds_for(self.namespace, unpack_keys(packed))
+        intact = paged_io.scatter_with_checksums(views, kv_caches, ids, sums, seeds)
+        return intact or 0
 
     def _scatter(
         self,
@@ -524,6 +599,7 @@ class ClientCore:
     ) -> Op[Any]:
         packed = check_keys(keys) if packed is None else packed
         self._require_arena("acquire")
+        table_reads = self._presence.take_reads()  # taken once: a retry carries them too
         reply = yield Call(
             "Acquire",
             lambda: pb.AcquireRequest(
@@ -532,6 +608,7 @@ class ClientCore:
                 gpu=device is not None,
                 lookup=lookup,
                 prefetch=prefetch,
+                table_reads=table_reads,
                 release_leases=self._take_releases(),
             ),
         )

@@ -18,6 +18,14 @@ when the daemon retires it (it grew, or was rebuilt). A lookup goes to the daemo
   the namespace's hit counts include them within about a second, and the per-tier hit counts
   (which only the daemon can tell) are sampled at least once a second; a client that looks up
   less often than that always calls.
+
+A ``get`` reads its blocks itself, with no call, where the table gives each key a place (its
+block's CPU copy, ``PresenceView.places``) and every copy verifies against the checksum bound
+to its key; any other get (a key without a place, a copy that does not verify) calls, for the
+keys from the first one the table could not serve. The same conditions as a lookup's hold,
+with their own clock: the keys read since the last ``Acquire`` ride on the next one
+(``table_reads``), at least one a second and at most ``MAX_TABLE_READS`` keys later, so the
+daemon's eviction policy sees them as read.
 """
 
 from __future__ import annotations
@@ -28,12 +36,16 @@ import time
 from kvstore import local_calls
 from kvstore.client.session import ClientSession
 from kvstore.errors import KVStoreError
+from kvstore.keys import unpack_keys
 from kvstore.presence import PresenceView
 
 MAX_KEYS_BYTES = local_calls.MAX_REQUEST_BYTES - local_calls.REQUEST.size - 64
 """Larger lookups go to the daemon, as they would over a local call (~2000 keys)."""
 FLUSH_S = 1.0
-"""A lookup goes to the daemon when none did for this long (seconds)."""
+"""A lookup (a get) goes to the daemon when none did for this long (seconds)."""
+MAX_TABLE_READS = 1024
+"""Keys read from the table that one Acquire carries (each once): a get calls rather than
+leave more waiting."""
 
 
 class PresenceLink:
@@ -47,8 +59,12 @@ class PresenceLink:
         self._keys = 0
         self._found = 0
         self._called = 0.0  # monotonic time of the last lookup sent to the daemon
+        self._read_called = 0.0  # the same, of the last acquire
+        self._reads: dict[bytes, None] = {}  # keys of the blocks read from the table
         self.answered = 0
         """Lookups answered from the table over the client's life (for benchmarks and tests)."""
+        self.served = 0
+        """Gets served from the table's places over the client's life (the same)."""
 
     def reset(self) -> None:
         """A new handle (an open or reopen): its namespace's table is asked for afresh."""
@@ -60,15 +76,16 @@ class PresenceLink:
             self._view.close()
             self._view = None
 
-    def lookup(
-        self, session: ClientSession, handle: bytes, packed: bytes, count: int
-    ) -> int | None:
-        """Leading keys of ``packed`` (``count`` 32-byte keys) committed, or None: call."""
+    def _view_for(
+        self, session: ClientSession, handle: bytes, packed: bytes, since: float
+    ) -> PresenceView | None:
+        """The table to answer from now, or None: call (module docstring). ``since``: the
+        monotonic time of the last call of the kind asked for."""
         if not session.presence_tables or self._refused or session.busy():
             return None
         if len(packed) > MAX_KEYS_BYTES:
             return None  # the daemon's bounds decide (``limits.max_keys_per_request``)
-        if time.monotonic() - self._called > FLUSH_S:
+        if time.monotonic() - since > FLUSH_S:
             return None  # this one is the daemon's: it carries the tally and samples the tiers
         view = self._view
         if view is None or view.retired:
@@ -76,6 +93,15 @@ class PresenceLink:
             if view is None:
                 return None
         if not session.quiet():
+            return None
+        return view
+
+    def lookup(
+        self, session: ClientSession, handle: bytes, packed: bytes, count: int
+    ) -> int | None:
+        """Leading keys of ``packed`` (``count`` 32-byte keys) committed, or None: call."""
+        view = self._view_for(session, handle, packed, self._called)
+        if view is None:
             return None
         found = view.leading(packed)
         if found < count and (self._ask_on_miss or view.overflow or view.retired):
@@ -86,6 +112,35 @@ class PresenceLink:
         self._found += found
         self.answered += 1
         return found
+
+    def places(
+        self, session: ClientSession, handle: bytes, packed: bytes, count: int
+    ) -> tuple[list[int], list[int]] | None:
+        """(arena addresses, checksums) of the blocks of all ``count`` keys of ``packed``, for
+        a get to copy and verify itself; None: call."""
+        if len(self._reads) + count > MAX_TABLE_READS:
+            return None  # this one carries them
+        view = self._view_for(session, handle, packed, self._read_called)
+        if view is None:
+            return None
+        addresses, sums = view.places(packed)
+        if len(addresses) < count:
+            return None
+        return addresses.tolist(), sums.tolist()
+
+    def note_read(self, packed: bytes) -> None:
+        """A get read the blocks of these keys (packed) from their places."""
+        if packed:
+            self._reads.update(dict.fromkeys(unpack_keys(packed)))
+            self.served += 1
+
+    def take_reads(self) -> bytes:
+        """The keys read from the table since the last acquire (packed, each once); the
+        caller's acquire carries them now."""
+        self._read_called = time.monotonic()
+        reads = b"".join(self._reads)
+        self._reads.clear()
+        return reads
 
     def take_tally(self) -> tuple[int, int]:
         """(keys, found) of the lookups answered since the last call that carried them; the

@@ -371,6 +371,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Acquire(self, request, context):
         handle = self._handle(request.handle, release=request.release_leases)
         keys = self._keys(request.keys)
+        if request.table_reads:
+            # A hint: past the request bound it is cut, not refused (the call is the client's).
+            limit = self.limits.max_keys_per_request
+            reads = _keys(request.table_reads[: limit * KEY_BYTES], limit, "table_reads")
+            self.store.note_table_reads(handle, reads)
         found = await self.store.lookup(handle, keys) if request.lookup else 0
         lease_keys = keys
         if request.prefetch:

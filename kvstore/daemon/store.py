@@ -54,8 +54,9 @@ import asyncio
 import heapq
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import compress
 from operator import itemgetter
 from typing import TYPE_CHECKING, cast
 
@@ -460,27 +461,61 @@ class BlockStore:
 
     def presence(self, handle: Handle) -> PresenceTable:
         """The presence table of ``handle``'s namespace (``kvstore.presence``), made from its
-        committed keys when first asked for; the store keeps it from then on."""
+        committed keys (and their CPU copies' places) when first asked for; the store keeps it
+        from then on."""
         record = handle.record
         if record.presence is None:
-            # In C throughout (~50 ms per million keys): a namespace recovered from a large
-            # NVMe tier is first asked for on the event loop.
+            # In C but for the places (~50 ms per million keys, places apart): a namespace
+            # recovered from a large NVMe tier is first asked for on the event loop.
             ids = self.index.ids_of(record.ns_id)
-            states = np.frombuffer(_gather(self.index.state, list(ids.values())), np.uint8)
-            fps = fingerprints(b"".join(ids))[states == State.COMMITTED]
-            record.presence = PresenceTable.of_fingerprints(fps)
+            eids = list(ids.values())
+            states = np.frombuffer(_gather(self.index.state, eids), np.uint8)
+            committed = states == State.COMMITTED
+            fps = fingerprints(b"".join(ids))[committed]
+            kept = list(compress(eids, committed.tolist()))
+            places = np.array([self._place_of(e, record)[0] for e in kept], dtype=np.uint64)
+            sums = np.frombuffer(self.index.checksum, np.uint64)[np.array(kept, dtype=np.intp)]
+            record.presence = PresenceTable.of_fingerprints(fps, places, sums)
         return cast(PresenceTable, record.presence)
 
-    @staticmethod
-    def _presence_add(record: NamespaceRecord, keys: Iterable[bytes]) -> None:
-        """Note ``keys`` committed in ``record``'s presence table, if it has one. Never raises
+    def _place_of(self, eid: int, record: NamespaceRecord) -> tuple[int, int]:
+        """(place, checksum) of an entry in its presence table: its CPU copy's address plus
+        one and that copy's checksum, or 0 where a client cannot read it itself (no CPU copy,
+        or an fp8 payload, which only a lease's decode reads)."""
+        index = self.index
+        if record.cpu_codec or not index.tier[eid] & IN_CPU or index.offset[eid] < 0:
+            return 0, 0
+        return self.arena.address(index.offset[eid]) + 1, index.checksum[eid]
+
+    def _places_of(
+        self, record: NamespaceRecord, eids: Sequence[int]
+    ) -> tuple[list[int] | None, list[int] | None]:
+        """``_place_of`` of a batch of ``record``'s entries, as lists (one pass each)."""
+        if record.cpu_codec:
+            return None, None
+        index = self.index
+        tier, offset, checksum = index.tier, index.offset, index.checksum
+        offsets = [offset[e] if tier[e] & IN_CPU else -1 for e in eids]
+        places = [a + 1 if a >= 0 else 0 for a in self.arena.addresses(offsets)]
+        return places, [checksum[e] for e in eids]
+
+    def _presence_locate(self, eid: int) -> None:
+        """Tell ``eid``'s presence table where its CPU copy now is (or that it has none)."""
+        record = self.names[self.index.ns[eid]]
+        if record.presence is not None and self.index.state[eid] == State.COMMITTED:
+            place, checksum = self._place_of(eid, record)
+            record.presence.locate(self.index.key(eid), place, checksum)
+
+    def _presence_add(self, record: NamespaceRecord, eids: Sequence[int]) -> None:
+        """Note ``eids`` committed in ``record``'s presence table, if it has one. Never raises
         into a commit: a table that cannot be kept (a rebuild out of memory or descriptors)
         is retired, so its clients call, and made afresh when next asked for."""
         table = record.presence
         if table is None:
             return
         try:
-            record.presence = table.add_many(keys)
+            places, sums = self._places_of(record, eids)
+            record.presence = table.add_many(map(self.index.key, eids), places, sums)
         except Exception:
             log.exception("presence table of %s dropped", record.name)
             table.retire()
@@ -512,6 +547,22 @@ class BlockStore:
         record = handle.record
         record.lookup_hits += found
         record.lookup_misses += keys - found
+
+    def note_table_reads(self, handle: Handle, keys: Sequence[bytes]) -> None:
+        """Blocks a client read itself from the places of its presence table: read now, for
+        the eviction policies (``acquire``'s bookkeeping, less the lease). Keys no longer
+        committed are skipped. Not charged to ``keys_per_s`` (the reads cost the daemon
+        nothing; this is a dict lookup per key, within ``max_keys_per_request``)."""
+        self.check_keys(keys, "table_reads")
+        ids = self.index.ids_of(handle.ns_id)
+        state = self.index.state
+        eids = [e for e in map(ids.get, keys) if e is not None and state[e] == State.COMMITTED]
+        if not eids:
+            return
+        tiers = self.index.tier
+        self.mover.note_read(eids)
+        self.policy.touch([e for e in eids if tiers[e] & IN_CPU])
+        self.device.note_read(eids)
 
     async def lookup(self, handle: Handle, keys: Sequence[bytes]) -> int:
         self.check_keys(keys, "lookup")
@@ -1079,7 +1130,7 @@ class BlockStore:
         self._reserved_blocks -= 1
         record = self.names[self.index.ns[eid]]
         record.blocks += 1
-        self._presence_add(record, (self.index.key(eid),))
+        self._presence_add(record, (eid,))
         self._note_written(eid)
 
     def _commit_cpu_entries(self, eids: list[int], checksums: Sequence[int]) -> None:
@@ -1103,7 +1154,7 @@ class BlockStore:
         self._reserved_blocks -= len(eids)
         record = self.names[index.ns[eids[0]]]
         record.blocks += len(eids)
-        self._presence_add(record, map(index.key, eids))
+        self._presence_add(record, eids)
         if self._written:  # someone waits for a block being written
             for eid in eids:
                 self._note_written(eid)
@@ -1239,6 +1290,10 @@ class BlockStore:
     def _free_cpu_slot(self, eid: int) -> None:
         clean = bool(self.index.tier[eid] & IN_NVME)
         record = self.names[self.index.ns[eid]]
+        if record.presence is not None and not record.cpu_codec:
+            # Before the slot can go to another block: readers of the table ask from now on.
+            place = self.arena.address(self.index.offset[eid]) + 1
+            record.presence.unlocate(self.index.key(eid), place)
         self.cpu_slots.vacate(self.index.offset[eid], record.cpu_bytes, clean)
         self.quotas.charge_cpu(record, -record.cpu_bytes)
         self._note_payload(record, -1)
@@ -1312,6 +1367,7 @@ class BlockStore:
             self.forget(eid)  # its slot is free all the same
             return True
         index.offset[eid] = new
+        self._presence_locate(eid)
         return True
 
     def mark_in_cpu(self, eid: int, offset: int) -> None:
@@ -1323,6 +1379,7 @@ class BlockStore:
         self.index.offset[eid] = offset
         self.index.tier[eid] |= IN_CPU
         self.policy.insert(eid, self.index.priority[eid])
+        self._presence_locate(eid)
 
     def forget(self, eid: int) -> None:
         """Remove a committed entry from every tier (evicted from the last tier holding it, or

@@ -175,20 +175,22 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("handle", "keys", "gpu", "lookup", "prefetch", "release_leases")
+    __slots__ = ("handle", "keys", "gpu", "lookup", "prefetch", "table_reads", "release_leases")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    TABLE_READS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     keys: bytes
     gpu: bool
     lookup: bool
     prefetch: bool
+    table_reads: bytes
     release_leases: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., gpu: _Optional[bool] = ..., lookup: _Optional[bool] = ..., prefetch: _Optional[bool] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., gpu: _Optional[bool] = ..., lookup: _Optional[bool] = ..., prefetch: _Optional[bool] = ..., table_reads: _Optional[bytes] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "offsets", "checksums", "expires_in_s", "on_gpu", "pending", "found", "codecs", "payload_checksums", "payload_bytes")
