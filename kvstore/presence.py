@@ -279,25 +279,34 @@ class PresenceTable:
             raise
         return table
 
-    def _slot_of(self, key: bytes) -> int | None:
-        """The word index of ``key``'s slot (the first holding its fingerprint), or None."""
+    def _slots_of(self, key: bytes) -> list[int]:
+        """The word indices of the slots holding ``key``'s fingerprint (more than one only for
+        keys that share their first 8 bytes), in probe order."""
         fp = max(int.from_bytes(key[:8], "little"), _FIRST)
         words, slot = self._words, HEADER_WORDS + (fp & self._mask) * BUCKET
-        end = slot + WINDOW
-        while slot < end:
-            if words[slot] == fp:
-                return slot
-            slot += 1  # past an EMPTY too: a table filled with ``overflow`` has gaps
-        return None
+        # Past an EMPTY too: a table filled with ``overflow`` has gaps.
+        return [s for s in range(slot, slot + WINDOW) if words[s] == fp]
+
+    def _slot_of(self, key: bytes) -> int | None:
+        """The word index of ``key``'s slot (the first holding its fingerprint), or None."""
+        slots = self._slots_of(key)
+        return slots[0] if slots else None
 
     def remove(self, key: bytes) -> None:
         """Note ``key`` no longer committed (evicted from its last tier, deleted, corrupt)."""
-        slot = self._slot_of(key)
-        if slot is not None:
-            self._words[slot] = GONE
-            self.count -= 1
-            self._gone += 1
-            self._words[_COUNT] = self.count
+        slots = self._slots_of(key)
+        if not slots:
+            return
+        words = self._words
+        # Every slot of its fingerprint loses its place: the key's own may be any of them
+        # (keys sharing their first 8 bytes), and a removed key's block is never read from
+        # the table. The others' keys are read through a lease from now on.
+        for slot in slots:
+            words[slot + self._places_at - HEADER_WORDS] = 0
+        words[slots[0]] = GONE
+        self.count -= 1
+        self._gone += 1
+        words[_COUNT] = self.count
 
     def locate(self, key: bytes, place: int, checksum: int) -> None:
         """``key``'s block has a CPU copy a client can read at ``place`` (0: none now), whose
@@ -312,9 +321,10 @@ class PresenceTable:
 
     def unlocate(self, key: bytes, place: int) -> None:
         """The copy at ``place`` is no longer ``key``'s (its slot was freed): readers ask."""
-        slot = self._slot_of(key)
-        if slot is not None and self._words[self._places_at + slot - HEADER_WORDS] == place:
-            self._words[self._places_at + slot - HEADER_WORDS] = 0
+        words, to_place = self._words, self._places_at - HEADER_WORDS
+        for slot in self._slots_of(key):
+            if words[slot + to_place] == place:
+                words[slot + to_place] = 0
 
     def _rebuilt(self, entries: int, extra: tuple[int, int, int] | None = None) -> PresenceTable:
         """A new table holding this one's entries (and ``extra``: a fingerprint, its place

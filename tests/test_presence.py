@@ -15,8 +15,10 @@ import os
 import socket
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
+import xxhash
 from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -578,28 +580,41 @@ def test_places_follow_the_daemons_moves_and_survive_rebuilds() -> None:
     assert view.places(keys[3] + keys[4])[0].tolist() == [77, 4]
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["put", "delete"]), st.integers(0, 11), st.integers(1, 4)),
+        st.tuples(
+            st.sampled_from(["put", "delete", "lease", "release"]),
+            st.integers(0, 11),
+            st.integers(1, 4),
+        ),
         max_size=20,
     )
 )
 def test_the_tables_places_are_where_the_daemon_keeps_each_block(ops) -> None:
-    """Through puts, evictions and deletes, every place the table gives is the address and
-    checksum of that key's CPU copy that an ``acquire`` would hand out."""
+    """Through puts, evictions, deletes (of leased blocks too) and releases, every place the
+    table gives is the address and checksum of that key's CPU copy that an ``acquire`` would
+    hand out, and the store's books hold."""
 
     async def run() -> None:
         store = make_store(capacity_blocks=8)
         try:
             handle = store.open_namespace(NS)
             all_keys = block_hashes(NS.seed, list(range(15 * 16)))
+            leases: list[int] = []
             for op, start, n in ops:
                 ks = all_keys[start : start + n]
                 if op == "put":
                     await put(store, handle, ks, fill=start + 1)
-                else:
+                elif op == "delete":
                     store.delete(handle, ks)
+                elif op == "lease":
+                    result = await store.acquire(handle, ks)
+                    if result.lease_id:
+                        leases.append(result.lease_id)
+                elif leases:
+                    store.release(handle, leases.pop(0))
+                store.check()
                 view = view_of(store.presence(handle))
                 for key in all_keys:
                     places, sums = view.places(key)
@@ -750,3 +765,74 @@ def test_a_paged_load_reads_cpu_caches_from_the_table_and_checks_every_copy(daem
         dst = fresh()
         assert kv.load(dst, list(range(6)), keys) == 4  # block 4 fails its check, then a call
         assert same(src, dst, range(4), range(4))
+
+
+async def test_a_leased_block_deleted_then_released_frees_its_slot() -> None:
+    """A block deleted while leased is an orphan (its key gone with the delete) until its
+    last lease goes; freeing its slot then must not look its key up for the table."""
+    store = make_store(capacity_blocks=8)
+    try:
+        handle = store.open_namespace(NS)
+        store.presence(handle)
+        ks = block_hashes(NS.seed, list(range(2 * 16)))
+        assert await put(store, handle, ks) == 2
+        lease = await store.acquire(handle, ks)
+        assert store.delete(handle, ks) == 2
+        store.release(handle, lease.lease_id)
+        store.check()
+        assert store.cpu_slots.used_bytes == 0
+    finally:
+        store.close()
+
+
+async def test_a_deleted_key_has_no_place_though_another_key_shares_its_fingerprint() -> None:
+    """Two keys that share their first 8 bytes hold two slots of one fingerprint; deleting
+    one must leave no place a reader of it could still copy (its slot is intact while a lease
+    holds it), whichever slot the delete marks gone."""
+    store = make_store(capacity_blocks=8)
+    try:
+        handle = store.open_namespace(NS)
+        view = view_of(store.presence(handle))
+        prefix = os.urandom(8)
+        a, b = prefix + os.urandom(24), prefix + os.urandom(24)
+        assert await put(store, handle, [a], fill=1) == 1
+        assert await put(store, handle, [b], fill=2) == 1
+        lease = await store.acquire(handle, [b])
+        assert store.delete(handle, [b]) == 1
+        assert len(view.places(b)[0]) == 0
+        store.release(handle, lease.lease_id)
+        store.check()
+    finally:
+        store.close()
+
+
+def test_a_paged_load_counts_only_blocks_whose_copy_verified(monkeypatch) -> None:
+    """What lands in the caches is what was checked: a copy that differs from its slot (a
+    slot rewritten during the copy, then put back) is not counted, though the slot verifies."""
+    from kvstore.client import paged_io
+
+    layout = SMALL_LAYOUT
+    blocks = random_blocks(layout, 4, seed=13)
+    shape = (2, 8, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    caches = [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+    seeds = [1000 + i for i in range(4)]
+    sums = [
+        xxhash.xxh3_64_intdigest(blocks[i].contiguous().view(torch.uint8).numpy(), seed=seeds[i])
+        for i in range(4)
+    ]
+    real = np.copyto
+    copies = [0]
+
+    def torn(dst, src, *args, **kwargs):
+        real(dst, src, *args, **kwargs)
+        copies[0] += 1
+        if copies[0] == 1:
+            dst.flat[0] ^= 1  # the first copy made is not what its slot holds now
+
+    monkeypatch.setattr(np, "copyto", torn)
+    loaded = paged_io.scatter_with_checksums(list(blocks), caches, [0, 1, 2, 3], sums, seeds)
+    monkeypatch.undo()
+    assert loaded is not None
+    for i in range(loaded):
+        got = torch.stack([c[:, i] for c in caches])
+        assert same_bytes(got, blocks[i])

@@ -12,6 +12,7 @@ Used by ``KVStoreClient.offload/load`` and ``AsyncKVStoreClient.offload/load``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -20,7 +21,7 @@ import torch
 import xxhash
 
 from kvstore import kernels
-from kvstore.client._common import MappedArena
+from kvstore.client._common import MappedArena, copy_hashing_copy
 from kvstore.client._parallel import each_block
 from kvstore.kernels import _validate
 from kvstore.layout import KVLayout
@@ -135,13 +136,16 @@ def scatter_with_checksums(
     checksums: Sequence[int],
     seeds: Sequence[int],
 ) -> int | None:
-    """Scatter leased arena slots (``views``) into CPU caches, verifying each block right after
-    its copy: the xxh3 of the slot, read again while it is still in cache (one pass over memory
-    where a check after the whole batch made two), against the lease's checksum for the key
-    asked (``seeds``). Returns how many leading blocks arrived intact (the caller recomputes
-    from there; blocks past the first bad one may have been copied too, by the other thread of
-    a large load). None for CUDA caches: they are verified on the slots after the kernel
-    (``ReadLease.intact``)."""
+    """Scatter arena slots (``views``: a lease's, or places a presence table gave) into CPU
+    caches, each block checked where it is copied: a run of slots is first copied into this
+    thread's private staging buffer, each block hashed from its copy while in cache
+    (``copy_hashing_copy``) against the checksum for the key asked (``seeds``), and only the
+    blocks that verified are scattered, from that private copy. So a slot rewritten during the
+    copy (a block read with no lease, whose slot is reused) fails the check, and what lands in
+    the caches is what was checked. Returns how many leading blocks arrived intact (the caller
+    recomputes from there; blocks past the first bad one may have been copied too, by the other
+    thread of a large load). None for CUDA caches: they are verified on the slots after the
+    kernel (``ReadLease.intact``)."""
     if not views:
         return 0
     if kv_caches[0].device.type != "cpu":
@@ -162,24 +166,30 @@ def scatter_with_checksums(
 
     def scatter_run(r: int) -> None:
         i, run = runs[r]
-        k = len(run)
-        # Blocks in consecutive slots (the usual case: one reservation's slots) are copied a
-        # layer at a time, one numpy call for the whole run instead of one per block and layer.
+        k, size = len(run), run[0].nbytes
+        staged = _staging(k * size).reshape(k, size)
+        for j in range(k):
+            source = run[j].reshape(-1).view(np.uint8)
+            if copy_hashing_copy(staged[j], source, seeds[i + j]) != checksums[i + j]:
+                first_bad[r] = i + j
+                k = j
+                break
+        if not k:
+            return
+        blocks = staged[:k].view(run.dtype).reshape(k, *run.shape[1:])
+        # Blocks of a run are copied a layer at a time, one numpy call for the whole run
+        # instead of one per block and layer.
         ids_run = block_ids[i : i + k]
         first, last = ids_run[0], ids_run[-1]
         dst_ids: slice | np.ndarray = (
             slice(first, first + k) if last - first == k - 1 else np.asarray(ids_run)
         )
         for layer, cache in enumerate(caches):
-            part = run[:, layer].swapaxes(0, 1)  # [2, k, bs, H, D]
+            part = blocks[:, layer].swapaxes(0, 1)  # [2, k, bs, H, D]
             if isinstance(dst_ids, slice):
                 np.copyto(cache[:, dst_ids], part)
             else:
                 cache[:, dst_ids] = part
-        for j in range(k):  # each slot again while the run is in cache
-            if xxhash.xxh3_64_intdigest(run[j].data, seed=seeds[i + j]) != checksums[i + j]:
-                first_bad[r] = i + j
-                return
 
     # Runs go to two threads for a large load (``each_block``): their blocks are distinct.
     each_block(len(runs), len(slots) * (slots[0].nbytes if slots else 0), scatter_run)
@@ -188,6 +198,19 @@ def scatter_with_checksums(
 
 RUN_BLOCKS = 16
 """Most blocks one scatter step copies (then hashes) at once: a few MiB, which stay in cache."""
+RUN_BYTES = 8 << 20
+"""And at most this many bytes (a thread's staging buffer)."""
+
+_local = threading.local()
+
+
+def _staging(nbytes: int) -> np.ndarray:
+    """This thread's staging buffer, at least ``nbytes`` (kept: a new one would fault its
+    pages in on every load)."""
+    buf: np.ndarray | None = getattr(_local, "staging", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _local.staging = np.empty(nbytes, dtype=np.uint8)
+    return buf[:nbytes]
 
 
 def _slot_run(slots: Sequence[np.ndarray], block_ids: Sequence[int], i: int) -> np.ndarray:
@@ -199,6 +222,7 @@ def _slot_run(slots: Sequence[np.ndarray], block_ids: Sequence[int], i: int) -> 
     k = 1
     while (
         k < RUN_BLOCKS
+        and (k + 1) * size <= RUN_BYTES
         and i + k < len(slots)
         and slots[i + k].__array_interface__["data"][0] == base + k * size
     ):

@@ -1290,7 +1290,11 @@ class BlockStore:
     def _free_cpu_slot(self, eid: int) -> None:
         clean = bool(self.index.tier[eid] & IN_NVME)
         record = self.names[self.index.ns[eid]]
-        if record.presence is not None and not record.cpu_codec:
+        if (
+            record.presence is not None
+            and not record.cpu_codec
+            and self.index.state[eid] == State.COMMITTED  # an orphan's key left with forget
+        ):
             # Before the slot can go to another block: readers of the table ask from now on.
             place = self.arena.address(self.index.offset[eid]) + 1
             record.presence.unlocate(self.index.key(eid), place)
