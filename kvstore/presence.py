@@ -170,7 +170,12 @@ class PresenceTable:
         takes the first free slot at or after it (a running maximum, in C)."""
         if not len(fps):
             return
+        held = len(fps)
         fps, first = np.unique(fps, return_index=True)
+        if len(fps) < held:
+            # Keys that share their first 8 bytes became one entry: removing one would make
+            # the others a miss the daemon calls a hit, so a miss is asked of the daemon.
+            self._words[_OVERFLOW] = 1
         homes = (fps & np.uint64(self._mask)).astype(np.int64) * BUCKET
         order = np.argsort(homes, kind="stable")
         fps, homes, first = fps[order], homes[order], first[order]

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from conftest import random_blocks, same_bytes, tokens
+from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tokens
 
 from kvstore import KVLayout, KVStoreClient
-from kvstore.client import _common
+from kvstore.client import _common, paged_io
 from kvstore.client._common import PASS_CHUNK_BYTES, copy_hashing_copy, copy_hashing_source
 
 BIG = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, block_size=16)  # 512 KiB blocks
@@ -215,3 +215,22 @@ def test_a_split_paged_load_counts_up_to_its_first_corrupt_block(daemon) -> None
         fresh = paged(n, seed=None)
         assert kv.load(fresh, list(range(n)), keys) == 19
         assert all(torch.equal(paged_block(fresh, b), paged_block(src, b)) for b in range(19))
+
+
+def test_a_paged_load_puts_each_block_where_its_id_says_in_any_order() -> None:
+    """Slots back to back, block ids out of order but spanning a consecutive range: each
+    block lands in its own id (a slice over the range would swap them, checksums intact)."""
+    layout = SMALL_LAYOUT
+    blocks = random_blocks(layout, 4, seed=17)  # one tensor: the slots lie back to back
+    shape = (2, 8, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    seeds = [2000 + i for i in range(4)]
+    sums = [
+        xxhash.xxh3_64_intdigest(blocks[i].contiguous().view(torch.uint8).numpy(), seed=seeds[i])
+        for i in range(4)
+    ]
+    for ids in ([0, 2, 1, 3], [3, 1, 2, 0], [4, 5, 6, 7], [5, 4, 7, 6]):
+        caches = [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+        assert paged_io.scatter_with_checksums(list(blocks), caches, ids, sums, seeds) == 4
+        for i, block_id in enumerate(ids):
+            got = torch.stack([c[:, block_id] for c in caches])
+            assert same_bytes(got, blocks[i]), (ids, i)

@@ -836,3 +836,13 @@ def test_a_paged_load_counts_only_blocks_whose_copy_verified(monkeypatch) -> Non
     for i in range(loaded):
         got = torch.stack([c[:, i] for c in caches])
         assert same_bytes(got, blocks[i])
+
+
+def test_keys_sharing_a_fingerprint_merged_by_a_rebuild_set_overflow() -> None:
+    """A rebuilt table keeps one slot per fingerprint: removing one of two keys that share it
+    would make the other a miss the daemon calls a hit, so misses go to the daemon."""
+    prefix = os.urandom(8)
+    a, b = prefix + os.urandom(24), prefix + os.urandom(24)
+    assert not PresenceTable([os.urandom(32), a]).overflow
+    table = PresenceTable([a, b])
+    assert table.overflow

@@ -167,7 +167,14 @@ def scatter_with_checksums(
     def scatter_run(r: int) -> None:
         i, run = runs[r]
         k, size = len(run), run[0].nbytes
-        staged = _staging(k * size).reshape(k, size)
+        buf = _take_staging(k * size)
+        try:
+            scatter_staged(i, run, buf[: k * size].reshape(k, size), r)
+        finally:
+            _give_staging(buf)
+
+    def scatter_staged(i: int, run: np.ndarray, staged: np.ndarray, r: int) -> None:
+        k = len(run)
         for j in range(k):
             source = run[j].reshape(-1).view(np.uint8)
             if copy_hashing_copy(staged[j], source, seeds[i + j]) != checksums[i + j]:
@@ -180,9 +187,13 @@ def scatter_with_checksums(
         # Blocks of a run are copied a layer at a time, one numpy call for the whole run
         # instead of one per block and layer.
         ids_run = block_ids[i : i + k]
-        first, last = ids_run[0], ids_run[-1]
+        first = ids_run[0]
+        # A slice only where the ids really are consecutive, ascending: distinct ids out of
+        # order ([0, 2, 1, 3]) span the same range and must go where each one says.
         dst_ids: slice | np.ndarray = (
-            slice(first, first + k) if last - first == k - 1 else np.asarray(ids_run)
+            slice(first, first + k)
+            if ids_run == list(range(first, first + k))
+            else np.asarray(ids_run)
         )
         for layer, cache in enumerate(caches):
             part = blocks[:, layer].swapaxes(0, 1)  # [2, k, bs, H, D]
@@ -199,18 +210,28 @@ def scatter_with_checksums(
 RUN_BLOCKS = 16
 """Most blocks one scatter step copies (then hashes) at once: a few MiB, which stay in cache."""
 RUN_BYTES = 8 << 20
-"""And at most this many bytes (a thread's staging buffer)."""
+"""And at most this many bytes (a staging buffer's size)."""
 
-_local = threading.local()
+_spare: list[np.ndarray] = []  # staging buffers not in use, kept for the next load
+_spare_lock = threading.Lock()
+SPARE_BUFFERS = 4
+"""Staging buffers kept between loads (a load uses at most two at once, one per thread)."""
 
 
-def _staging(nbytes: int) -> np.ndarray:
-    """This thread's staging buffer, at least ``nbytes`` (kept: a new one would fault its
-    pages in on every load)."""
-    buf: np.ndarray | None = getattr(_local, "staging", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = _local.staging = np.empty(nbytes, dtype=np.uint8)
-    return buf[:nbytes]
+def _take_staging(nbytes: int) -> np.ndarray:
+    """A staging buffer of at least ``nbytes``, this caller's alone until ``_give_staging``
+    (kept ones are reused: a new one would fault its pages in on every load)."""
+    with _spare_lock:
+        for j, buf in enumerate(_spare):
+            if buf.nbytes >= nbytes:
+                return _spare.pop(j)
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+def _give_staging(buf: np.ndarray) -> None:
+    with _spare_lock:
+        if len(_spare) < SPARE_BUFFERS:
+            _spare.append(buf)
 
 
 def _slot_run(slots: Sequence[np.ndarray], block_ids: Sequence[int], i: int) -> np.ndarray:

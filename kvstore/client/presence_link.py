@@ -70,6 +70,7 @@ class PresenceLink:
         """A new handle (an open or reopen): its namespace's table is asked for afresh."""
         self.close()
         self._refused = False
+        self._reads.clear()  # another daemon's (or namespace's) blocks
 
     def close(self) -> None:
         if self._view is not None:
