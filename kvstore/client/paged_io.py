@@ -137,8 +137,8 @@ def scatter_with_checksums(
     seeds: Sequence[int],
 ) -> int | None:
     """Scatter arena slots (``views``: a lease's, or places a presence table gave) into CPU
-    caches, each block checked where it is copied: a run of slots is first copied into this
-    thread's private staging buffer, each block hashed from its copy while in cache
+    caches, each block checked where it is copied: a run of slots is first copied into a
+    private staging buffer (``_take_staging``), each block hashed from its copy while in cache
     (``copy_hashing_copy``) against the checksum for the key asked (``seeds``), and only the
     blocks that verified are scattered, from that private copy. So a slot rewritten during the
     copy (a block read with no lease, whose slot is reused) fails the check, and what lands in
@@ -174,6 +174,7 @@ def scatter_with_checksums(
             _give_staging(buf)
 
     def scatter_staged(i: int, run: np.ndarray, staged: np.ndarray, r: int) -> None:
+        """Copy ``run`` into ``staged`` checking each block, then scatter those that verified."""
         k = len(run)
         for j in range(k):
             source = run[j].reshape(-1).view(np.uint8)

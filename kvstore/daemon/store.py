@@ -472,25 +472,21 @@ class BlockStore:
             states = np.frombuffer(_gather(self.index.state, eids), np.uint8)
             committed = states == State.COMMITTED
             fps = fingerprints(b"".join(ids))[committed]
-            kept = list(compress(eids, committed.tolist()))
-            places = np.array([self._place_of(e, record)[0] for e in kept], dtype=np.uint64)
-            sums = np.frombuffer(self.index.checksum, np.uint64)[np.array(kept, dtype=np.intp)]
-            record.presence = PresenceTable.of_fingerprints(fps, places, sums)
+            places, sums = self._places_of(record, list(compress(eids, committed.tolist())))
+            record.presence = PresenceTable.of_fingerprints(
+                fps,
+                None if places is None else np.array(places, dtype=np.uint64),
+                None if sums is None else np.array(sums, dtype=np.uint64),
+            )
         return cast(PresenceTable, record.presence)
-
-    def _place_of(self, eid: int, record: NamespaceRecord) -> tuple[int, int]:
-        """(place, checksum) of an entry in its presence table: its CPU copy's address plus
-        one and that copy's checksum, or 0 where a client cannot read it itself (no CPU copy,
-        or an fp8 payload, which only a lease's decode reads)."""
-        index = self.index
-        if record.cpu_codec or not index.tier[eid] & IN_CPU or index.offset[eid] < 0:
-            return 0, 0
-        return self.arena.address(index.offset[eid]) + 1, index.checksum[eid]
 
     def _places_of(
         self, record: NamespaceRecord, eids: Sequence[int]
     ) -> tuple[list[int] | None, list[int] | None]:
-        """``_place_of`` of a batch of ``record``'s entries, as lists (one pass each)."""
+        """(places, checksums) of ``record``'s entries ``eids`` in its presence table: each
+        CPU copy's address plus one and that copy's checksum, a place 0 for an entry with no
+        CPU copy; (None, None), no places at all, where a client cannot read the copies itself
+        (fp8 payloads, which only a lease's decode reads)."""
         if record.cpu_codec:
             return None, None
         index = self.index
@@ -503,7 +499,8 @@ class BlockStore:
         """Tell ``eid``'s presence table where its CPU copy now is (or that it has none)."""
         record = self.names[self.index.ns[eid]]
         if record.presence is not None and self.index.state[eid] == State.COMMITTED:
-            place, checksum = self._place_of(eid, record)
+            places, sums = self._places_of(record, (eid,))
+            place, checksum = (places[0], sums[0]) if places and sums else (0, 0)
             record.presence.locate(self.index.key(eid), place, checksum)
 
     def _presence_add(self, record: NamespaceRecord, eids: Sequence[int]) -> None:
@@ -1292,12 +1289,12 @@ class BlockStore:
         record = self.names[self.index.ns[eid]]
         if (
             record.presence is not None
-            and not record.cpu_codec
             and self.index.state[eid] == State.COMMITTED  # an orphan's key left with forget
         ):
             # Before the slot can go to another block: readers of the table ask from now on.
-            place = self.arena.address(self.index.offset[eid]) + 1
-            record.presence.unlocate(self.index.key(eid), place)
+            places, _ = self._places_of(record, (eid,))
+            if places:
+                record.presence.unlocate(self.index.key(eid), places[0])
         self.cpu_slots.vacate(self.index.offset[eid], record.cpu_bytes, clean)
         self.quotas.charge_cpu(record, -record.cpu_bytes)
         self._note_payload(record, -1)
