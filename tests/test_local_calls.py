@@ -76,6 +76,26 @@ def test_a_client_without_local_calls_uses_grpc(daemon, monkeypatch) -> None:
         assert same_bytes(kv.get(keys), blocks)
 
 
+@pytest.mark.parametrize("spin_us", ["0", "1000"])
+def test_calls_are_answered_whether_the_client_waits_awake_or_not(
+    daemon, monkeypatch, spin_us: str
+) -> None:
+    monkeypatch.setenv("KVSTORE_CALL_SPIN_US", spin_us)
+    with client(daemon) as kv:
+        assert kv._session is not None and kv._session.spin_s == float(spin_us) * 1e-6
+        keys = kv.hash_tokens(tokens(4))
+        blocks = random_blocks(SMALL_LAYOUT, 4, seed=8)
+        assert kv.put(keys, blocks) == 4
+        assert same_bytes(kv.get(keys), blocks) and kv.delete(keys) == 4
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "2e6"])
+def test_a_bad_spin_setting_is_refused_with_its_name(daemon, monkeypatch, value: str) -> None:
+    monkeypatch.setenv("KVSTORE_CALL_SPIN_US", value)
+    with pytest.raises(ValueError, match="KVSTORE_CALL_SPIN_US"):
+        client(daemon).close()
+
+
 def test_another_sessions_handle_is_refused_over_a_local_call(daemon) -> None:
     with client(daemon) as alice, client(daemon) as mallory:
         keys = alice.hash_tokens(tokens(2))

@@ -30,7 +30,21 @@ from kvstore.errors import (
 
 MAX_MESSAGE = 4096
 _REPLY_BYTES = local_calls.REPLY.size
+DEFAULT_SPIN_US = 300
+"""How long a blocking local call waits awake for its reply by default: about what a batch's call
+takes on this class of machine (``benchmarks/bench_client_ab.py``)."""
 _unpack_reply = local_calls.REPLY.unpack_from
+
+
+def _spin_s() -> float:
+    text = os.environ.get("KVSTORE_CALL_SPIN_US", str(DEFAULT_SPIN_US))
+    try:
+        spin_us = float(text)
+    except ValueError:
+        spin_us = -1.0
+    if not 0 <= spin_us <= 1e6:  # also NaN
+        raise ValueError(f"KVSTORE_CALL_SPIN_US must be microseconds in [0, 1000000], got {text!r}")
+    return spin_us * 1e-6
 
 
 class SlabUnavailable(KVStoreError):
@@ -68,6 +82,9 @@ class ClientSession:
         self.presence_tables = os.environ.get("KVSTORE_PRESENCE_TABLES") != "0"
         """Answer lookups from the namespace's presence table where it can
         (``KVSTORE_PRESENCE_TABLES=0``: always call)."""
+        self.spin_s = _spin_s()
+        """How long a blocking local call waits awake for its reply (``_await_reply``;
+        ``KVSTORE_CALL_SPIN_US=0``: never)."""
         self._call_id = 0
         self._reply = bytearray(local_calls.MAX_REPLY_BYTES)
         # A call reply read by ``slab`` (another thread, or the loop while an asyncio call
@@ -172,6 +189,7 @@ class ClientSession:
                 self._sock.send(frame)
                 if self._kept is None:
                     # The usual case, read inline: the next datagram is this call's reply.
+                    self._await_reply()
                     n = self._sock.recv_into(self._reply)
                     if n >= _REPLY_BYTES and self._reply[0] == local_calls.MAGIC:
                         _, status, got_id = _unpack_reply(self._reply)
@@ -190,6 +208,20 @@ class ClientSession:
                 ) from None
             except OSError as exc:
                 raise SessionBroken(f"the session with the daemon failed: {exc}") from None
+
+    def _await_reply(self) -> None:
+        """Wait awake, for up to ``self.spin_s``, for a call's reply to arrive, before a read
+        that blocks: the daemon answers a local call in tens of microseconds, and waking a
+        thread blocked in ``recv`` costs about as much again (more on a virtual machine).
+        Each turn yields the CPU (``sched_yield``), so a daemon or client sharing the core
+        still runs; past ``spin_s`` the read blocks as before."""
+        spin_s = self.spin_s
+        if spin_s <= 0:
+            return
+        poll, clock, yield_cpu = self._readable.poll, time.perf_counter, os.sched_yield
+        end = clock() + spin_s
+        while not poll(0) and clock() < end:
+            yield_cpu()
 
     def _keep_reply(self, data: bytes) -> None:
         """A call reply that ``slab`` read: keep it for the call waiting on it (a late reply
