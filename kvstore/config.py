@@ -224,11 +224,17 @@ class LimitsConfig:
     # when they would anyway, if sooner): the newcomer gets room within a bounded time, and a
     # handle alone on the daemon may still use the whole tier (BlockStore.open_namespace).
     pin_grace_s: float = 2.0
+    # Slots one handle may hold reserved ahead for its next puts (spare slots: a put of small
+    # blocks then takes one call, Bind, instead of Reserve and Commit). They expire unbound
+    # within min(reservation_ttl_s, pin_grace_s). 0: none are granted.
+    max_spare_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) <= 0 and f.name != "max_pinned_share":
+            if getattr(self, f.name) <= 0 and f.name not in ("max_pinned_share", "max_spare_bytes"):
                 raise ValueError(f"limits.{f.name} must be positive, got {getattr(self, f.name)}")
+        if self.max_spare_bytes < 0:
+            raise ValueError(f"limits.max_spare_bytes must be >= 0, got {self.max_spare_bytes}")
         if self.chunk_bytes > 16 << 20:
             raise ValueError(f"limits.chunk_bytes must be at most 16MiB, got {self.chunk_bytes}")
         if not 0.0 <= self.max_pinned_share <= 1.0:
@@ -532,6 +538,7 @@ _KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "chunk": ("chunk_bytes", parse_size),
         "max_pinned_share": ("max_pinned_share", float),
         "pin_grace_s": ("pin_grace_s", float),
+        "max_spare": ("max_spare_bytes", parse_size),
     },
     "auth": {
         "tls_cert": ("tls_cert", str),

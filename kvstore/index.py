@@ -24,7 +24,7 @@ Owned by the daemon's event loop; not thread-safe.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from enum import IntEnum
 from types import MappingProxyType
 
@@ -186,6 +186,19 @@ class BlockIndex:
             raise AssertionError(f"commit of entry {eid} in state {State(self.state[eid]).name}")
         self.state[eid] = State.COMMITTED
         self.checksum[eid] = checksum
+
+    def rekey_many(self, eids: list[int], keys: Sequence[bytes]) -> None:
+        """Give each RESERVED entry ``eids[j]`` the key ``keys[j]`` of its namespace, one no
+        entry has (a spare slot's placeholder entry becomes the entry of the key a Bind gives
+        it)."""
+        ids_of, own, ns = self._ids, self._keys, self.ns
+        for eid, key in zip(eids, keys, strict=True):
+            ids = ids_of[ns[eid]]
+            if key in ids:  # (its state the caller's commit checks, as for any reservation)
+                raise AssertionError(f"rekey of entry {eid} to the key of entry {ids[key]}")
+            del ids[own[eid]]  # type: ignore[arg-type]  # RESERVED: keyed
+            ids[key] = eid
+            own[eid] = key
 
     def orphan(self, eid: int) -> None:
         """Drop the key of a leased entry; the entry lives on until its last lease goes."""

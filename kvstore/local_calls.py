@@ -30,7 +30,17 @@ import struct
 MAGIC = 0
 # The calls a client may send this way: small, unary, and the ones every batch makes. Order is
 # the wire format: append only.
-METHODS = ("Lookup", "Reserve", "Commit", "Abort", "Acquire", "Release", "Prefetch", "Delete")
+METHODS = (
+    "Lookup",
+    "Reserve",
+    "Commit",
+    "Abort",
+    "Acquire",
+    "Release",
+    "Prefetch",
+    "Delete",
+    "Bind",
+)
 METHOD_INDEX = {name: i for i, name in enumerate(METHODS)}
 
 REQUEST = struct.Struct("<BBIf")

@@ -234,3 +234,34 @@ def test_a_paged_load_puts_each_block_where_its_id_says_in_any_order() -> None:
         for i, block_id in enumerate(ids):
             got = torch.stack([c[:, block_id] for c in caches])
             assert same_bytes(got, blocks[i]), (ids, i)
+
+
+@pytest.mark.parametrize("nbytes", [4096, PASS_CHUNK_BYTES // 2])
+def test_small_blocks_copied_in_runs_land_in_their_own_slots_hashed_from_the_source(
+    monkeypatch, nbytes: int
+) -> None:
+    import mmap
+
+    slabs = [_common._Slab(mmap.mmap(-1, 16 * nbytes), writable=True) for _ in range(2)]
+    rows = np.random.default_rng(nbytes).integers(0, 256, (9, nbytes), dtype=np.uint8)
+    seeds = list(range(100, 109))
+    # Runs of back-to-back rows into back-to-back slots (longer than one copy may be when
+    # the blocks are large), a gap, another slab, rows out of order, a lone block.
+    places = [(0, slabs[0], 0), (1, slabs[0], nbytes), (2, slabs[0], 2 * nbytes)]
+    places += [(3, slabs[0], 3 * nbytes), (4, slabs[0], 5 * nbytes), (5, slabs[1], 6 * nbytes)]
+    places += [(7, slabs[1], 7 * nbytes), (6, slabs[1], 8 * nbytes), (8, slabs[0], 9 * nbytes)]
+    real = np.copyto
+
+    def copy_then_scribble(d, s, *args, **kwargs):
+        real(d, s, *args, **kwargs)
+        d[:1] ^= 0xFF  # a writer into the slot right after the copy
+
+    monkeypatch.setattr(np, "copyto", copy_then_scribble)
+    sums = _common._copy_runs_hashing_source(rows, places, seeds, nbytes)
+    monkeypatch.setattr(np, "copyto", real)
+    # Each checksum is of the source row (what the client meant to store), not of the slot.
+    assert sums == [xxhash.xxh3_64_intdigest(rows[i], seed=seeds[i]) for i, _, _ in places]
+    for i, slab, offset in places:
+        got = slab.np[offset : offset + nbytes].copy()
+        got[:1] = rows[i][:1]  # the scribbled byte (the first of each copy) aside
+        assert np.array_equal(got[1:], rows[i][1:]), f"row {i} is not in its slot"

@@ -203,6 +203,7 @@ RPCS = [
     "Prefetch",
     "Delete",
     "Stats",
+    "Bind",
 ]
 
 

@@ -225,6 +225,36 @@ def copy_hashing_source(dst: np.ndarray, src: np.ndarray, seed: int) -> int:
     return h.intdigest()
 
 
+def _copy_runs_hashing_source(
+    rows: np.ndarray, places: list[tuple[int, _Slab, int]], seeds: Sequence[int], nbytes: int
+) -> list[int]:
+    """``copy_in`` of small blocks: ``rows[i]`` into each place (row, slab, offset); the seeded
+    xxh3 of each source row, in order. Back-to-back rows bound for back-to-back slots (a
+    batch's slots mostly are) go in one copy of up to ``PASS_CHUNK_BYTES``, and each block is
+    then hashed from the source, which that copy has just brought into cache: a view, a copy
+    call and a pass over memory saved per block."""
+    digest, copyto = xxhash.xxh3_64_intdigest, np.copyto
+    per_run = max(1, PASS_CHUNK_BYTES // nbytes)
+    sums = []
+    j, n = 0, len(places)
+    while j < n:
+        i0, slab, offset = places[j]
+        k = 1
+        while k < per_run and j + k < n:
+            i, other, at = places[j + k]
+            if i != i0 + k or other is not slab or at != offset + k * nbytes:
+                break
+            k += 1
+        if k == 1:
+            copyto(slab.np[offset : offset + nbytes], rows[i0])
+        else:
+            copyto(slab.np[offset : offset + k * nbytes], rows[i0 : i0 + k].reshape(-1))
+        for i in range(i0, i0 + k):
+            sums.append(digest(rows[i], seed=seeds[i]))
+        j += k
+    return sums
+
+
 def copy_hashing_copy(dst: np.ndarray, src: np.ndarray, seed: int) -> int:
     """Copy ``src`` into ``dst``; return the seeded xxh3 of ``dst``, each piece hashed right
     after its copy, from cache: it vouches for the copy the caller keeps, so a source that
@@ -301,7 +331,7 @@ class MappedArena:
         meanwhile can make it vouch for other bytes."""
         nbytes = rows.shape[1]
         rows_np = rows.numpy()
-        todo = []  # (source, destination, seed): every slot resolved before any copy
+        places = []  # (row, slab, offset in it): every slot resolved before any copy
         uid, slab = -1, None  # the slab of the previous slot: most of a batch's share one
         for i, address in enumerate(offsets):
             if address < 0:
@@ -317,16 +347,11 @@ class MappedArena:
             offset = address & 0xFFFFFFFF
             if offset + nbytes > slab.size:
                 raise KVStoreError(f"daemon handed out slot {address:#x}+{nbytes} outside its slab")
-            todo.append((rows_np[i], slab.np[offset : offset + nbytes], seeds[i]))
-        if nbytes <= PASS_CHUNK_BYTES and len(todo) * nbytes < SPLIT_MIN_BYTES:
-            # Small blocks, one thread (as ``each_block`` would run them): the loop inlined,
-            # each block hashed from the source and then copied (``copy_hashing_source``).
-            digest, copyto = xxhash.xxh3_64_intdigest, np.copyto
-            sums = []
-            for src, dst, seed in todo:
-                sums.append(digest(src, seed=seed))
-                copyto(dst, src)
-            return sums
+            places.append((i, slab, offset))
+        if nbytes <= PASS_CHUNK_BYTES and len(places) * nbytes < SPLIT_MIN_BYTES:
+            # Small blocks, one thread (as ``each_block`` would run them).
+            return _copy_runs_hashing_source(rows_np, places, seeds, nbytes)
+        todo = [(rows_np[i], slab.np[o : o + nbytes], seeds[i]) for i, slab, o in places]
         checksums = [0] * len(todo)
 
         def copy(j: int) -> None:
@@ -489,6 +514,7 @@ def commit_request(
     handle: bytes,
     release: Sequence[int] = (),
     payload_checksums: Sequence[int] = (),
+    spare_wanted: int = 0,
 ) -> pb.CommitRequest:
     """The commit of a reservation: GPU pool slots carry device checksums, arena slots xxh3
     (both bound to namespace and key); payload slots (``reply.codec``) name their codec and
@@ -508,6 +534,7 @@ def commit_request(
         codec=reply.codec,
         payload_bytes=reply.payload_bytes,
         payload_checksums=payload_checksums,
+        spare_wanted=spare_wanted,
     )
 
 

@@ -22,6 +22,7 @@ same way on both faces.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -54,7 +55,8 @@ from kvstore.client._common import (
 from kvstore.client.leases import _LeaseState, _ReservationState
 from kvstore.client.presence_link import PresenceLink
 from kvstore.client.session import ClientSession
-from kvstore.errors import KVStoreError
+from kvstore.client.spare_slots import SpareSlots
+from kvstore.errors import KVStoreError, LeaseExpiredError, UnknownNamespaceError
 from kvstore.keys import KEY_BYTES, BlockKey, Namespace, block_hashes, unpack_keys
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
@@ -130,6 +132,7 @@ class ClientCore:
         self._arena: MappedArena | None = None
         self._pool_link = PoolLink()
         self._presence = PresenceLink()
+        self._spare = SpareSlots()
         self._handle = b""
         self._stream: Any = None  # the OpenNamespace call whose life is the handle's
         self._chunk_bytes = 1 << 20
@@ -143,6 +146,7 @@ class ClientCore:
         self._chunk_bytes = reply.max_chunk_bytes or self._chunk_bytes
         self._pool_link.reset(reply if self.transport != "grpc" else None)
         self._presence.reset()
+        self._spare.clear()  # another handle's (another daemon's) slots
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -281,6 +285,14 @@ class ClientCore:
             return 0
         if self._arena is None:
             return (yield from self._put_bytes(keys, rows, prio))
+        # Spare slots first (one call), for the next put too while puts keep coming.
+        handle = self._handle
+        taken = self._spare.take(len(keys), handle)
+        wanted = self._spare.wanted(len(keys), handle)
+        if taken is not None:
+            count = yield from self._bind(handle, keys, packed, rows, prio, taken, wanted)
+            if count is not None:
+                return count
         reservation = yield from self._reserve(keys, priority, packed, None)
         if not reservation.offsets_new:
             return PutCount(0, reservation.pending)
@@ -290,8 +302,54 @@ class ClientCore:
         except BaseException:
             yield from reservation._abort_op()
             raise
+        reservation.spare_wanted = wanted
         committed = yield from reservation._commit_op(None)
         return PutCount(committed, reservation.pending)
+
+    def _bind(
+        self,
+        handle: bytes,
+        keys: Sequence[bytes],
+        packed: bytes,
+        rows: torch.Tensor,
+        priority: int,
+        taken: list[tuple[int, float, bytes]],
+        wanted: int,
+    ) -> Op[PutCount | None]:
+        """A put in one call: copy the blocks into spare slots ``taken`` (granted to
+        ``handle``), then ``Bind`` them, naming that handle. None when the daemon no longer
+        holds them as that handle's spare slots, or the handle is gone (nothing was stored:
+        the caller puts through a reservation, on the handle it has then)."""
+        arena = self._require_arena("put")
+        addresses = [address for address, _, _ in taken]
+        seeds = seeds_for(self.namespace, keys)
+        nbytes = len(keys) * self.layout.block_bytes
+        sums = yield Blocking(lambda: arena.copy_in(rows, addresses, seeds), nbytes)
+        sent_at = time.monotonic()
+        try:
+            reply = yield Call(
+                "Bind",
+                lambda: pb.BindRequest(
+                    handle=handle,  # the slots' own, even on a retry after a reopen
+                    keys=packed,
+                    slots=addresses,
+                    checksums=sums,
+                    priority=priority,
+                    spare_wanted=wanted,
+                    release_leases=self._take_releases(),
+                ),
+            )
+        except (LeaseExpiredError, UnknownNamespaceError):
+            self._spare.clear()  # reclaimed, or the handle gone (a restart): ask anew
+            return None
+        spare = list(reply.spare)  # this call's unbound slots, then those newly granted
+        if spare:
+            mine = {slot[0]: slot for slot in taken}
+            self._spare.give_back([mine[a] for a in spare if a in mine])
+            granted = [a for a in spare if a not in mine]
+            self._spare.give(granted, reply.spare_fresh_s, sent_at, handle)
+        self._spare.binds += 1
+        return PutCount(int(reply.committed), int(reply.pending))
 
     def _get(self, keys: Sequence[bytes], out: torch.Tensor | None) -> Op[torch.Tensor]:
         packed = check_keys(keys)
@@ -560,12 +618,19 @@ class ClientCore:
 
         def commit(checksums: list[int]) -> Op[int]:
             payload_sums = reservation.payload_sums or []
+            sent_at = time.monotonic()
             reply_c = yield Call(
                 "Commit",
                 lambda: commit_request(
-                    reply, checksums, handle, self._take_releases(), payload_sums
+                    reply,
+                    checksums,
+                    handle,
+                    self._take_releases(),
+                    payload_sums,
+                    reservation.spare_wanted,
                 ),
             )
+            self._spare.give(list(reply_c.spare), reply_c.spare_fresh_s, sent_at, handle)
             return int(reply_c.committed)
 
         def abort() -> Op[None]:

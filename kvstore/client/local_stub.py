@@ -1,7 +1,7 @@
 """The control calls of ``KVStoreStub`` as local calls (``kvstore.local_calls``) over the session
 socket, with the stub's signature, for the blocking face (``LocalStub``) and the asyncio face
 (``AsyncLocalStub``): ``Lookup``, ``Reserve``, ``Commit``, ``Abort``, ``Acquire``, ``Release``,
-``Prefetch``, ``Delete``.
+``Prefetch``, ``Delete``, ``Bind``.
 
 A request too large for one datagram goes over gRPC, and so does every call once the session has
 failed (the daemon stopped or restarted): gRPC then answers as it would have (UNAVAILABLE, or

@@ -92,6 +92,10 @@ class Reservation:
     # Its expiry was brought forward to make room for another handle (``pin_grace_s``): its
     # slots are quarantined for that long, not ``reservation_ttl_s``, once it expires.
     shortened: bool = False
+    # Spare slots reserved ahead of a put (``BlockStore.grant_spare``): its entries are keyed
+    # by placeholders until a Bind gives each its key and commits it. Always ``shortened``.
+    spare: bool = False
+    addresses: list[int] = field(default_factory=list)  # a spare one's, in ``eids`` order
 
 
 @dataclass
@@ -141,6 +145,13 @@ class Handle:
     # The books its keys per second and leases are charged to when its caller is not of the
     # namespace's tenant (``Quotas.payer``); None: the namespace's and its tenant's.
     payer: Any = None
+    # Spare slot reservations granted and not yet handed to the client, and whether a grant
+    # is under way (``BlockStore.grant_spare_soon``).
+    spare_ready: list[int] = field(default_factory=list)
+    spare_granting: bool = False
+    spare_granting_slots: int = 0  # slots of grants under way (inline or in the background)
+    # The address of each of its spare slots -> (reservation id, entry): what a Bind may name.
+    spare_slots: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def ns_id(self) -> int:

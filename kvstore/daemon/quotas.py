@@ -453,6 +453,16 @@ class Quotas:
         pin.nbytes -= nbytes
         self.total_pinned -= nbytes
 
+    def unpin_part(self, pin: Pin, nbytes: int, slabs: list[int]) -> None:
+        """Part of a reservation's slots left it (spare slots a Bind committed): their bytes
+        and slabs leave its charge and the pin, which then covers only the rest."""
+        self.unpin(pin, nbytes, slabs)
+        if slabs:
+            left = list(pin.slabs)
+            for s in slabs:
+                left.remove(s)
+            pin.slabs = left
+
     def unpin_leased(self, pin: Pin, eids: list[int]) -> None:
         """Part of a lease ended (``Lease.cut``): those of ``eids`` it pinned in the CPU tier
         leave its charge, with their slabs; the lease itself stays outstanding."""

@@ -351,8 +351,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Commit(self, request, context):
+        handle = self._handle(request.handle, release=request.release_leases)
         committed = await self.store.commit_durably(
-            self._handle(request.handle, release=request.release_leases),
+            handle,
             request.reservation_id,
             list(request.checksums),
             list(request.device_checksums),
@@ -360,7 +361,46 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             request.payload_bytes,
             list(request.payload_checksums),
         )
-        return pb.CommitResponse(committed=committed)
+        reply = pb.CommitResponse(committed=committed)
+        if request.spare_wanted:
+            await self._grant_spare(reply, handle, request.spare_wanted)
+        return reply
+
+    async def _grant_spare(
+        self, reply: pb.CommitResponse | pb.BindResponse, handle: Handle, wanted: int
+    ) -> None:
+        """Hand out spare slots for the client's next put: those granted in the background
+        since its last call, or, when there are none (a run of puts begins), some granted now;
+        then grant the ones for the put after that in the background."""
+        store = self.store
+        addresses, fresh_s = store.take_spare(handle)
+        if not addresses:
+            rid = await store.grant_spare(handle, wanted)
+            if rid:
+                handle.spare_ready.append(rid)
+                addresses, fresh_s = store.take_spare(handle)
+        if addresses:
+            reply.spare.extend(addresses)
+            reply.spare_fresh_s = fresh_s
+        store.grant_spare_soon(handle, wanted)
+
+    @_rpc
+    async def Bind(self, request, context):
+        handle = self._handle(request.handle, write=True, release=request.release_leases)
+        keys = self._keys(request.keys)
+        result = await self.store.bind(
+            handle,
+            keys,
+            list(request.slots),
+            list(request.checksums),
+            request.priority,
+            wait_s=remaining_s(context),
+        )
+        reply = pb.BindResponse(committed=result.committed, pending=result.pending)
+        reply.spare.extend(result.unbound)
+        if request.spare_wanted:
+            await self._grant_spare(reply, handle, request.spare_wanted)
+        return reply
 
     @_rpc
     async def Abort(self, request, context):

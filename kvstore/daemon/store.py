@@ -52,7 +52,9 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -78,6 +80,7 @@ from kvstore.daemon.quotas import Pin, Quotas, Usage
 from kvstore.daemon.tierstats import TierCounters, TierSnapshot
 from kvstore.errors import (
     CapacityError,
+    KVStoreError,
     LeaseExpiredError,
     UnavailableError,
     UnknownNamespaceError,
@@ -134,6 +137,13 @@ class ReserveResult:
 
 
 @dataclass
+class BindResult:
+    committed: int  # keys newly stored
+    pending: int  # keys another client was still writing when the wait ended
+    unbound: list[int]  # the slots named that stay spare (a key present, repeated or pending)
+
+
+@dataclass
 class AcquireResult:
     lease_id: int  # 0 when nothing was found
     offsets: list[int]
@@ -172,6 +182,12 @@ class BlockStore:
         self.config = config
         self.limits = config.limits
         self._clock = clock
+        # Spare slots are RESERVED entries keyed by placeholders until a Bind keys them: a
+        # secret prefix (no client can name one, so none can wait on or collide with it) and
+        # a count.
+        self._spare_prefix = secrets.token_bytes(KEY_BYTES - 8)
+        self._spare_count = itertools.count()
+        self._spare_tasks: set[asyncio.Task[None]] = set()  # grant_spare_soon's
         self.cpu_slots = CpuSlots(config.cpu)
         from kvstore.daemon.device import DeviceTier, make_device_pool
 
@@ -241,6 +257,8 @@ class BlockStore:
 
     async def stop(self) -> None:
         """Write dirty blocks down (bounded by ``drain_timeout_s``), close tiers, unlink."""
+        for task in list(self._spare_tasks):
+            task.cancel()
         for handle in self.names.handles():
             self.close_handle(handle)
         await self.device.stop()
@@ -345,7 +363,16 @@ class BlockStore:
         leases = list(handle.leases.values())
         handle.reservations.clear()
         handle.leases.clear()
+        handle.spare_slots.clear()
+        handle.spare_ready.clear()
+        now = self._clock()
         for reservation in reservations:
+            if reservation.spare:
+                # Its client copies into spare slots before its next call, the one that would
+                # tell it the handle is gone (a dropped stream): quarantined as if they had
+                # expired, never handed to another writer while it may still write them.
+                self._expire_reservation(reservation, max(now, reservation.expires_at))
+                continue
             # The writer is gone: nothing can still copy into these slots (a stalled writer
             # of a closed stream that did would fail its readers' checksums, never pass them).
             for eid in reservation.eids:
@@ -796,6 +823,7 @@ class BlockStore:
         priority: int = -1,
         gpu: bool = False,
         wait_s: float | None = None,
+        spare: bool = False,
     ) -> ReserveResult:
         """Reserve a slot for each key not present: offsets (-1 where a key is present, being
         written, or repeats an earlier key of the call), whether they are in the GPU pool.
@@ -818,13 +846,14 @@ class BlockStore:
                 f"this handle holds {len(handle.reservations)} reservations "
                 "(limits.max_reservations_per_handle): commit or abort some first"
             )
-        self.quotas.take_keys(record, len(keys), handle.payer)
+        if not spare:  # spare slots' keys are placeholders: their Bind spends the keys
+            self.quotas.take_keys(record, len(keys), handle.payer)
         self.quotas.check_pin(record, "reservations", 0)
         if not record.entries and record.namespace is not None:
             # Its first block: past its tenant's share of namespaces holding blocks, refused.
             self.names.check_share(record.namespace.tenant)
         wait = self.limits.write_wait_s if wait_s is None else wait_s
-        pending = await self._wait_for_writers(record.ns_id, keys, wait)
+        pending = 0 if spare else await self._wait_for_writers(record.ns_id, keys, wait)
         if handle.closed:
             raise UnknownNamespaceError("the namespace handle was closed during the call")
         offsets = [-1] * len(keys)
@@ -877,7 +906,210 @@ class BlockStore:
                 self.cpu_unalloc(offset, bb)
             raise
         rid = self._add_reservation(handle, keys, todo, slots, priority, offsets)
+        if spare:
+            reservation = handle.reservations[rid]
+            reservation.spare = True
+            reservation.expires_at = self._clock() + self.spare_ttl_s
+            # Quarantined as briefly once expired (``reap``): its writer stopped writing half
+            # its life before, and a client that leaves slots unused under load must not
+            # leave them pinned for a whole reservation_ttl_s.
+            reservation.shortened = True
         return ReserveResult(rid, offsets, False, pending, record.cpu_codec)
+
+    # ----------------------------------------------------------------- spare slots
+    @property
+    def spare_ttl_s(self) -> float:
+        """How long unbound spare slots live: briefly (an idle client's come back soon), and
+        no longer than a reservation shortened for a newcomer (``pin_grace_s``), so a client
+        that writes into them within half of it never writes into a slot given to another."""
+        return min(self.config.reservation_ttl_s, self.limits.pin_grace_s)
+
+    def spare_bytes(self, record: NamespaceRecord) -> int:
+        """The spare slot bytes one handle of ``record`` may hold: ``limits.max_spare_bytes``,
+        and at most 1/16 of the room its blocks may take (the CPU tier, its namespace's and
+        its tenant's CPU quotas): making spare slots may evict, as a reservation may, so on a
+        small tier or under a small quota they are not made at all rather than crowd out the
+        blocks they are for."""
+        room = self.config.cpu.capacity_bytes
+        for books in (record.usage, record.owner):
+            quota = books.quota.cpu_bytes if books is not None else 0
+            if quota:
+                room = min(room, quota)
+        return min(self.limits.max_spare_bytes, room // 16)
+
+    async def grant_spare(self, handle: Handle, wanted: int) -> int:
+        """Reserve ``wanted`` spare slots for ``handle``'s next puts, all or none, as a
+        reservation marked ``spare`` (its id; 0 when none), and note each slot's address in
+        ``handle.spare_slots``. None for a namespace whose slots take payloads, past
+        ``spare_bytes`` with those it holds, or when the reservation is refused (tier full,
+        pinned share, too many reservations). Best effort: it raises nothing, since the call
+        that asks has done its own work already."""
+        record = handle.record
+        if wanted <= 0 or record.cpu_codec or not handle.writable or handle.closed:
+            return 0
+        if wanted > self.limits.max_keys_per_request:
+            return 0
+        # Grants under way count too: they may all wait at once (room being made).
+        held = handle.spare_granting_slots
+        held += sum(len(r.eids) for r in handle.reservations.values() if r.spare)
+        if (held + wanted) * record.cpu_bytes > self.spare_bytes(record):
+            return 0
+        prefix, count = self._spare_prefix, self._spare_count
+        placeholders = [prefix + next(count).to_bytes(8, "little") for _ in range(wanted)]
+        handle.spare_granting_slots += wanted
+        try:
+            result = await self.reserve(handle, placeholders, spare=True)
+        except KVStoreError:
+            return 0
+        finally:
+            handle.spare_granting_slots -= wanted
+        rid = result.reservation_id
+        reservation = handle.reservations[rid]  # no await since it was made
+        reservation.addresses = self.arena.addresses(result.offsets)
+        handle.spare_slots.update(
+            (address, (rid, eid))
+            for address, eid in zip(reservation.addresses, reservation.eids, strict=True)
+        )
+        return rid
+
+    def _forget_spare(self, handle: Handle, reservation: Reservation) -> None:
+        """A spare reservation is gone (expired, aborted): its slots are no longer spare."""
+        for address in reservation.addresses:
+            handle.spare_slots.pop(address, None)
+
+    def grant_spare_soon(self, handle: Handle, wanted: int) -> None:
+        """``grant_spare`` in the background (one at a time per handle), for a later reply to
+        hand out (``take_spare``): the slots are made while the client copies its next put."""
+        if wanted <= 0 or handle.spare_granting or handle.closed:
+            return
+        handle.spare_granting = True
+
+        async def grant() -> None:
+            try:
+                rid = await self.grant_spare(handle, wanted)
+                if rid:
+                    handle.spare_ready.append(rid)
+            finally:
+                handle.spare_granting = False
+
+        def start() -> None:  # after the reply went out: a task costs the call nothing then
+            if handle.closed:
+                handle.spare_granting = False
+                return
+            task = asyncio.get_running_loop().create_task(grant())
+            self._spare_tasks.add(task)
+            task.add_done_callback(self._spare_tasks.discard)
+
+        asyncio.get_running_loop().call_soon(start)
+
+    def take_spare(self, handle: Handle) -> tuple[list[int], float]:
+        """The addresses of the spare slots granted to ``handle`` and not handed out yet, and
+        how long the client may write into them: half the time the soonest to expire has
+        left, so a copy never lands in a slot reclaimed meanwhile. ([], 0) when none."""
+        now = self._clock()
+        addresses: list[int] = []
+        left = float("inf")
+        for rid in handle.spare_ready:
+            reservation = handle.reservations.get(rid)
+            if reservation is None or not reservation.spare or reservation.expires_at <= now:
+                continue  # expired (or cut short) before it was handed out
+            left = min(left, reservation.expires_at - now)
+            addresses += reservation.addresses
+        handle.spare_ready = []
+        return addresses, (left / 2 if addresses else 0.0)
+
+    async def bind(
+        self,
+        handle: Handle,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        checksums: Sequence[int],
+        priority: int = -1,
+        wait_s: float | None = None,
+    ) -> BindResult:
+        """A put in one call: commit ``keys[i]`` with the block its writer already copied into
+        spare slot ``slots[i]`` (an address this handle was granted), bound to
+        ``checksums[i]``. Keys present, repeated, or still being written by another client
+        after the wait (as ``reserve``) are not written; their slots stay spare. Refused, with
+        nothing changed, when a slot is named twice or is not a spare slot of this handle
+        (expired, bound already, never granted: LeaseExpiredError)."""
+        self.check_keys(keys, "bind")
+        n = len(keys)
+        if len(slots) != n or len(checksums) != n:
+            raise ValueError(
+                f"bind names {n} keys, {len(slots)} slots and {len(checksums)} checksums: it "
+                "needs one slot and one checksum per key"
+            )
+        if len(set(slots)) != n:
+            raise ValueError("bind names a spare slot twice: each key needs a slot of its own")
+        record = handle.record
+        priority = record.priority if priority < 0 else priority
+        if priority > 255:
+            raise ValueError(f"priority must be in [0, 255], got {priority}")
+        spare = handle.spare_slots
+        self._check_spare(spare, slots)  # before the keys are spent: a refusal costs none
+        self.quotas.take_keys(record, n, handle.payer)
+        wait = self.limits.write_wait_s if wait_s is None else wait_s
+        pending = await self._wait_for_writers(record.ns_id, keys, wait)
+        if handle.closed:
+            raise UnknownNamespaceError("the namespace handle was closed during the call")
+        # No await from here on: the slots are checked (again: they may have expired during
+        # the wait) and bound together.
+        self._check_spare(spare, slots)
+        todo = self._new_positions(record.ns_id, keys)
+        index = self.index
+        if len(todo) == n:  # every key new (a put's usual case): no index lists to build
+            bound = [spare.pop(address) for address in slots]
+            new_keys, sums = keys, checksums
+        else:
+            bound = [spare.pop(slots[i]) for i in todo]
+            new_keys, sums = [keys[i] for i in todo], [checksums[i] for i in todo]
+        eids = [eid for _, eid in bound]  # (reservation id, entry)
+        index.rekey_many(eids, new_keys)
+        prio = index.priority
+        for eid in eids:
+            prio[eid] = priority
+        for rid in {rid for rid, _ in bound}:
+            self._take_spare_entries(handle, rid, {eid for r, eid in bound if r == rid})
+        self._commit_cpu_entries(eids, sums)
+        self.mover.note_committed(eids)
+        self.shared.note_committed(eids)
+        unbound = []
+        if len(todo) < n:
+            bound_at = set(todo)
+            unbound = [slots[i] for i in range(n) if i not in bound_at]
+        if self.config.nvme.durable_puts and self.nvme is not None and eids:
+            await self.persist(record.ns_id, eids, list(new_keys))
+        return BindResult(len(eids), pending, unbound)
+
+    @staticmethod
+    def _check_spare(spare: dict[int, tuple[int, int]], slots: Sequence[int]) -> None:
+        missing = sum(1 for address in slots if address not in spare)
+        if missing:
+            raise LeaseExpiredError(
+                f"{missing} of the {len(slots)} slots named are not spare slots of this handle "
+                "(expired, bound already, or never granted): nothing was stored"
+            )
+
+    def _take_spare_entries(self, handle: Handle, rid: int, gone: set[int]) -> None:
+        """Entries ``gone`` of spare reservation ``rid`` were bound: they leave it, and its
+        pin (a reservation left empty goes)."""
+        reservation = handle.reservations[rid]
+        if len(gone) == len(reservation.eids):  # all of it (the usual case)
+            del handle.reservations[rid]
+            self._unpin(reservation.pin)
+            return
+        kept = [
+            (e, a)
+            for e, a in zip(reservation.eids, reservation.addresses, strict=True)
+            if e not in gone
+        ]
+        reservation.eids = [e for e, _ in kept]
+        reservation.addresses = [a for _, a in kept]
+        if reservation.pin is not None:
+            offsets = [self.index.offset[e] for e in gone]
+            nbytes = len(gone) * handle.record.cpu_bytes
+            self.quotas.unpin_part(reservation.pin, nbytes, self.quotas.slabs_of(offsets))
 
     def _bound(self, handle: Handle) -> Usage | None:
         """The books to bound ``handle``'s pins by (``Quotas.check_pin``): while it is the only
@@ -1020,7 +1252,7 @@ class BlockStore:
         each payload's checksum beside its decoded form's (``checksums``); a commit that does
         not match the namespace and reservation is refused (ValueError) and changes nothing."""
         reservation = handle.reservations.get(reservation_id)
-        if reservation is None:
+        if reservation is None or reservation.spare:  # a spare one's id is never handed out
             raise LeaseExpiredError(
                 f"reservation {reservation_id} is unknown to this handle or expired; nothing "
                 "was stored"
@@ -1171,7 +1403,11 @@ class BlockStore:
         self._free_entry(eid)
 
     def abort(self, handle: Handle, reservation_id: int) -> None:
-        reservation = handle.reservations.pop(reservation_id, None)
+        reservation = handle.reservations.get(reservation_id)
+        if reservation is None or reservation.spare:  # a spare one's id is never handed out
+            reservation = None
+        else:
+            del handle.reservations[reservation_id]
         if reservation is None:
             raise LeaseExpiredError(
                 f"reservation {reservation_id} is unknown to this handle or expired"
@@ -1450,6 +1686,21 @@ class BlockStore:
         self.names.maybe_free(record)
         self._maybe_forget_books(record)
 
+    def _expire_reservation(self, reservation: Reservation, now: float) -> None:
+        """A reservation (taken out of its handle) ends unused at ``now``: its entries go, and
+        its slots stay quarantined, still pinned, for one more ``reservation_ttl_s`` (a
+        shortened or spare one's: ``pin_grace_s``, if less), in case its writer copies late."""
+        if reservation.pin is not None:
+            self.quotas.uncount(reservation.pin)  # its slots stay pinned, quarantined
+        # A shortened one (``_shorten_excess``) frees its room for a newcomer sooner.
+        quarantine_s = self.config.reservation_ttl_s
+        if reservation.shortened:
+            quarantine_s = min(quarantine_s, self.limits.pin_grace_s)
+        until = now + quarantine_s
+        for eid in reservation.eids:
+            self._quarantine_slots(eid, until, reservation.pin)
+            self._free_entry(eid)
+
     def reap(self) -> tuple[int, int]:
         """Reclaim expired reservations and leases: (reservations, leases) reclaimed.
 
@@ -1473,16 +1724,9 @@ class BlockStore:
         for handle in self.names.handles():
             for rid in [r for r, v in handle.reservations.items() if v.expires_at <= now]:
                 reservation = handle.reservations.pop(rid)
-                if reservation.pin is not None:
-                    self.quotas.uncount(reservation.pin)  # its slots stay pinned, quarantined
-                # A shortened one (``_shorten_excess``) frees its room for a newcomer sooner.
-                quarantine_s = self.config.reservation_ttl_s
-                if reservation.shortened:
-                    quarantine_s = min(quarantine_s, self.limits.pin_grace_s)
-                until = now + quarantine_s
-                for eid in reservation.eids:
-                    self._quarantine_slots(eid, until, reservation.pin)
-                    self._free_entry(eid)
+                if reservation.spare:
+                    self._forget_spare(handle, reservation)
+                self._expire_reservation(reservation, now)
                 reservations += 1
             for lid in [lid for lid, v in handle.leases.items() if v.expires_at <= now]:
                 lease = handle.leases.pop(lid)

@@ -137,7 +137,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., gpu: _Optional[bool] = ..., pending: _Optional[int] = ..., codec: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("reservation_id", "handle", "checksums", "device_checksums", "codec", "payload_bytes", "payload_checksums", "release_leases")
+    __slots__ = ("reservation_id", "handle", "checksums", "device_checksums", "codec", "payload_bytes", "payload_checksums", "spare_wanted", "release_leases")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class CommitRequest(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    SPARE_WANTED_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     handle: bytes
@@ -153,14 +154,49 @@ class CommitRequest(_message.Message):
     codec: int
     payload_bytes: int
     payload_checksums: _containers.RepeatedScalarFieldContainer[int]
+    spare_wanted: int
     release_leases: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reservation_id: _Optional[int] = ..., handle: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., device_checksums: _Optional[_Iterable[int]] = ..., codec: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_checksums: _Optional[_Iterable[int]] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, reservation_id: _Optional[int] = ..., handle: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., device_checksums: _Optional[_Iterable[int]] = ..., codec: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_checksums: _Optional[_Iterable[int]] = ..., spare_wanted: _Optional[int] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("committed",)
+    __slots__ = ("committed", "spare", "spare_fresh_s")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FRESH_S_FIELD_NUMBER: _ClassVar[int]
     committed: int
-    def __init__(self, committed: _Optional[int] = ...) -> None: ...
+    spare: _containers.RepeatedScalarFieldContainer[int]
+    spare_fresh_s: float
+    def __init__(self, committed: _Optional[int] = ..., spare: _Optional[_Iterable[int]] = ..., spare_fresh_s: _Optional[float] = ...) -> None: ...
+
+class BindRequest(_message.Message):
+    __slots__ = ("handle", "keys", "slots", "checksums", "priority", "spare_wanted", "release_leases")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    SPARE_WANTED_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    keys: bytes
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    priority: int
+    spare_wanted: int
+    release_leases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., spare_wanted: _Optional[int] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BindResponse(_message.Message):
+    __slots__ = ("committed", "pending", "spare", "spare_fresh_s")
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FRESH_S_FIELD_NUMBER: _ClassVar[int]
+    committed: int
+    pending: int
+    spare: _containers.RepeatedScalarFieldContainer[int]
+    spare_fresh_s: float
+    def __init__(self, committed: _Optional[int] = ..., pending: _Optional[int] = ..., spare: _Optional[_Iterable[int]] = ..., spare_fresh_s: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("reservation_id", "handle")

@@ -59,6 +59,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AbortRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Bind = channel.unary_unary(
+                '/kvstore.v1.KVStore/Bind',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.BindRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.BindResponse.FromString,
+                _registered_method=True)
         self.Acquire = channel.unary_unary(
                 '/kvstore.v1.KVStore/Acquire',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireRequest.SerializeToString,
@@ -129,6 +134,14 @@ class KVStoreServicer:
 
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Bind(self, request, context):
+        """A put in one call: bind keys to spare slots (reserved ahead by a Commit's or Bind's
+        `spare_wanted`) the client has already written, and commit them.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -205,6 +218,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AbortRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.AbortResponse.SerializeToString,
+            ),
+            'Bind': grpc.unary_unary_rpc_method_handler(
+                    servicer.Bind,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.BindRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.BindResponse.SerializeToString,
             ),
             'Acquire': grpc.unary_unary_rpc_method_handler(
                     servicer.Acquire,
@@ -377,6 +395,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Abort',
             kvstore_dot_v1_dot_kvstore__pb2.AbortRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Bind(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Bind',
+            kvstore_dot_v1_dot_kvstore__pb2.BindRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.BindResponse.FromString,
             options,
             channel_credentials,
             insecure,
