@@ -23,7 +23,8 @@ Why this is safe:
   then fails its checksum: a miss, never wrong bytes.
 
 A client asks only while it keeps putting (its previous put less than ``STREAMING_S`` ago): a
-single put asks for nothing, so spare slots are never held for a client that is done.
+single put asks for nothing, and the slots a run of puts leaves unused expire within
+``pin_grace_s`` (then stay quarantined as long again).
 """
 
 from __future__ import annotations
