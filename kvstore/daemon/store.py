@@ -973,7 +973,8 @@ class BlockStore:
         return rid
 
     def _forget_spare(self, handle: Handle, reservation: Reservation) -> None:
-        """A spare reservation is gone (expired, aborted): its slots are no longer spare."""
+        """A spare reservation expired: its slots are no longer spare (a Bind naming them is
+        refused)."""
         for address in reservation.addresses:
             handle.spare_slots.pop(address, None)
 
@@ -1405,13 +1406,10 @@ class BlockStore:
     def abort(self, handle: Handle, reservation_id: int) -> None:
         reservation = handle.reservations.get(reservation_id)
         if reservation is None or reservation.spare:  # a spare one's id is never handed out
-            reservation = None
-        else:
-            del handle.reservations[reservation_id]
-        if reservation is None:
             raise LeaseExpiredError(
                 f"reservation {reservation_id} is unknown to this handle or expired"
             )
+        del handle.reservations[reservation_id]
         for eid in reservation.eids:
             self._free_entry(eid)
         self._unpin(reservation.pin)
