@@ -250,13 +250,13 @@ def test_a_dropped_stream_never_lets_a_put_overwrite_another_clients_blocks(
 NS = Namespace(model="m", layout=SMALL_LAYOUT, tenant="t")
 
 
-def store(tenant: Quota | None = None) -> BlockStore:
+def store(tenant: Quota | None = None, clock=time.monotonic) -> BlockStore:
     config = DaemonConfig(
         gpu=GpuTierConfig(enabled="off"),
         cpu=CpuTierConfig(capacity_bytes=1024 * SMALL_LAYOUT.block_bytes, prefault=False),
         tenants=(TenantQuota("t", tenant=tenant),) if tenant is not None else (),
     )
-    return BlockStore(config)
+    return BlockStore(config, clock=clock)
 
 
 def spare_of(s: BlockStore, handle, n: int) -> list[int]:
@@ -384,3 +384,45 @@ def test_slots_of_another_handle_are_never_handed_out() -> None:
     pool.give([5, 6], fresh_s=60.0, sent_at=now, handle=b"new")
     assert [a for a, _, _ in pool.take(2, b"new") or []] == [5, 6]
     assert pool.take(1, b"old") is None  # dropped when the new handle's put looked
+
+
+def test_all_handles_together_hold_at_most_an_eighth_of_the_tier_in_spare_slots() -> None:
+    """Many writers in runs of puts at once each stay within their own bound (1/16 of the
+    tier): together they must not reserve a large share of it ahead of their blocks."""
+    now = [1000.0]
+    s = store(clock=lambda: now[0])
+    try:
+        handles = [s.open_namespace(NS) for _ in range(4)]
+        per_handle = s.spare_bytes(handles[0].record) // handles[0].record.cpu_bytes
+        assert per_handle * handles[0].record.cpu_bytes * 2 == s.spare_tier_bytes
+        granted = []
+        for h in handles:
+            rid = asyncio.run(s.grant_spare(h, per_handle))
+            granted.append(bool(rid))
+        assert granted == [True, True, False, False]
+        assert s.spare_reserved_bytes == s.spare_tier_bytes
+        s.check()
+        # Slots bound to keys are spare no more: room for another handle's.
+        h = handles[0]
+        rid = next(r for r, v in h.reservations.items() if v.spare)
+        h.spare_ready.append(rid)
+        addresses, _ = s.take_spare(h)
+        keys = block_hashes(NS.seed, list(range(16 * per_handle)))
+        data = bytes(SMALL_LAYOUT.block_bytes)
+        sums = [block_checksum(data, NS.fingerprint, k) for k in keys]
+        assert asyncio.run(s.bind(h, keys, addresses, sums)).committed == per_handle
+        s.check()
+        assert asyncio.run(s.grant_spare(handles[2], per_handle))
+        # A closed handle's (quarantined) and expired ones leave the count too.
+        s.close_handle(handles[1])
+        s.check()
+        assert asyncio.run(s.grant_spare(handles[3], per_handle))
+        assert s.spare_reserved_bytes == s.spare_tier_bytes
+        s.check()
+        now[0] += s.spare_ttl_s
+        s.reap()
+        assert s.spare_reserved_bytes == 0
+        s.check()
+        assert asyncio.run(s.grant_spare(handles[0], per_handle))
+    finally:
+        s.close()

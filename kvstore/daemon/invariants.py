@@ -89,6 +89,13 @@ def check_store(store: BlockStore, io_idle: bool = True) -> None:
         assert record.blocks == blocks.get(ns, 0), f"namespace {record.name}: blocks count"
         assert record.handles or record.entries, f"namespace {record.name} not freed"
     assert n_reserved == store._reserved_blocks, "reserved count"
+    spare = sum(
+        len(r.eids) * h.record.cpu_bytes
+        for h in store.names.handles()
+        for r in h.reservations.values()
+        if r.spare
+    )
+    assert spare == store.spare_reserved_bytes, "spare slot bytes"
     assert store.cpu_slots.owned() == sum(
         1 for e in range(index.capacity) if index.state[e] and index.tier[e] & IN_CPU
     ), "a CPU slot owner without its entry"

@@ -188,6 +188,9 @@ class BlockStore:
         self._spare_prefix = secrets.token_bytes(KEY_BYTES - 8)
         self._spare_count = itertools.count()
         self._spare_tasks: set[asyncio.Task[None]] = set()  # grant_spare_soon's
+        # Bytes of spare slots all handles hold, and of grants under way (``spare_tier_bytes``).
+        self.spare_reserved_bytes = 0
+        self._spare_granting_bytes = 0
         self.cpu_slots = CpuSlots(config.cpu)
         from kvstore.daemon.device import DeviceTier, make_device_pool
 
@@ -371,6 +374,7 @@ class BlockStore:
                 # Its client copies into spare slots before its next call, the one that would
                 # tell it the handle is gone (a dropped stream): quarantined as if they had
                 # expired, never handed to another writer while it may still write them.
+                self._forget_spare(handle, reservation)
                 self._expire_reservation(reservation, max(now, reservation.expires_at))
                 continue
             # The writer is gone: nothing can still copy into these slots (a stalled writer
@@ -914,6 +918,7 @@ class BlockStore:
             # its life before, and a client that leaves slots unused under load must not
             # leave them pinned for a whole reservation_ttl_s.
             reservation.shortened = True
+            self.spare_reserved_bytes += len(reservation.eids) * bb
         return ReserveResult(rid, offsets, False, pending, record.cpu_codec)
 
     # ----------------------------------------------------------------- spare slots
@@ -937,6 +942,12 @@ class BlockStore:
                 room = min(room, quota)
         return min(self.limits.max_spare_bytes, room // 16)
 
+    @property
+    def spare_tier_bytes(self) -> int:
+        """The spare slot bytes all handles together may hold: 1/8 of the CPU tier, so that
+        however many clients put at once, slots reserved ahead never crowd out the blocks."""
+        return self.config.cpu.capacity_bytes // 8
+
     async def grant_spare(self, handle: Handle, wanted: int) -> int:
         """Reserve ``wanted`` spare slots for ``handle``'s next puts, all or none, as a
         reservation marked ``spare`` (its id; 0 when none), and note each slot's address in
@@ -952,17 +963,22 @@ class BlockStore:
         # Grants under way count too: they may all wait at once (room being made).
         held = handle.spare_granting_slots
         held += sum(len(r.eids) for r in handle.reservations.values() if r.spare)
+        nbytes = wanted * record.cpu_bytes
         if (held + wanted) * record.cpu_bytes > self.spare_bytes(record):
+            return 0
+        if self.spare_reserved_bytes + self._spare_granting_bytes + nbytes > self.spare_tier_bytes:
             return 0
         prefix, count = self._spare_prefix, self._spare_count
         placeholders = [prefix + next(count).to_bytes(8, "little") for _ in range(wanted)]
         handle.spare_granting_slots += wanted
+        self._spare_granting_bytes += nbytes
         try:
             result = await self.reserve(handle, placeholders, spare=True)
         except KVStoreError:
             return 0
         finally:
             handle.spare_granting_slots -= wanted
+            self._spare_granting_bytes -= nbytes
         rid = result.reservation_id
         reservation = handle.reservations[rid]  # no await since it was made
         reservation.addresses = self.arena.addresses(result.offsets)
@@ -973,10 +989,11 @@ class BlockStore:
         return rid
 
     def _forget_spare(self, handle: Handle, reservation: Reservation) -> None:
-        """A spare reservation expired: its slots are no longer spare (a Bind naming them is
-        refused)."""
+        """A spare reservation expired (or its handle closed): its slots are no longer spare
+        (a Bind naming them is refused)."""
         for address in reservation.addresses:
             handle.spare_slots.pop(address, None)
+        self.spare_reserved_bytes -= len(reservation.eids) * handle.record.cpu_bytes
 
     def grant_spare_soon(self, handle: Handle, wanted: int) -> None:
         """``grant_spare`` in the background (one at a time per handle), for a later reply to
@@ -1096,6 +1113,7 @@ class BlockStore:
         """Entries ``gone`` of spare reservation ``rid`` were bound: they leave it, and its
         pin (a reservation left empty goes)."""
         reservation = handle.reservations[rid]
+        self.spare_reserved_bytes -= len(gone) * handle.record.cpu_bytes
         if len(gone) == len(reservation.eids):  # all of it (the usual case)
             del handle.reservations[rid]
             self._unpin(reservation.pin)
