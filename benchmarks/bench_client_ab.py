@@ -95,7 +95,16 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--only", nargs="*", default=list(SCRIPTS), choices=list(SCRIPTS))
     p.add_argument("--env-after", nargs="*", default=[], help="NAME=VALUE for the after side")
+    p.add_argument(
+        "--full-transfer",
+        action="store_true",
+        help="bench_transfer without --quick: 512 MiB per size, 3 rounds (24 batches of 2 MiB "
+        "blocks a run, not 4)",
+    )
     args = p.parse_args()
+    scripts = dict(SCRIPTS)
+    if args.full_transfer:
+        scripts["transfer"] = [a for a in SCRIPTS["transfer"] if a != "--quick"]
     sides = {"before": (args.before, {}), "after": (args.after, parse_env(args.env_after))}
     samples: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
     loads = [os.getloadavg()]  # the figures mean little without the load they ran under
@@ -104,7 +113,7 @@ def main() -> int:
         for name in args.only:
             for side in order:
                 tree, env = sides[side]
-                doc = run(tree, SCRIPTS[name], env)
+                doc = run(tree, scripts[name], env)
                 if doc is None:
                     continue
                 for k, v in figures(name, doc).items():
