@@ -426,3 +426,19 @@ def test_all_handles_together_hold_at_most_an_eighth_of_the_tier_in_spare_slots(
         assert asyncio.run(s.grant_spare(handles[0], per_handle))
     finally:
         s.close()
+
+
+def test_a_put_too_large_for_spare_slots_is_never_granted_any() -> None:
+    """A put asking for more than the bounds allow (large blocks) is told no before any grant
+    is tried or scheduled: no reservation, nothing pinned, nothing left to expire."""
+    s = store()
+    try:
+        h = s.open_namespace(NS)
+        fits = s.spare_bytes(h.record) // h.record.cpu_bytes
+        assert s.spare_fits(h, fits) and not s.spare_fits(h, fits + 1)
+        assert not s.spare_fits(h, 0)
+        assert asyncio.run(s.grant_spare(h, fits + 1)) == 0
+        assert not h.reservations and s.spare_reserved_bytes == 0
+        s.check()
+    finally:
+        s.close()

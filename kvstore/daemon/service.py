@@ -373,6 +373,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         since its last call, or, when there are none (a run of puts begins), some granted now;
         then grant the ones for the put after that in the background."""
         store = self.store
+        if not store.spare_fits(handle, wanted):  # past a bound whatever it holds: ask nothing
+            return
         addresses, fresh_s = store.take_spare(handle)
         if not addresses:
             rid = await store.grant_spare(handle, wanted)

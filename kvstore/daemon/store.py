@@ -948,6 +948,19 @@ class BlockStore:
         however many clients put at once, slots reserved ahead never crowd out the blocks."""
         return self.config.cpu.capacity_bytes // 8
 
+    def spare_fits(self, handle: Handle, wanted: int) -> bool:
+        """Whether ``wanted`` spare slots could ever be granted to ``handle``, whatever it and
+        the others hold (a put of large blocks asks for more than the bounds allow: checked
+        before any grant is tried or scheduled, so such puts pay nothing for asking)."""
+        record = handle.record
+        nbytes = wanted * record.cpu_bytes
+        return (
+            0 < wanted <= self.limits.max_keys_per_request
+            and not record.cpu_codec
+            and nbytes <= self.spare_bytes(record)
+            and nbytes <= self.spare_tier_bytes
+        )
+
     async def grant_spare(self, handle: Handle, wanted: int) -> int:
         """Reserve ``wanted`` spare slots for ``handle``'s next puts, all or none, as a
         reservation marked ``spare`` (its id; 0 when none), and note each slot's address in
@@ -956,9 +969,7 @@ class BlockStore:
         pinned share, too many reservations). Best effort: it raises nothing, since the call
         that asks has done its own work already."""
         record = handle.record
-        if wanted <= 0 or record.cpu_codec or not handle.writable or handle.closed:
-            return 0
-        if wanted > self.limits.max_keys_per_request:
+        if not self.spare_fits(handle, wanted) or not handle.writable or handle.closed:
             return 0
         # Grants under way count too: they may all wait at once (room being made).
         held = handle.spare_granting_slots
