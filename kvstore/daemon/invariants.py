@@ -96,6 +96,9 @@ def check_store(store: BlockStore, io_idle: bool = True) -> None:
         if r.spare
     )
     assert spare == store.spare_reserved_bytes, "spare slot bytes"
+    quarantined = sum(nbytes for _, nbytes in store._spare_quarantine)
+    assert quarantined == store.spare_quarantined_bytes, "quarantined spare slot bytes"
+    assert spare + quarantined <= store.spare_tier_bytes, "spare slots past the tier's bound"
     assert store.cpu_slots.owned() == sum(
         1 for e in range(index.capacity) if index.state[e] and index.tier[e] & IN_CPU
     ), "a CPU slot owner without its entry"

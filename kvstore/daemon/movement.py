@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.checksum import block_checksum
 from kvstore.daemon.room import TierSlots, make_room
-from kvstore.errors import CapacityError
+from kvstore.errors import CapacityError, UnknownNamespaceError
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, State
 from kvstore.tiers.codecs import LOSSY, BlockFormat, block_format_of, encode_payload
 
@@ -266,6 +266,12 @@ class Mover:
         blocks by evicting their own coldest blocks; returns how many of the ``n`` may be
         allocated (``n``, or fewer when ``partial``; CapacityError otherwise)."""
         store, quotas = self.store, self.store.quotas
+        if record.owner is None:
+            # Forgotten while this call waited for the room: its last handle closed, and it
+            # holds no block. Nothing is allocated for it (a reserve of that handle says so).
+            if partial:
+                return 0
+            raise UnknownNamespaceError("the namespace handle was closed during the call")
         for books, where in ((record.usage, "namespace"), (record.owner, "tenant")):
             for _ in range(4):  # victims may change while dirty ones are written down
                 need = block_bytes * n + held_bytes

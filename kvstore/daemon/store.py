@@ -188,8 +188,11 @@ class BlockStore:
         self._spare_prefix = secrets.token_bytes(KEY_BYTES - 8)
         self._spare_count = itertools.count()
         self._spare_tasks: set[asyncio.Task[None]] = set()  # grant_spare_soon's
-        # Bytes of spare slots all handles hold, and of grants under way (``spare_tier_bytes``).
+        # Bytes of spare slots all handles hold, of those expired (or their handle closed) and
+        # still quarantined, and of grants under way: together within ``spare_tier_bytes``.
         self.spare_reserved_bytes = 0
+        self.spare_quarantined_bytes = 0
+        self._spare_quarantine: list[tuple[float, int]] = []  # (until, bytes), a heap
         self._spare_granting_bytes = 0
         self.cpu_slots = CpuSlots(config.cpu)
         from kvstore.daemon.device import DeviceTier, make_device_pool
@@ -374,8 +377,8 @@ class BlockStore:
                 # Its client copies into spare slots before its next call, the one that would
                 # tell it the handle is gone (a dropped stream): quarantined as if they had
                 # expired, never handed to another writer while it may still write them.
-                self._forget_spare(handle, reservation)
-                self._expire_reservation(reservation, max(now, reservation.expires_at))
+                until = self._expire_reservation(reservation, max(now, reservation.expires_at))
+                self._forget_spare(handle, reservation, until)
                 continue
             # The writer is gone: nothing can still copy into these slots (a stalled writer
             # of a closed stream that did would fail its readers' checksums, never pass them).
@@ -944,8 +947,10 @@ class BlockStore:
 
     @property
     def spare_tier_bytes(self) -> int:
-        """The spare slot bytes all handles together may hold: 1/8 of the CPU tier, so that
-        however many clients put at once, slots reserved ahead never crowd out the blocks."""
+        """The spare slot bytes all handles together may hold, quarantined ones included: 1/8
+        of the CPU tier, so that however many clients put at once (or open, put and close), slots
+        reserved ahead never crowd out the blocks. First come, first served: a handle refused
+        here puts in two calls (Reserve, Commit), as a lone put does."""
         return self.config.cpu.capacity_bytes // 8
 
     def spare_fits(self, handle: Handle, wanted: int) -> bool:
@@ -977,7 +982,10 @@ class BlockStore:
         nbytes = wanted * record.cpu_bytes
         if (held + wanted) * record.cpu_bytes > self.spare_bytes(record):
             return 0
-        if self.spare_reserved_bytes + self._spare_granting_bytes + nbytes > self.spare_tier_bytes:
+        taken = (
+            self.spare_reserved_bytes + self.spare_quarantined_bytes + self._spare_granting_bytes
+        )
+        if taken + nbytes > self.spare_tier_bytes:
             return 0
         prefix, count = self._spare_prefix, self._spare_count
         placeholders = [prefix + next(count).to_bytes(8, "little") for _ in range(wanted)]
@@ -999,12 +1007,16 @@ class BlockStore:
         )
         return rid
 
-    def _forget_spare(self, handle: Handle, reservation: Reservation) -> None:
-        """A spare reservation expired (or its handle closed): its slots are no longer spare
-        (a Bind naming them is refused)."""
+    def _forget_spare(self, handle: Handle, reservation: Reservation, until: float) -> None:
+        """A spare reservation expired (or its handle closed) and its slots are quarantined
+        until ``until``: they are no longer spare (a Bind naming them is refused), and count
+        toward ``spare_tier_bytes`` until ``reap`` releases them."""
         for address in reservation.addresses:
             handle.spare_slots.pop(address, None)
-        self.spare_reserved_bytes -= len(reservation.eids) * handle.record.cpu_bytes
+        nbytes = len(reservation.eids) * handle.record.cpu_bytes
+        self.spare_reserved_bytes -= nbytes
+        self.spare_quarantined_bytes += nbytes
+        heapq.heappush(self._spare_quarantine, (until, nbytes))
 
     def grant_spare_soon(self, handle: Handle, wanted: int) -> None:
         """``grant_spare`` in the background (one at a time per handle), for a later reply to
@@ -1713,10 +1725,11 @@ class BlockStore:
         self.names.maybe_free(record)
         self._maybe_forget_books(record)
 
-    def _expire_reservation(self, reservation: Reservation, now: float) -> None:
+    def _expire_reservation(self, reservation: Reservation, now: float) -> float:
         """A reservation (taken out of its handle) ends unused at ``now``: its entries go, and
         its slots stay quarantined, still pinned, for one more ``reservation_ttl_s`` (a
-        shortened or spare one's: ``pin_grace_s``, if less), in case its writer copies late."""
+        shortened or spare one's: ``pin_grace_s``, if less), in case its writer copies late.
+        Returns when the quarantine ends."""
         if reservation.pin is not None:
             self.quotas.uncount(reservation.pin)  # its slots stay pinned, quarantined
         # A shortened one (``_shorten_excess``) frees its room for a newcomer sooner.
@@ -1727,6 +1740,7 @@ class BlockStore:
         for eid in reservation.eids:
             self._quarantine_slots(eid, until, reservation.pin)
             self._free_entry(eid)
+        return until
 
     def reap(self) -> tuple[int, int]:
         """Reclaim expired reservations and leases: (reservations, leases) reclaimed.
@@ -1737,6 +1751,9 @@ class BlockStore:
         computed from what the writer copied, and readers verify them), but it would turn that
         block into a miss; the quarantine keeps such late copies harmless."""
         now = self._clock()
+        spare_quarantine = self._spare_quarantine  # released with their slots, just below
+        while spare_quarantine and spare_quarantine[0][0] <= now:
+            self.spare_quarantined_bytes -= heapq.heappop(spare_quarantine)[1]
         while self._quarantine and self._quarantine[0][0] <= now:
             _, gpu, offset, block_bytes, pin = heapq.heappop(self._quarantine)
             if gpu:
@@ -1751,9 +1768,9 @@ class BlockStore:
         for handle in self.names.handles():
             for rid in [r for r, v in handle.reservations.items() if v.expires_at <= now]:
                 reservation = handle.reservations.pop(rid)
+                until = self._expire_reservation(reservation, now)
                 if reservation.spare:
-                    self._forget_spare(handle, reservation)
-                self._expire_reservation(reservation, now)
+                    self._forget_spare(handle, reservation, until)
                 reservations += 1
             for lid in [lid for lid, v in handle.leases.items() if v.expires_at <= now]:
                 lease = handle.leases.pop(lid)
