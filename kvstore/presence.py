@@ -446,6 +446,13 @@ class PresenceView:
         hit, _ = self._probe(packed)
         return len(hit) if hit.all() else int(hit.argmin())
 
+    def leading_in_cpu(self, packed: bytes) -> tuple[int, int]:
+        """(how many leading keys of ``packed`` the table holds, how many of those had a place:
+        a CPU copy) as of some moment during the call, for the tally's split by tier."""
+        hit, slot = self._probe(packed)
+        n = len(hit) if hit.all() else int(hit.argmin())
+        return n, int(np.count_nonzero(self._places[slot[:n]]))
+
     def places(self, packed: bytes) -> tuple[np.ndarray, np.ndarray]:
         """(arena addresses, checksums) of the blocks of the leading keys of ``packed`` that
         the table holds with a place: hints, to be copied and verified (module docstring)."""

@@ -15,11 +15,12 @@ import os
 import socket
 from collections.abc import Iterator
 
+import grpc
 import numpy as np
 import pytest
 import torch
 import xxhash
-from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tokens
+from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tiers, tokens, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_store import NS, make_store, put
@@ -33,6 +34,7 @@ from kvstore.presence import (
     PresenceTable,
     PresenceView,
 )
+from kvstore.v1 import kvstore_pb2 as pb
 
 
 def rand_keys(n: int) -> list[bytes]:
@@ -229,13 +231,13 @@ def test_a_miss_read_from_a_table_retired_during_the_probe_is_asked_of_the_daemo
     session = _Session(table)
     packed = b"".join(keys)
     assert link.lookup(session, b"h", packed, 200) == 200  # type: ignore[arg-type]
-    real = PresenceView.leading
+    real = PresenceView.leading_in_cpu
 
     def retired_midway(view, packed):
         table.retire()  # the daemon rebuilt it just now
         return real(view, packed)
 
-    monkeypatch.setattr(PresenceView, "leading", retired_midway)
+    monkeypatch.setattr(PresenceView, "leading_in_cpu", retired_midway)
     assert link.lookup(session, b"h", packed, 200) is None  # a call, not "0 found"
 
 
@@ -440,6 +442,93 @@ def test_a_due_lookup_carries_the_tally_and_pending_releases(daemon, monkeypatch
         assert ns.hits == before + 6 * 3 + 3
         assert kv.delete(keys) == 3  # nothing leased: deleted at once
         assert kv.lookup(keys) == 0
+
+
+def test_table_lookups_count_as_hits_of_the_tier_that_holds_each_block(
+    daemon_factory, tmp_path, monkeypatch
+) -> None:
+    """The tiers' hit counts include the lookups a client answered from its table, split as
+    the daemon would: blocks with a CPU copy are CPU hits, blocks only on disk NVMe hits.
+    (They were counted only from the daemon's own lookups, one a second: a burst of requests
+    answered from the table left the tiers at 0% while the namespace read 95%.)"""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    d = daemon_factory(cpu_capacity="256KiB", slab="64KiB", nvme_path=nvme, nvme_capacity="4MiB")
+    with client(d) as kv:
+        keys = kv.hash_tokens(tokens(16))
+        kv.put(keys, random_blocks(SMALL_LAYOUT, 16, seed=1))
+        filler = kv.hash_tokens(tokens(64, offset=50_000))
+        blocks = random_blocks(SMALL_LAYOUT, 64, seed=2)
+        for i in range(0, 64, 8):  # evicts the first keys from the CPU tier to disk
+            kv.put(filler[i : i + 8], blocks[i : i + 8])
+        wanted = keys + filler[-4:]  # a run with blocks on disk and blocks in memory
+        wait_for(lambda: kv.lookup(wanted) == len(wanted), what="every block stored")
+
+        def counts() -> tuple[int, int, int, int]:
+            t = tiers(kv)
+            return t["cpu"].hits, t["cpu"].misses, t["nvme"].hits, t["nvme"].misses
+
+        monkeypatch.setattr(presence_link, "FLUSH_S", 0.0)  # every lookup calls
+        assert kv.lookup(wanted) == len(wanted)  # carries the tally of those answered so far
+        before = counts()
+        assert kv.lookup(wanted) == len(wanted)
+        split = tuple(a - b for a, b in zip(counts(), before, strict=True))
+        assert split[0] > 0 and split[2] > 0  # some blocks in memory, some only on disk
+        assert split[0] + split[2] == len(wanted) and split[1] == split[2]
+
+        monkeypatch.setattr(presence_link, "FLUSH_S", 3600.0)
+        answered = kv._presence.answered
+        before = counts()
+        for _ in range(3):
+            assert kv.lookup(wanted) == len(wanted)
+        assert kv._presence.answered == answered + 3  # answered from the table
+        monkeypatch.setattr(presence_link, "FLUSH_S", 0.0)
+        assert kv.lookup(wanted) == len(wanted)  # a call, carrying the tally
+        assert tuple(a - b for a, b in zip(counts(), before, strict=True)) == tuple(
+            4 * n for n in split
+        )
+
+
+def test_a_tally_claiming_more_cpu_hits_than_hits_is_refused(daemon) -> None:
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(2))
+        kv.put(keys, random_blocks(SMALL_LAYOUT, 2))
+        bad = pb.LookupRequest(
+            handle=kv._handle, keys=b"".join(keys), table_keys=4, table_found=2, table_in_cpu=3
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            kv._rpc.Lookup(bad, timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "table_in_cpu (3) exceeds table_found (2)" in (err.value.details() or "")
+        assert kv.lookup(keys) == 2
+
+
+def test_a_forged_tally_is_refused_before_it_counts_and_stats_keeps_working(daemon) -> None:
+    """A tally past the bound, or riding on a request refused for its keys, counts nothing.
+    (A tally of 2**64 - 1 keys, sent twice, pushed the namespace's counts past uint64, and
+    every later Stats that listed the namespace failed, the operator's included.)"""
+    huge = (1 << 64) - 1
+    with client(daemon) as kv:
+        keys = kv.hash_tokens(tokens(2))
+        kv.put(keys, random_blocks(SMALL_LAYOUT, 2))
+        before = kv.stats().namespaces[0]
+        for _ in range(2):
+            forged = pb.LookupRequest(handle=kv._handle, table_keys=huge, table_found=huge)
+            with pytest.raises(grpc.RpcError) as err:
+                kv._rpc.Lookup(forged, timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "table_keys" in (err.value.details() or "")
+        bad_keys = pb.LookupRequest(
+            handle=kv._handle, keys=b"x" * 33, table_keys=10, table_found=10
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            kv._rpc.Lookup(bad_keys, timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        after = kv.stats().namespaces[0]
+        assert (after.hits, after.misses) == (before.hits, before.misses)
+        assert kv.lookup(keys) == 2
+    with KVStoreClient(daemon.address, layout=SMALL_LAYOUT, model="another") as other:
+        assert any(n.name.startswith("presence") for n in other.stats().namespaces)
 
 
 def test_a_restarted_daemon_is_asked_not_the_dead_ones_table(daemon_factory) -> None:

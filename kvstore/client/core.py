@@ -193,11 +193,16 @@ class ClientCore:
         tally of lookups answered from the presence table, for the faces to send before the
         handle closes (best effort: a failed one is not retried), so the daemon counts them.
         None when there is nothing to count or no local call to send it with."""
-        keys, found = self._presence.take_tally()
+        tally = self._presence.take_tally()
         session = self._session
-        if not keys or session is None or not session.calls or not self._handle:
+        if not tally.keys or session is None or not session.calls or not self._handle:
             return None
-        request = pb.LookupRequest(handle=self._handle, table_keys=keys, table_found=found)
+        request = pb.LookupRequest(
+            handle=self._handle,
+            table_keys=tally.keys,
+            table_found=tally.found,
+            table_in_cpu=tally.in_cpu,
+        )
         timeout_s = min(self.timeout_s, 1.0)
         return session, LOOKUP_METHOD, request.SerializeToString(), timeout_s
 
@@ -234,15 +239,16 @@ class ClientCore:
                 return found
 
         # Taken once: a retry after a reopen carries the same tally.
-        table_keys, table_found = self._presence.take_tally()
+        tally = self._presence.take_tally()
 
         def build() -> pb.LookupRequest:
             return pb.LookupRequest(
                 handle=self._handle,
                 keys=packed,
                 release_leases=self._take_releases(),
-                table_keys=table_keys,
-                table_found=table_found,
+                table_keys=tally.keys,
+                table_found=tally.found,
+                table_in_cpu=tally.in_cpu,
             )
 
         reply = yield Call("Lookup", build)

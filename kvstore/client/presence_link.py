@@ -15,9 +15,9 @@ when the daemon retires it (it grew, or was rebuilt). A lookup goes to the daemo
   carries the tally of those the client answered (and the releases of leases the client is
   done with: while a client keeps looking up, a get's blocks stay pinned a second at most;
   one that goes idle keeps them until its next call or their lease ends, as before), so
-  the namespace's hit counts include them within about a second, and the per-tier hit counts
-  (which only the daemon can tell) are sampled at least once a second; a client that looks up
-  less often than that always calls.
+  the namespace's hit counts include them within about a second; a client that looks up
+  less often than that always calls. The tally also says how many of the keys found had a
+  CPU copy (a place), which is how the daemon splits them between its CPU and NVMe tiers.
 
 A ``get`` reads its blocks itself, with no call, where the table gives each key a place (its
 block's CPU copy, ``PresenceView.places``) and every copy verifies against the checksum bound
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import NamedTuple
 
 from kvstore import local_calls
 from kvstore.client.session import ClientSession
@@ -48,6 +49,16 @@ MAX_TABLE_READS = 1024
 leave more waiting."""
 
 
+class Tally(NamedTuple):
+    """Lookups answered from the table: keys asked, leading keys found, and of those, the keys
+    whose block had a CPU copy (``LookupRequest.table_keys``, ``table_found``,
+    ``table_in_cpu``)."""
+
+    keys: int
+    found: int
+    in_cpu: int
+
+
 class PresenceLink:
     """The table of one client's current handle, and the lookups it answered; see the module
     docstring. Not thread-safe (as ``ClientCore``)."""
@@ -58,6 +69,7 @@ class PresenceLink:
         self._ask_on_miss = True
         self._keys = 0
         self._found = 0
+        self._in_cpu = 0
         self._called = 0.0  # monotonic time of the last lookup sent to the daemon
         self._read_called = 0.0  # the same, of the last acquire
         self._reads: dict[bytes, None] = {}  # keys of the blocks read from the table
@@ -104,13 +116,14 @@ class PresenceLink:
         view = self._view_for(session, handle, packed, self._called)
         if view is None:
             return None
-        found = view.leading(packed)
+        found, in_cpu = view.leading_in_cpu(packed)
         if found < count and (self._ask_on_miss or view.overflow or view.retired):
             # Retired during the probe (rebuilt by a commit): its freed pages read as EMPTY,
             # so a miss may be wrong; a hit never is.
             return None
         self._keys += count
         self._found += found
+        self._in_cpu += in_cpu
         self.answered += 1
         return found
 
@@ -143,12 +156,12 @@ class PresenceLink:
         self._reads.clear()
         return reads
 
-    def take_tally(self) -> tuple[int, int]:
-        """(keys, found) of the lookups answered since the last call that carried them; the
-        caller sends them now."""
+    def take_tally(self) -> Tally:
+        """The lookups answered since the last call that carried them; the caller sends them
+        now."""
         self._called = time.monotonic()
-        tally = self._keys, self._found
-        self._keys = self._found = 0
+        tally = Tally(self._keys, self._found, self._in_cpu)
+        self._keys = self._found = self._in_cpu = 0
         return tally
 
     def _map(self, session: ClientSession, handle: bytes) -> PresenceView | None:

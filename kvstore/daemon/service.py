@@ -96,6 +96,14 @@ class Undecodable:
         self.error = error
 
 
+_U64_MAX = (1 << 64) - 1
+
+
+def _u64(n: int) -> int:
+    """``n`` for a uint64 field, saturated."""
+    return min(n, _U64_MAX)
+
+
 def _decoder(method: str, message_type: Any) -> Callable[[bytes], Any]:
     def decode(data: bytes) -> Any:
         try:
@@ -323,9 +331,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     async def Lookup(self, request, context):
         handle = self._handle(request.handle, release=request.release_leases)
+        keys = self._keys(request.keys)  # a request refused is refused before it counts
         if request.table_keys:
-            self.store.count_table_lookups(handle, request.table_keys, request.table_found)
-        found = await self.store.lookup(handle, self._keys(request.keys))
+            in_cpu = request.table_in_cpu if request.HasField("table_in_cpu") else None
+            self.store.count_table_lookups(handle, request.table_keys, request.table_found, in_cpu)
+        found = await self.store.lookup(handle, keys)
         return pb.LookupResponse(found=found)
 
     @_rpc
@@ -595,8 +605,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 capacity_bytes=tier.capacity_bytes,
                 used_bytes=tier.used_bytes,
                 blocks=tier.blocks,
-                hits=c.hits,
-                misses=c.misses,
+                # Lookup counts include what clients tallied: bounded per call, but a
+                # client's word, so one past uint64 saturates rather than fail every Stats.
+                hits=_u64(c.hits),
+                misses=_u64(c.misses),
                 evictions=c.evictions,
                 promotions=c.promotions,
                 demotions=c.demotions,
@@ -625,8 +637,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 name=ns.name,
                 blocks=ns.blocks,
                 used_bytes=ns.blocks * ns.block_bytes,
-                hits=ns.lookup_hits,
-                misses=ns.lookup_misses,
+                hits=_u64(ns.lookup_hits),
+                misses=_u64(ns.lookup_misses),
                 block_bytes=ns.block_bytes,
             )
             for name, blocks, logical, stored, codec in below.get(ns.fingerprint, ()):

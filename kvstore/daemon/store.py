@@ -122,6 +122,11 @@ def _gather(field: bytearray, eids: list[int]) -> bytes:
 
 _IS_GPU = bytes(1 if t & IN_GPU else 0 for t in range(256))
 _IS_CPU_ONLY = bytes(1 if t & IN_CPU and not t & IN_GPU else 0 for t in range(256))
+MAX_TALLY_KEYS = 1 << 32
+"""The most keys one tally of lookups answered from a presence table may count. A client sends
+its tally at least once a second while it looks up (``presence_link.FLUSH_S``) and answers
+well under 10**9 keys a second, so an honest tally is far below it; a forged one is refused
+rather than added (the counts feed uint64 fields of ``Stats``, saturated there)."""
 
 
 @dataclass
@@ -564,13 +569,23 @@ class BlockStore:
         del eids[len(states) - len(states.lstrip(_COMMITTED)) :]
         return eids
 
-    def count_table_lookups(self, handle: Handle, keys: int, found: int) -> None:
+    def count_table_lookups(
+        self, handle: Handle, keys: int, found: int, in_cpu: int | None = None
+    ) -> None:
         """Count lookups a client answered from its presence table (``keys`` asked,
-        ``found`` leading keys found) as its namespace's hits and misses, when the handle is
-        the namespace's own tenant's. Not charged to ``keys_per_s``: they cost the daemon
-        nothing. Per-tier hits are not known there (the daemon's own lookups sample them)."""
+        ``found`` leading keys found, ``in_cpu`` of them with a CPU copy in the table) as its
+        namespace's hits and misses, when the handle is the namespace's own tenant's, and as
+        the tiers' where the split is known (``_count_tier_lookups``). Not charged to
+        ``keys_per_s``: they cost the daemon nothing."""
+        if keys > MAX_TALLY_KEYS:
+            raise ValueError(
+                f"table_keys ({keys}) exceeds {MAX_TALLY_KEYS}, more than a client answers "
+                "between two calls"
+            )
         if not 0 <= found <= keys:
             raise ValueError(f"table_found ({found}) exceeds table_keys ({keys})")
+        if in_cpu is not None and not 0 <= in_cpu <= found:
+            raise ValueError(f"table_in_cpu ({in_cpu}) exceeds table_found ({found})")
         if not handle.writable:
             # A reader of a shared namespace: what it says it looked up costs it nothing, so
             # it does not get to move the owner's hit rates.
@@ -578,6 +593,11 @@ class BlockStore:
         record = handle.record
         record.lookup_hits += found
         record.lookup_misses += keys - found
+        # The table knows a found block's CPU copy (its place) and no other tier: the rest
+        # are on NVMe only where there is no GPU tier, and a namespace stored with a codec
+        # has no places at all. Elsewhere the daemon's own lookups are the tiers' only count.
+        if in_cpu is not None and not self.device.enabled and not record.cpu_codec:
+            self._count_tier_lookups(keys, 0, in_cpu, found, 0)
 
     def note_table_reads(self, handle: Handle, keys: Sequence[bytes]) -> None:
         """Blocks a client read itself from the places of its presence table: read now, for
@@ -612,22 +632,30 @@ class BlockStore:
         # of the highest tier that holds it.
         record.lookup_hits += found
         record.lookup_misses += len(keys) - found
-        tiers = self.index.tier
-        run_tiers = _gather(tiers, run)  # counted in C, by translation tables
+        run_tiers = _gather(self.index.tier, run)  # counted in C, by translation tables
         in_gpu = run_tiers.translate(_IS_GPU).count(1)
         in_cpu = run_tiers.translate(_IS_CPU_ONLY).count(1)
+        self._count_tier_lookups(len(keys), in_gpu, in_cpu, local, shared)
+        return found
+
+    def _count_tier_lookups(
+        self, keys: int, in_gpu: int, in_cpu: int, local: int, shared: int
+    ) -> None:
+        """Count ``keys`` looked up as the tiers' hits and misses: a block is a hit of the
+        highest tier that holds it (``in_gpu``, ``in_cpu`` and not the GPU, the rest of the
+        ``local`` run on NVMe, ``shared`` in Redis past it), a miss of every tier above."""
+        found = local + shared
         if self.device.enabled:
             self.device.counters.hits += in_gpu
-            self.device.counters.misses += len(keys) - in_gpu
+            self.device.counters.misses += keys - in_gpu
         self.cpu.hits += in_cpu
-        self.cpu.misses += len(keys) - in_gpu - in_cpu
+        self.cpu.misses += keys - in_gpu - in_cpu
         if self.nvme is not None:
             self.nvme_counters.hits += local - in_gpu - in_cpu
-            self.nvme_counters.misses += len(keys) - local
+            self.nvme_counters.misses += keys - local
         if self.shared.enabled:
             self.redis_counters.hits += shared
-            self.redis_counters.misses += len(keys) - found
-        return found
+            self.redis_counters.misses += keys - found
 
     async def acquire(
         self,

@@ -85,18 +85,20 @@ class ArenaInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("handle", "keys", "table_keys", "table_found", "release_leases")
+    __slots__ = ("handle", "keys", "table_keys", "table_found", "table_in_cpu", "release_leases")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TABLE_KEYS_FIELD_NUMBER: _ClassVar[int]
     TABLE_FOUND_FIELD_NUMBER: _ClassVar[int]
+    TABLE_IN_CPU_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     keys: bytes
     table_keys: int
     table_found: int
+    table_in_cpu: int
     release_leases: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., table_keys: _Optional[int] = ..., table_found: _Optional[int] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., table_keys: _Optional[int] = ..., table_found: _Optional[int] = ..., table_in_cpu: _Optional[int] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("found",)
