@@ -15,6 +15,7 @@ import torch
 from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tiers, tokens, wait_for
 
 from kvstore import AsyncKVStoreClient, KVLayout, KVStoreClient
+from kvstore.errors import UnavailableError
 from kvstore.tiers import codecs
 from kvstore.tiers.codecs import block_format_of
 
@@ -253,6 +254,58 @@ async def test_concurrent_readers_of_a_promoting_block_read_the_disk_once(
             assert same_bytes(got, blocks)
         after = {t.name: t for t in (await kv.stats()).tiers}["nvme"].promotions
         assert after - before == 8
+
+
+def test_a_durable_put_retried_after_a_full_disk_is_acknowledged_only_once_on_disk(
+    daemon_factory, tmp_path
+) -> None:
+    """A durable put refused because its blocks could not reach the disk leaves them in
+    memory, and the error says the put may be retried. The retry found its keys stored and
+    was acknowledged at once, with nothing on disk: a kill -9 then lost an acknowledged put.
+    Now a retry writes what it finds in memory down first, on every put path."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)]).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        d = daemon_factory(
+            cpu_capacity="1MiB",
+            slab="64KiB",
+            nvme_path=mount,
+            nvme_capacity="4MiB",
+            extra="durable_puts = true\n",
+        )
+        refused = []
+        with client(d) as kv:
+            for i in range(60):
+                keys = kv.hash_tokens(tokens(4, offset=1000 * i))
+                blocks = random_blocks(SMALL_LAYOUT, 4, seed=i)
+                try:
+                    kv.put(keys, blocks)
+                except UnavailableError as exc:
+                    assert "could not be made durable" in str(exc)
+                    refused.append((keys, blocks))
+                    if len(refused) == 2:
+                        break
+            assert len(refused) == 2, "the disk never filled"
+            assert kv.lookup(refused[0][0]) == 4  # stored in memory, as the error said
+            subprocess.run(["mount", "-o", "remount,size=16m", str(mount)], check=True)
+            keys, blocks = refused[0]
+            kv.put(keys, blocks)  # this handle's path (spare slots, or a reserve)
+        with client(d) as fresh:  # a new handle: a plain reserve
+            keys, blocks = refused[1]
+            fresh.put(keys, blocks)
+        d.proc.send_signal(signal.SIGKILL)  # no drain: only what was durable survives
+        d.proc.wait()
+        d.log.close()
+        d.start()
+        with client(d) as kv:
+            for keys, blocks in refused:
+                assert kv.lookup(keys) == 4
+                assert same_bytes(kv.get(keys), blocks)
+        d.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(mount)])
 
 
 def test_a_full_disk_leaves_the_daemon_serving_from_cpu(daemon_factory, tmp_path) -> None:

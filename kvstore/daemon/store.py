@@ -889,6 +889,8 @@ class BlockStore:
             self.names.check_share(record.namespace.tenant)
         wait = self.limits.write_wait_s if wait_s is None else wait_s
         pending = 0 if spare else await self._wait_for_writers(record.ns_id, keys, wait)
+        if not spare:
+            await self._persist_present(record.ns_id, keys)
         if handle.closed:
             raise UnknownNamespaceError("the namespace handle was closed during the call")
         offsets = [-1] * len(keys)
@@ -1147,8 +1149,8 @@ class BlockStore:
         if len(todo) < n:
             bound_at = set(todo)
             unbound = [slots[i] for i in range(n) if i not in bound_at]
-        if self.config.nvme.durable_puts and self.nvme is not None and eids:
-            await self.persist(record.ns_id, eids, list(new_keys))
+        # Durable: the blocks bound now, and those of the keys found stored already.
+        await self._persist_present(record.ns_id, keys)
         return BindResult(len(eids), pending, unbound)
 
     @staticmethod
@@ -1401,6 +1403,25 @@ class BlockStore:
         if durable and eids:
             await self.persist(handle.ns_id, eids, keys)
         return committed
+
+    async def _persist_present(self, ns_id: int, keys: Sequence[bytes]) -> None:
+        """With ``nvme.durable_puts``, write to disk durably the blocks of ``keys`` that are
+        committed but not on disk, or join their writes in flight (UnavailableError if one
+        cannot be made durable). A put is acknowledged only once all its blocks are durable,
+        those it found stored already included: a put that failed to persist, retried, found
+        its blocks in memory and was acknowledged with none of them on disk; and a put racing
+        another writer's durable put of a key was acknowledged before that write ended."""
+        if not self.config.nvme.durable_puts or self.nvme is None:
+            return
+        ids, state, tier = self.index.ids_of(ns_id), self.index.state, self.index.tier
+        eids, found = [], []
+        for key in keys:
+            eid = ids.get(key)
+            if eid is not None and state[eid] == State.COMMITTED and not tier[eid] & IN_NVME:
+                eids.append(eid)
+                found.append(key)
+        if eids:
+            await self.persist(ns_id, eids, found)
 
     async def persist(self, ns_id: int, eids: list[int], keys: list[bytes]) -> None:
         """Write committed blocks to disk durably now (waiting for writes in flight); blocks
