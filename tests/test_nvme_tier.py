@@ -324,6 +324,49 @@ async def test_a_geometry_change_is_refused_not_reformatted(
     assert [r.key for r in records] == [key(1)]
 
 
+@pytest.mark.parametrize("damage", ["slab map", "page count", "magic", "both copies"])
+async def test_damaged_metadata_and_a_mistyped_capacity_are_refused_not_reformatted(
+    opened, tmp_path, damage
+):
+    """The bug: with copy A damaged, copy B was looked for where the configured geometry puts
+    it; a mistyped capacity whose metadata is of another page count found neither copy nor a
+    descriptor, took the file for a blank one and reformatted it: every record gone, and the
+    right capacity refused from then on. B is now found where it is, and a file holding pages
+    of this format that nothing vouches for is refused, never reformatted."""
+    tier, _ = await opened()
+    await put(tier, 1, 8192)
+    await tier.close()
+    path = tmp_path / "nvme" / FILE_NAME
+    if damage == "both copies":  # every byte of both copies: only the descriptors are left
+        with open(path, "r+b") as f:
+            f.write(bytes(tier.geometry.data_start))
+    else:
+        flip(path, {"slab map": 100, "page count": 12, "magic": 0}[damage])
+    before = snapshot(path)
+    wrong = 4 << 30  # its metadata takes 5 pages, not 1
+    assert Geometry.plan(wrong, 1 << 20).meta_pages != tier.geometry.meta_pages
+    with pytest.raises(NvmeFormatError) as info:
+        await opened(capacity=wrong)
+    assert "delete the file" in str(info.value)
+    assert snapshot(path) == before
+    _, records = await opened()  # the right geometry finds the record still there
+    assert [r.key for r in records] == [key(1)]
+
+
+async def test_a_blank_or_foreign_file_is_still_formatted(opened, tmp_path):
+    """What no page of this format is in: a file of zeros, or of other bytes."""
+    for content in (bytes(1 << 20), b"not a tier " * 100_000):
+        (tmp_path / "nvme").mkdir(exist_ok=True)
+        (tmp_path / "nvme" / FILE_NAME).write_bytes(content)
+        tier, records = await opened()
+        assert records == []
+        await put(tier, 2, 8192)
+        await tier.close()
+        again, records = await opened()
+        assert [r.key for r in records] == [key(2)]
+        await again.close()
+
+
 # ---------------------------------------------------------------------------- mixed block sizes
 async def test_a_slab_emptied_of_one_size_is_taken_by_another(opened):
     """The bug: a slab once carved for one slot size was never taken back, so after one block

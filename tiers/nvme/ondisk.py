@@ -270,6 +270,17 @@ def meta_length(page: Any) -> int:
     return meta_pages * PAGE if magic == _META_MAGIC and 0 < meta_pages < 1 << 20 else 0
 
 
+def starts_meta(page: Any) -> bool:
+    """Whether ``page`` starts like a metadata copy (its magic), valid or not."""
+    return bytes(page[: len(_META_MAGIC)]) == _META_MAGIC
+
+
+def starts_ours(page: Any) -> bool:
+    """Whether ``page`` starts like a page this format writes (a metadata copy, a slab
+    descriptor, a record header), valid or not."""
+    return bytes(page[: len(_META_MAGIC)]) in (_META_MAGIC, _SLAB_MAGIC, _RECORD_MAGIC)
+
+
 def parse_meta(buf: Any) -> Meta | None:
     """The metadata copy in ``buf`` if its magic and checksum hold (any version, any geometry:
     the caller compares), else None."""

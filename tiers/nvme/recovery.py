@@ -68,6 +68,38 @@ def _mismatch(path: str, file_cap: int, file_slab: int, geo: Geometry) -> NvmeFo
     )
 
 
+MAX_META_SCAN = 1 << 28
+"""Bytes searched for metadata copy B when copy A is damaged and B is not where either copy A's
+header or the configured geometry puts it (a copy is at most ~64 MiB: a 1 TiB tier of 64 KiB
+slabs; the first slab descriptor follows the two copies)."""
+
+
+def _find_copy_b(fd: int, page0: bytes, geo: Geometry, size: int) -> tuple[fmt.Meta | None, bool]:
+    """(metadata copy B, whether the file holds pages of this format) of a file whose copy A
+    is damaged. B starts where A ends: where A's header says if it still reads, else where the
+    configured geometry puts it, else at the first page past A that starts like a copy (A's
+    own pages after its first never do: they hold page counts and zeros). The search also
+    notes any page that starts like a slab descriptor or a record: a tier of this format,
+    which must never be taken for a blank file."""
+    candidates = [n for n in (fmt.meta_length(page0), geo.meta_bytes) if n]
+    for offset in dict.fromkeys(candidates):
+        meta = _read_meta(fd, offset)
+        if meta is not None:
+            return meta, True
+    ours = fmt.starts_ours(page0)
+    chunk = 1 << 20
+    for start in range(PAGE, min(size, MAX_META_SCAN), chunk):
+        buf = bytes(_read(fd, min(chunk, size - start), start))
+        for at in range(0, len(buf) - PAGE + 1, PAGE):
+            head = buf[at : at + 8]
+            if fmt.starts_meta(head):
+                meta = _read_meta(fd, start + at)
+                if meta is not None:
+                    return meta, True
+            ours = ours or fmt.starts_ours(head)
+    return None, ours
+
+
 def inspect(fd: int, geo: Geometry, path: str) -> Found:
     """Read the metadata copies and slab descriptors. Raises NvmeFormatError for a file of
     another geometry or of a newer format (never reformat those: the caller's setting is wrong,
@@ -78,8 +110,11 @@ def inspect(fd: int, geo: Geometry, path: str) -> Found:
         return found
     page0 = bytes(_read(fd, PAGE, 0))
     meta_a = _read_meta(fd, 0)
-    # Copy B starts where copy A ends: where the configured geometry puts it if A is damaged.
-    meta_b = _read_meta(fd, meta_a.meta_pages * PAGE if meta_a else geo.meta_bytes)
+    ours = True  # a valid copy A says so
+    if meta_a is not None:
+        meta_b = _read_meta(fd, meta_a.meta_pages * PAGE)  # copy B starts where A ends
+    else:
+        meta_b, ours = _find_copy_b(fd, page0, geo, size)
     metas = [m for m in (meta_a, meta_b) if m is not None]
     best = max(metas, key=lambda m: m.generation) if metas else None
     if best is not None:
@@ -99,13 +134,23 @@ def inspect(fd: int, geo: Geometry, path: str) -> Found:
         page = _read(fd, PAGE, start) if start + PAGE <= size else memoryview(b"")
         descriptors.append(fmt.parse_slab_descriptor(page) if page.nbytes == PAGE else None)
     if best is None:
-        ours = [d for d in descriptors if d is not None and d.version == FORMAT_VERSION]
-        for d in ours:
+        mine = [d for d in descriptors if d is not None and d.version == FORMAT_VERSION]
+        for d in mine:
             if (d.capacity_bytes, d.slab_bytes) != (geo.capacity_bytes, geo.slab_bytes):
                 raise _mismatch(path, d.capacity_bytes, d.slab_bytes, geo)
-        if not ours:
-            return found  # nothing vouches for any record: a blank or foreign file
-        votes = collections.Counter(d.format_id for d in ours)
+        if not mine and ours:
+            # Pages of this format that nothing at the configured geometry vouches for: a
+            # tier of another capacity or slab size whose metadata is damaged, or one whose
+            # every copy and descriptor is. Never reformatted: a typo must not wipe a tier.
+            raise NvmeFormatError(
+                f"{path} holds a tier whose metadata cannot be read and no slab descriptor of "
+                f"the configured {describe_size(geo.capacity_bytes)} in "
+                f"{describe_size(geo.slab_bytes)} slabs: not reformatted. Configure the size "
+                f"the file was made with, or delete the file to start an empty tier"
+            )
+        if not mine:
+            return found  # nothing of this format: a blank or foreign file
+        votes = collections.Counter(d.format_id for d in mine)
         found.format_id = votes.most_common(1)[0][0]
         found.damage.append((0, "both metadata copies damaged: rebuilt from the slab descriptors"))
     else:
