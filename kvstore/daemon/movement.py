@@ -22,6 +22,7 @@ from kvstore.checksum import block_checksum
 from kvstore.daemon.room import TierSlots, make_room
 from kvstore.errors import CapacityError, UnknownNamespaceError
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, State
+from kvstore.ratelog import RateLimitedLog
 from kvstore.tiers.codecs import LOSSY, BlockFormat, block_format_of, encode_payload
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from kvstore.daemon.store import BlockStore
 
 log = logging.getLogger(__name__)
+_io_log = RateLimitedLog(log)  # a failing disk fails every write
 
 # The CPU and NVMe bits: a CPU block is dirty when it has no disk copy (a GPU copy above it
 # does not make it durable).
@@ -397,13 +399,13 @@ class Mover:
                 )
             except NvmeIOError as exc:
                 store.nvme_counters.io_errors += 1
-                log.warning("nvme write failed: %s", exc)
+                _io_log.warning("nvme write", f"nvme write failed: {exc}")
                 return False
             except ValueError as exc:
                 # The tier re-verifies as it copies: the slot changed after the check above (a
                 # client scribbled on it). Never made durable; the CPU copy is as suspect.
                 store.cpu.checksum_failures += 1
-                log.warning("not written down: %s", exc)
+                _io_log.warning("scribbled", f"not written down: {exc}")
                 if index.state[eid] == State.COMMITTED:
                     store.forget(eid)
                 return False

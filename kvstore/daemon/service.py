@@ -42,6 +42,7 @@ from kvstore.index import IN_CPU, IN_GPU
 from kvstore.keys import HASH_VERSION, KEY_BYTES, Namespace, unpack_keys
 from kvstore.layout import SCALE_NONE, KVLayout, dtype_from_name
 from kvstore.presence import PresenceTable
+from kvstore.ratelog import RateLimitedLog
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -66,26 +67,7 @@ MIN_CHUNK_BYTES = 4096  # PutBlocks: a block may take ceil(block / this) + 1 mes
 _caller: contextvars.ContextVar[Principal] = contextvars.ContextVar("kvstore_caller")
 
 
-class _RateLimitedLog:
-    """At most one line per ``interval_s`` per kind; the lines skipped are counted in the next."""
-
-    def __init__(self, interval_s: float = 10.0) -> None:
-        self.interval_s = interval_s
-        self._last: dict[str, float] = {}
-        self._skipped: dict[str, int] = {}
-
-    def warning(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -1e9) < self.interval_s:
-            self._skipped[kind] = self._skipped.get(kind, 0) + 1
-            return
-        skipped = self._skipped.pop(kind, 0)
-        self._last[kind] = now
-        more = f" ({skipped} more like it since the last line)" if skipped else ""
-        log.warning("%s%s", message, more)
-
-
-_bad_requests = _RateLimitedLog()
+_bad_requests = RateLimitedLog(log)
 
 
 class Undecodable:

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from kvstore.errors import KVStoreError
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
+from kvstore.ratelog import RateLimitedLog
 from kvstore.tiers import codecs
 from kvstore.tiers.codecs import BlockFormat
 from kvstore.tiers.nvme import ondisk as fmt
@@ -46,6 +47,7 @@ from kvstore.tiers.nvme.records import (
 from kvstore.tiers.nvme.slabfile import SlabFile, open_slab_file
 
 log = logging.getLogger(__name__)
+_io_log = RateLimitedLog(log)  # a failing disk fails every read
 
 DEFAULT_SLAB_BYTES = 256 << 20
 """Large slabs waste less at their tails (a 2 MiB block's slot is 2 MiB + 4 KiB)."""
@@ -756,7 +758,7 @@ class NvmeTier:
         try:
             reason = await self._run(self._read_pool, self._io.read_record, slot, want, view)
         except OSError as exc:
-            log.warning("read of slot %d failed: %s", slot, exc)
+            _io_log.warning("read", f"read of slot {slot} failed: {exc}")
             reason = "io_error"
         if reason is None:
             c["read_bytes"] += PAGE + round_up(want.stored_length)
@@ -824,7 +826,7 @@ class NvmeTier:
         try:
             got = await self._run(self._read_pool, self._io.read_payload, slot, want, view)
         except OSError as exc:
-            log.warning("read of slot %d failed: %s", slot, exc)
+            _io_log.warning("read", f"read of slot {slot} failed: {exc}")
             got = "io_error"
         if isinstance(got, str):
             c["misses"] += 1
