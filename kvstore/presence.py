@@ -138,8 +138,7 @@ class PresenceTable:
         fd = os.memfd_create("kvstore-presence", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             # Owner-only, as the slabs: a read-only descriptor handed to a client of another
-            # uid cannot be reopened read-write through /proc/self/fd (and the seal below
-            # forbids writable mappings anyway).
+            # uid cannot be reopened read-write through /proc/self/fd, nor mapped writable.
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
