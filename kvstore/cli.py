@@ -20,6 +20,16 @@ from kvstore.stats_table import render_stats, stats_to_dict
 from kvstore.units import parse_size
 
 
+def _size(text: str) -> int:
+    """A size flag (``4GiB``): argparse reports a bad one as a usage error naming the flag."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    except OverflowError:  # digits past a float's range
+        raise argparse.ArgumentTypeError(f"size {text!r} is too large") from None
+
+
 def _add_address(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--address",
@@ -36,10 +46,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     serve = sub.add_parser("serve", help="run the daemon in the foreground")
     _add_address(serve)
     serve.add_argument("--config", help="TOML config file (default: the embedded default)")
-    serve.add_argument("--cpu-capacity", type=parse_size, help="size of the CPU tier, e.g. 4GiB")
+    serve.add_argument("--cpu-capacity", type=_size, help="size of the CPU tier, e.g. 4GiB")
     serve.add_argument("--cpu-policy", choices=("lru", "priority", "prefix"))
     serve.add_argument("--nvme-path", help="directory for the NVMe tier's slab files (enables it)")
-    serve.add_argument("--nvme-capacity", type=parse_size, help="size of the NVMe tier, e.g. 64GiB")
+    serve.add_argument("--nvme-capacity", type=_size, help="size of the NVMe tier, e.g. 64GiB")
     serve.add_argument(
         "--nvme-codec",
         choices=("none", "lz4", "fp8", "fp8+lz4"),
@@ -57,7 +67,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=("auto", "on", "off"),
         help="GPU tier: auto (on where CUDA and CuPy are), on (refuse to start without), off",
     )
-    serve.add_argument("--gpu-capacity", type=parse_size, help="size of the GPU tier, e.g. 8GiB")
+    serve.add_argument("--gpu-capacity", type=_size, help="size of the GPU tier, e.g. 8GiB")
     serve.add_argument("--gpu-device", type=int, help="CUDA device of the GPU tier")
     serve.add_argument(
         "--metrics-address",
@@ -92,13 +102,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     chk.add_argument("--nvme-path", required=True)
     chk.add_argument(
         "--nvme-capacity",
-        type=parse_size,
+        type=_size,
         required=True,
         help="the tier's configured capacity; a file of another size is an error, never changed",
     )
     chk.add_argument(
         "--nvme-slab-bytes",
-        type=parse_size,
+        type=_size,
         default=None,
         help="the tier's slab size, if not the default (the daemon uses the default)",
     )
@@ -130,7 +140,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.config import load_config
     from kvstore.daemon.server import print_ready, run_daemon
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    except ValueError as exc:  # "Unknown level: 'BOGUS'"
+        print(f"kvstore serve: --log-level: {exc}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config)
         cpu = cfg.cpu
@@ -173,7 +187,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             address=args.address or cfg.address,
             metrics_address=metrics_address,
         )
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TypeError, OverflowError) as exc:
+        # A bad value in the file, a KVSTORE_* variable or a flag: one line naming it, no
+        # traceback, and nothing served (config.py names the key; TypeError and OverflowError
+        # only in case a check there missed one).
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2
     try:

@@ -2,11 +2,17 @@
 
 Precedence (lowest first): the embedded ``configs/default.toml``, a ``--config FILE``,
 ``KVSTORE_*`` environment variables, command-line flags.
+
+Values are taken only as the TOML type they mean: a boolean is ``true``/``false`` (never the
+string "false", which Python would read as true), a whole number an integer, a duration a
+finite number, a size an integer of bytes or a string like "4GiB". Anything else is refused
+with a ValueError naming the key, ``section.key: what is wrong (got value)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -18,6 +24,17 @@ from typing import Any
 from kvstore.units import parse_size
 
 POLICIES = ("lru", "priority", "prefix")
+
+C_INT_MAX = 2**31 - 1
+"""gRPC takes its channel options (connection and stream caps, idle timeout in ms, message
+size) as C ints: a larger value stops the daemon at start with an OverflowError."""
+
+
+def _check_finite(where: str, value: float) -> None:
+    """NaN passes every ``<= 0`` check and an infinite duration stops a timer (or overflows
+    one): a duration or share must be a finite number."""
+    if not math.isfinite(value):
+        raise ValueError(f"{where}: must be a finite number (got {value!r})")
 
 
 @dataclass(frozen=True)
@@ -31,6 +48,7 @@ class CpuTierConfig:
     high_watermark: float = 0.9
 
     def __post_init__(self) -> None:
+        _check_finite("cpu.high_watermark", self.high_watermark)
         if self.capacity_bytes <= 0:
             raise ValueError(f"cpu capacity must be positive, got {self.capacity_bytes}")
         if self.slab_bytes <= 0:
@@ -96,6 +114,8 @@ class RedisTierConfig:
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
             raise ValueError(f"redis codec {self.codec!r} unknown; choose one of {CODECS}")
+        _check_finite("redis.timeout_s", self.timeout_s)
+        _check_finite("redis.ttl_s", self.ttl_s)
         if self.timeout_s <= 0:
             raise ValueError(f"redis timeout_s must be positive, got {self.timeout_s}")
         if self.ttl_s < 0 or self.max_bytes_per_namespace < 0:
@@ -183,6 +203,7 @@ class GpuTierConfig:
     def __post_init__(self) -> None:
         if self.enabled not in GPU_MODES:
             raise ValueError(f"gpu enabled {self.enabled!r} unknown; choose one of {GPU_MODES}")
+        _check_finite("gpu.high_watermark", self.high_watermark)
         if self.device < 0:
             raise ValueError(f"gpu device must be >= 0, got {self.device}")
         if self.capacity_bytes <= 0:
@@ -230,6 +251,8 @@ class LimitsConfig:
     max_spare_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
+        for name in ("write_wait_s", "pin_grace_s", "max_pinned_share"):
+            _check_finite(f"limits.{name}", getattr(self, name))
         for f in dataclasses.fields(self):
             if getattr(self, f.name) <= 0 and f.name not in ("max_pinned_share", "max_spare_bytes"):
                 raise ValueError(f"limits.{f.name} must be positive, got {getattr(self, f.name)}")
@@ -260,6 +283,7 @@ class Quota:
     keys_burst: int = 0  # the bucket's size (0: one second's worth, keys_per_s)
 
     def __post_init__(self) -> None:
+        _check_finite("keys_per_s", self.keys_per_s)
         for f in dataclasses.fields(self):
             if getattr(self, f.name) < 0:
                 raise ValueError(f"{f.name} must be >= 0, got {getattr(self, f.name)}")
@@ -399,11 +423,23 @@ class ConnectionsConfig:
     idle_timeout_s: float = 300.0  # a connection with no call for this long is closed
 
     def __post_init__(self) -> None:
+        _check_finite("connections.idle_timeout_s", self.idle_timeout_s)
         for f in dataclasses.fields(self):
             if getattr(self, f.name) <= 0:
                 raise ValueError(
                     f"connections.{f.name} must be positive, got {getattr(self, f.name)}"
                 )
+        for f in dataclasses.fields(self):
+            if f.name.startswith("max_") and getattr(self, f.name) > C_INT_MAX:
+                raise ValueError(
+                    f"connections.{f.name}: must be at most {C_INT_MAX}, gRPC's limit "
+                    f"(got {getattr(self, f.name)})"
+                )
+        if self.idle_timeout_s * 1000 > C_INT_MAX:
+            raise ValueError(
+                f"connections.idle_timeout_s: must be at most {C_INT_MAX / 1000:g} seconds, "
+                f"gRPC's limit (got {self.idle_timeout_s!r})"
+            )
 
 
 @dataclass(frozen=True)
@@ -424,6 +460,8 @@ class DaemonConfig:
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
     codecs: tuple[CodecRule, ...] = ()  # per-namespace codecs of the tiers below the CPU tier
     # Seconds a graceful stop may spend writing dirty CPU blocks down so a restart finds them.
+    # Positive and finite: 0 or less would make every graceful stop write nothing down (and
+    # lose what write-back holds in memory), NaN or infinity a stop that never ends.
     drain_timeout_s: float = 30.0
     # host:port of the Prometheus endpoint (GET /metrics, /healthz). Empty: no HTTP listener,
     # so tests, the demo and a default install open no port.
@@ -449,9 +487,16 @@ class DaemonConfig:
         return 0.5
 
     def __post_init__(self) -> None:
-        for name in ("lease_ttl_s", "reservation_ttl_s", "reaper_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("lease_ttl_s", "reservation_ttl_s", "reaper_interval_s", "drain_timeout_s"):
+            value = getattr(self, name)
+            _check_finite(f"daemon.{name}", value)
+            if value <= 0:
+                raise ValueError(f"daemon.{name} must be positive (got {value!r})")
+        if self.max_message_bytes > C_INT_MAX:
+            raise ValueError(
+                f"daemon.max_message_bytes: must be at most {C_INT_MAX} bytes, gRPC's limit "
+                f"(got {self.max_message_bytes})"
+            )
         need = self.limits.chunk_bytes + self.limits.max_keys_per_request * 32 + (64 << 10)
         if self.max_message_bytes < need:
             raise ValueError(
@@ -501,97 +546,172 @@ class DaemonConfig:
                     )
 
 
+# Strict converters: each takes the TOML value and returns the field's value, or raises a
+# ValueError saying what is wrong and quoting the value; _convert prefixes the key.
+
+
+def _bool(value: Any) -> bool:
+    # Never bool(value): bool("false") is True, and a string "false" for auth.insecure would
+    # serve a public address without TLS or credentials.
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"must be true or false, a TOML boolean without quotes (got {value!r})")
+
+
+def _int(value: Any) -> int:
+    # bool is an int in Python; a float would be truncated (3.7 -> 3) and a string parsed.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"must be a whole number (got {value!r})")
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"must be a number (got {value!r})")
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        raise ValueError(f"must be a finite number (got {value!r})") from None
+    if not math.isfinite(number):
+        raise ValueError(f"must be a finite number (got {value!r})")
+    return number
+
+
+def _size(value: Any) -> int:
+    """An int of bytes (>= 0) or a string like "4GiB" (``parse_size``); not a bool (true is
+    not 1 byte) nor a float (a size is a whole number of bytes)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"must be >= 0 (got {value!r})")
+        return value
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except OverflowError:  # "1000...0": float() gives inf
+            raise ValueError(f"is too large (got {value!r})") from None
+    raise ValueError(f'must be a whole number of bytes or a string like "4GiB" (got {value!r})')
+
+
+def _str(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise ValueError(f"must be a string (got {value!r})")
+
+
+def _convert(convert: Any, value: Any, where: str) -> Any:
+    """``convert(value)``, any error it raises as a ValueError naming ``where``."""
+    try:
+        return convert(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _str_list(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: must be an array of strings (got {value!r})")
+    return tuple(_convert(_str, x, f"{where}[{i}]") for i, x in enumerate(value))
+
+
+def _int_list(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: must be an array of whole numbers (got {value!r})")
+    return tuple(_convert(_int, x, f"{where}[{i}]") for i, x in enumerate(value))
+
+
 def _gpu_mode(value: Any) -> str:
     """``enabled`` accepts auto/on/off and TOML booleans (true = on)."""
     if isinstance(value, bool):
         return "on" if value else "off"
-    return str(value).strip().lower()
+    return _str(value).strip().lower()
 
 
-def _section(data: dict[str, Any], name: str) -> dict[str, Any]:
+def _tokens(value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a table of name = source (got {value!r})")
+    return tuple(sorted((str(k), _convert(_str, x, str(k))) for k, x in value.items()))
+
+
+def _section(data: dict[str, Any], name: str, source: str) -> dict[str, Any]:
     value = data.get(name, {})
     if not isinstance(value, dict):
-        raise ValueError(f"config section [{name}] must be a table")
+        raise ValueError(f"{source}: config section [{name}] must be a table")
     return value
 
 
 # Per section: config-file key -> (dataclass field, converter).
 _KEYS: dict[str, dict[str, tuple[str, Any]]] = {
     "daemon": {
-        "address": ("address", str),
-        "lease_ttl_s": ("lease_ttl_s", float),
-        "reservation_ttl_s": ("reservation_ttl_s", float),
-        "reaper_interval_s": ("reaper_interval_s", float),
-        "max_message_bytes": ("max_message_bytes", parse_size),
-        "drain_timeout_s": ("drain_timeout_s", float),
-        "metrics_address": ("metrics_address", str),
+        "address": ("address", _str),
+        "lease_ttl_s": ("lease_ttl_s", _float),
+        "reservation_ttl_s": ("reservation_ttl_s", _float),
+        "reaper_interval_s": ("reaper_interval_s", _float),
+        "max_message_bytes": ("max_message_bytes", _size),
+        "drain_timeout_s": ("drain_timeout_s", _float),
+        "metrics_address": ("metrics_address", _str),
     },
     "limits": {
-        "max_keys_per_request": ("max_keys_per_request", int),
-        "max_name_bytes": ("max_name_bytes", int),
-        "max_handles": ("max_handles", int),
-        "max_namespaces": ("max_namespaces", int),
-        "max_reservations_per_handle": ("max_reservations_per_handle", int),
-        "max_leases_per_handle": ("max_leases_per_handle", int),
-        "max_stats_namespaces": ("max_stats_namespaces", int),
-        "write_wait_s": ("write_wait_s", float),
-        "chunk": ("chunk_bytes", parse_size),
-        "max_pinned_share": ("max_pinned_share", float),
-        "pin_grace_s": ("pin_grace_s", float),
-        "max_spare": ("max_spare_bytes", parse_size),
+        "max_keys_per_request": ("max_keys_per_request", _int),
+        "max_name_bytes": ("max_name_bytes", _int),
+        "max_handles": ("max_handles", _int),
+        "max_namespaces": ("max_namespaces", _int),
+        "max_reservations_per_handle": ("max_reservations_per_handle", _int),
+        "max_leases_per_handle": ("max_leases_per_handle", _int),
+        "max_stats_namespaces": ("max_stats_namespaces", _int),
+        "write_wait_s": ("write_wait_s", _float),
+        "chunk": ("chunk_bytes", _size),
+        "max_pinned_share": ("max_pinned_share", _float),
+        "pin_grace_s": ("pin_grace_s", _float),
+        "max_spare": ("max_spare_bytes", _size),
     },
     "auth": {
-        "tls_cert": ("tls_cert", str),
-        "tls_key": ("tls_key", str),
-        "tls_client_ca": ("tls_client_ca", str),
-        "insecure": ("insecure", bool),
-        "reflection": ("reflection", bool),
-        "tokens": (
-            "tokens",
-            lambda v: tuple(sorted((str(k), str(x)) for k, x in _table(v, "auth.tokens").items())),
-        ),
+        "tls_cert": ("tls_cert", _str),
+        "tls_key": ("tls_key", _str),
+        "tls_client_ca": ("tls_client_ca", _str),
+        "insecure": ("insecure", _bool),
+        "reflection": ("reflection", _bool),
+        "tokens": ("tokens", _tokens),
     },
     "connections": {
-        "max_connections": ("max_connections", int),
-        "max_sessions": ("max_sessions", int),
-        "max_concurrent_rpcs": ("max_concurrent_rpcs", int),
-        "max_streams_per_connection": ("max_streams_per_connection", int),
-        "idle_timeout_s": ("idle_timeout_s", float),
+        "max_connections": ("max_connections", _int),
+        "max_sessions": ("max_sessions", _int),
+        "max_concurrent_rpcs": ("max_concurrent_rpcs", _int),
+        "max_streams_per_connection": ("max_streams_per_connection", _int),
+        "idle_timeout_s": ("idle_timeout_s", _float),
     },
     "gpu": {
         "enabled": ("enabled", _gpu_mode),
-        "device": ("device", int),
-        "capacity": ("capacity_bytes", parse_size),
-        "slab": ("slab_bytes", parse_size),
-        "policy": ("policy", str),
-        "high_watermark": ("high_watermark", float),
+        "device": ("device", _int),
+        "capacity": ("capacity_bytes", _size),
+        "slab": ("slab_bytes", _size),
+        "policy": ("policy", _str),
+        "high_watermark": ("high_watermark", _float),
     },
     "cpu": {
-        "capacity": ("capacity_bytes", parse_size),
-        "slab": ("slab_bytes", parse_size),
-        "prefault": ("prefault", bool),
-        "policy": ("policy", str),
-        "high_watermark": ("high_watermark", float),
+        "capacity": ("capacity_bytes", _size),
+        "slab": ("slab_bytes", _size),
+        "prefault": ("prefault", _bool),
+        "policy": ("policy", _str),
+        "high_watermark": ("high_watermark", _float),
     },
     "nvme": {
-        "path": ("path", str),
-        "capacity": ("capacity_bytes", parse_size),
-        "codec": ("codec", str),
-        "write_through": ("write_through", bool),
-        "durable_puts": ("durable_puts", bool),
-        "direct_io": ("direct_io", bool),
-        "io_threads": ("io_threads", int),
-        "policy": ("policy", str),
+        "path": ("path", _str),
+        "capacity": ("capacity_bytes", _size),
+        "codec": ("codec", _str),
+        "write_through": ("write_through", _bool),
+        "durable_puts": ("durable_puts", _bool),
+        "direct_io": ("direct_io", _bool),
+        "io_threads": ("io_threads", _int),
+        "policy": ("policy", _str),
     },
     "redis": {
-        "url": ("url", str),
-        "timeout_s": ("timeout_s", float),
-        "write_through": ("write_through", bool),
-        "ttl_s": ("ttl_s", float),
-        "max_bytes_per_namespace": ("max_bytes_per_namespace", parse_size),
-        "key_prefix": ("key_prefix", str),
-        "codec": ("codec", str),
-        "mac_key_file": ("mac_key_file", str),
+        "url": ("url", _str),
+        "timeout_s": ("timeout_s", _float),
+        "write_through": ("write_through", _bool),
+        "ttl_s": ("ttl_s", _float),
+        "max_bytes_per_namespace": ("max_bytes_per_namespace", _size),
+        "key_prefix": ("key_prefix", _str),
+        "codec": ("codec", _str),
+        "mac_key_file": ("mac_key_file", _str),
     },
 }
 
@@ -615,12 +735,15 @@ def _access(value: Any, source: str) -> tuple[AccessRule, ...]:
         unknown = set(entry) - _ACCESS_KEYS
         if unknown:
             raise ValueError(f"{source}: unknown keys in access[{i}]: {sorted(unknown)}")
-        kwargs: dict[str, Any] = {"name": str(entry.get("name", f"access[{i}]"))}
+        where = f"{source}: access[{i}]"
+        kwargs: dict[str, Any] = {
+            "name": _convert(_str, entry.get("name", f"access[{i}]"), f"{where}.name")
+        }
         for key in ("uids", "gids"):
-            kwargs[key] = tuple(int(x) for x in entry.get(key, ()))
+            kwargs[key] = _int_list(entry.get(key, []), f"{where}.{key}")
         for key in ("tokens", "cert_names", "tenants"):
-            kwargs[key] = tuple(str(x) for x in entry.get(key, ()))
-        kwargs["role"] = str(entry.get("role", "user"))
+            kwargs[key] = _str_list(entry.get(key, []), f"{where}.{key}")
+        kwargs["role"] = _convert(_str, entry.get("role", "user"), f"{where}.role")
         rules.append(AccessRule(**kwargs))
     return tuple(rules)
 
@@ -638,7 +761,8 @@ def _codec_rules(value: Any, source: str) -> tuple[CodecRule, ...]:
         unknown = set(entry) - _CODEC_RULE_KEYS
         if unknown:
             raise ValueError(f"{source}: unknown keys in codecs[{i}]: {sorted(unknown)}")
-        rules.append(CodecRule(**{k: str(v) for k, v in entry.items()}))
+        where = f"{source}: codecs[{i}]"
+        rules.append(CodecRule(**{k: _convert(_str, v, f"{where}.{k}") for k, v in entry.items()}))
     return tuple(rules)
 
 
@@ -653,8 +777,8 @@ def _shared(value: Any, source: str) -> tuple[tuple[str, SharedTenant], ...]:
             (
                 str(name),
                 SharedTenant(
-                    readers=tuple(str(x) for x in entry.get("readers", ())),
-                    writers=tuple(str(x) for x in entry.get("writers", ())),
+                    readers=_str_list(entry.get("readers", []), f"{source}: shared.{name}.readers"),
+                    writers=_str_list(entry.get("writers", []), f"{source}: shared.{name}.writers"),
                 ),
             )
         )
@@ -663,14 +787,14 @@ def _shared(value: Any, source: str) -> tuple[tuple[str, SharedTenant], ...]:
 
 # [tenants.NAME] and [tenants.NAME.namespace] keys -> Quota fields.
 _QUOTA_KEYS: dict[str, tuple[str, Any]] = {
-    "quota_cpu": ("cpu_bytes", parse_size),
-    "quota_nvme": ("nvme_bytes", parse_size),
-    "quota_redis": ("redis_bytes", parse_size),
-    "max_pinned": ("pinned_bytes", parse_size),
-    "max_leases": ("leases", int),
-    "max_reservations": ("reservations", int),
-    "keys_per_s": ("keys_per_s", float),
-    "keys_burst": ("keys_burst", int),
+    "quota_cpu": ("cpu_bytes", _size),
+    "quota_nvme": ("nvme_bytes", _size),
+    "quota_redis": ("redis_bytes", _size),
+    "max_pinned": ("pinned_bytes", _size),
+    "max_leases": ("leases", _int),
+    "max_reservations": ("reservations", _int),
+    "keys_per_s": ("keys_per_s", _float),
+    "keys_burst": ("keys_burst", _int),
 }
 _GUARANTEE_KEYS = {
     "guaranteed_cpu": "guaranteed_cpu_bytes",
@@ -682,10 +806,7 @@ def _quota(entry: dict[str, Any], where: str) -> Quota:
     kwargs = {}
     for key, value in entry.items():
         name, convert = _QUOTA_KEYS[key]
-        try:
-            kwargs[name] = convert(value)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where}.{key}: {exc}") from None
+        kwargs[name] = _convert(convert, value, f"{where}.{key}")
     try:
         return Quota(**kwargs)
     except ValueError as exc:
@@ -714,10 +835,7 @@ def _tenants(value: Any, source: str) -> tuple[TenantQuota, ...]:
         guarantees = {}
         for key, field_name in _GUARANTEE_KEYS.items():
             if key in entry:
-                try:
-                    guarantees[field_name] = parse_size(entry.pop(key))
-                except (TypeError, ValueError) as exc:
-                    raise ValueError(f"{where}.{key}: {exc}") from None
+                guarantees[field_name] = _convert(_size, entry.pop(key), f"{where}.{key}")
         try:
             out.append(
                 TenantQuota(
@@ -734,11 +852,11 @@ def _tenants(value: Any, source: str) -> tuple[TenantQuota, ...]:
 
 def _fields(data: dict[str, Any], section: str, source: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for key, value in _section(data, section).items():
+    for key, value in _section(data, section, source).items():
         if key not in _KEYS[section]:
             raise ValueError(f"{source}: unknown key {section}.{key}")
         name, convert = _KEYS[section][key]
-        out[name] = convert(value)
+        out[name] = _convert(convert, value, f"{source}: {section}.{key}")
     return out
 
 
@@ -746,54 +864,88 @@ def _apply(base: DaemonConfig, data: dict[str, Any], source: str) -> DaemonConfi
     unknown = set(data) - set(_KEYS) - {"access", "shared", "codecs", "tenants"}
     if unknown:
         raise ValueError(f"{source}: unknown config sections {sorted(unknown)}")
-    auth = dataclasses.replace(base.auth, **_fields(data, "auth", source))
-    if "access" in data:
-        auth = dataclasses.replace(auth, access=_access(data["access"], source))
-    if "shared" in data:
-        auth = dataclasses.replace(auth, shared=_shared(data["shared"], source))
-    if "codecs" in data:
-        base = dataclasses.replace(base, codecs=_codec_rules(data["codecs"], source))
+    # Every value converted first (an error names its key), then the dataclasses built (an
+    # error of theirs, a bound or a combination, names the file).
+    fields = {section: _fields(data, section, source) for section in _KEYS}
+    access = _access(data["access"], source) if "access" in data else base.auth.access
+    shared = _shared(data["shared"], source) if "shared" in data else base.auth.shared
+    codecs = _codec_rules(data["codecs"], source) if "codecs" in data else base.codecs
     tenants = _tenants(data["tenants"], source) if "tenants" in data else base.tenants
-    return dataclasses.replace(
-        base,
-        auth=auth,
-        tenants=tenants,
-        connections=dataclasses.replace(base.connections, **_fields(data, "connections", source)),
-        gpu=dataclasses.replace(base.gpu, **_fields(data, "gpu", source)),
-        cpu=dataclasses.replace(base.cpu, **_fields(data, "cpu", source)),
-        nvme=dataclasses.replace(base.nvme, **_fields(data, "nvme", source)),
-        redis=dataclasses.replace(base.redis, **_fields(data, "redis", source)),
-        limits=dataclasses.replace(base.limits, **_fields(data, "limits", source)),
-        **_fields(data, "daemon", source),
-    )
+    try:
+        auth = dataclasses.replace(base.auth, **fields["auth"])
+        auth = dataclasses.replace(auth, access=access, shared=shared)
+        return dataclasses.replace(
+            base,
+            auth=auth,
+            codecs=codecs,
+            tenants=tenants,
+            connections=dataclasses.replace(base.connections, **fields["connections"]),
+            gpu=dataclasses.replace(base.gpu, **fields["gpu"]),
+            cpu=dataclasses.replace(base.cpu, **fields["cpu"]),
+            nvme=dataclasses.replace(base.nvme, **fields["nvme"]),
+            redis=dataclasses.replace(base.redis, **fields["redis"]),
+            limits=dataclasses.replace(base.limits, **fields["limits"]),
+            **fields["daemon"],
+        )
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
 
 
 def default_config_text() -> str:
     return (resources.files("kvstore.configs") / "default.toml").read_text()
 
 
+def _env_override(cfg: DaemonConfig, variable: str, value: str) -> DaemonConfig:
+    """``cfg`` with the ``KVSTORE_*`` variable applied; an error names the variable."""
+    try:
+        if variable == "KVSTORE_CPU_CAPACITY":
+            cpu = dataclasses.replace(cfg.cpu, capacity_bytes=_size(value))
+            return dataclasses.replace(cfg, cpu=cpu)
+        if variable == "KVSTORE_GPU":
+            return dataclasses.replace(
+                cfg, gpu=dataclasses.replace(cfg.gpu, enabled=_gpu_mode(value))
+            )
+        if variable == "KVSTORE_REDIS_URL":
+            return dataclasses.replace(cfg, redis=dataclasses.replace(cfg.redis, url=value))
+        if variable == "KVSTORE_METRICS_ADDRESS":
+            return dataclasses.replace(cfg, metrics_address=value)
+        if variable == "KVSTORE_NVME_PATH":
+            return dataclasses.replace(cfg, nvme=dataclasses.replace(cfg.nvme, path=value))
+    except ValueError as exc:
+        raise ValueError(f"{variable}: {exc}") from None
+    raise AssertionError(variable)
+
+
+_ENV_OVERRIDES = (
+    "KVSTORE_CPU_CAPACITY",
+    "KVSTORE_GPU",
+    "KVSTORE_REDIS_URL",
+    "KVSTORE_METRICS_ADDRESS",
+    "KVSTORE_NVME_PATH",
+)
+
+
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        try:
+            return tomllib.load(f)
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not valid TOML: {exc}") from None
+
+
 def load_config(
     path: str | Path | None = None, env: Mapping[str, str] | None = None
 ) -> DaemonConfig:
-    """The embedded default, overlaid by ``path`` (if given) and ``KVSTORE_*`` variables."""
+    """The embedded default, overlaid by ``path`` (if given) and ``KVSTORE_*`` variables.
+
+    A value of the wrong type or out of range raises ValueError naming its key (or variable);
+    an unreadable file, OSError."""
     cfg = _apply(DaemonConfig(), tomllib.loads(default_config_text()), "default config")
     if path is not None:
-        with open(path, "rb") as f:
-            cfg = _apply(cfg, tomllib.load(f), str(path))
+        cfg = _apply(cfg, _read_toml(path), str(path))
     if env is None:
         env = os.environ
-    if env.get("KVSTORE_CPU_CAPACITY"):
-        cpu = dataclasses.replace(cfg.cpu, capacity_bytes=parse_size(env["KVSTORE_CPU_CAPACITY"]))
-        cfg = dataclasses.replace(cfg, cpu=cpu)
-    if env.get("KVSTORE_GPU"):
-        gpu = dataclasses.replace(cfg.gpu, enabled=_gpu_mode(env["KVSTORE_GPU"]))
-        cfg = dataclasses.replace(cfg, gpu=gpu)
-    if env.get("KVSTORE_REDIS_URL"):
-        redis = dataclasses.replace(cfg.redis, url=env["KVSTORE_REDIS_URL"])
-        cfg = dataclasses.replace(cfg, redis=redis)
-    if env.get("KVSTORE_METRICS_ADDRESS"):
-        cfg = dataclasses.replace(cfg, metrics_address=env["KVSTORE_METRICS_ADDRESS"])
-    if env.get("KVSTORE_NVME_PATH"):
-        nvme = dataclasses.replace(cfg.nvme, path=env["KVSTORE_NVME_PATH"])
-        cfg = dataclasses.replace(cfg, nvme=nvme)
+    for variable in _ENV_OVERRIDES:
+        if env.get(variable):
+            cfg = _env_override(cfg, variable, env[variable])
     return cfg
