@@ -508,6 +508,14 @@ class DaemonConfig:
                 split_host_port(self.metrics_address)
             except ValueError as exc:
                 raise ValueError(f"metrics_address: {exc}") from None
+            if self.auth.has_policy and not any(
+                r.role == "operator" and r.tokens for r in self.auth.access
+            ):
+                raise ValueError(
+                    "metrics_address: with a tenant policy ([[access]]), /metrics lists every "
+                    "tenant's namespaces and is served only to a bearer token of an [[access]] "
+                    'rule with role = "operator"; the policy names none'
+                )
         self._check_tenants()
         self._check_cpu_codecs()
 

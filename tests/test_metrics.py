@@ -23,7 +23,7 @@ import pytest
 from conftest import SMALL_LAYOUT, DaemonProcess, config_toml, kv_channel, random_blocks, tokens
 
 from kvstore import KVStoreClient
-from kvstore.config import DaemonConfig, load_config, split_host_port
+from kvstore.config import AccessRule, AuthConfig, DaemonConfig, load_config, split_host_port
 from kvstore.daemon.metrics import (
     MAX_CONNECTIONS,
     READ_TIMEOUT_S,
@@ -471,6 +471,73 @@ def test_metrics_address_config() -> None:
     for bad in ("9464", "host:", "host:port", "::1:9464", "h:70000"):
         with pytest.raises(ValueError, match="metrics_address"):
             DaemonConfig(metrics_address=bad)
+
+
+def test_with_tenants_metrics_are_served_only_to_an_operators_token(tmp_path: Path) -> None:
+    """/metrics names every tenant's namespaces and shows the tiers' counters, which Stats
+    shows only to operators. With a tenant policy it was served to anyone who could reach
+    the port (any local user of 127.0.0.1): now only to an operator's bearer token."""
+    import os
+
+    ops, alice = "ops-" + "o" * 32, "alice-" + "a" * 32
+    (tmp_path / "ops.token").write_text(ops)
+    (tmp_path / "alice.token").write_text(alice)
+    policy = f"""
+[auth]
+tokens = {{ ops = "file:{tmp_path / "ops.token"}", alice = "file:{tmp_path / "alice.token"}" }}
+
+[[access]]
+name = "operators"
+uids = [{os.getuid()}]
+tokens = ["ops"]
+tenants = ["bob"]
+role = "operator"
+
+[[access]]
+name = "alice"
+tokens = ["alice"]
+tenants = ["alice"]
+"""
+    port = free_port()
+    directory = tmp_path / "d"
+    directory.mkdir()
+    process = DaemonProcess(
+        directory,
+        config_toml() + policy,
+        extra_args=["--metrics-address", f"127.0.0.1:{port}"],
+    ).start()
+    try:
+        d = MetricsDaemon(process, port)
+        with KVStoreClient(d.address, layout=SMALL_LAYOUT, model="secret", tenant="bob") as kv:
+            kv.put(kv.hash_tokens(tokens(2)), random_blocks(SMALL_LAYOUT, 2))
+
+        def get(token: str | None) -> tuple[int, dict[str, str], bytes]:
+            request = urllib.request.Request(d.url("/metrics"))
+            if token is not None:
+                request.add_header("Authorization", f"Bearer {token}")
+            try:
+                with urllib.request.urlopen(request, timeout=10) as reply:
+                    return reply.status, dict(reply.headers), reply.read()
+            except urllib.error.HTTPError as err:
+                return err.code, dict(err.headers), err.read()
+
+        for token in (None, alice, "wrong-" + "w" * 32, ""):
+            status, headers, body = get(token)
+            assert status == 401, token
+            assert headers["WWW-Authenticate"].startswith("Bearer")
+            assert b"secret" not in body and b"kvstore_tier" not in body
+        status, _, body = get(ops)
+        assert status == 200 and b"secret" in body and b"kvstore_tier_hits_total" in body
+        assert d.get("/healthz")[0] == 200  # up or down only: open
+    finally:
+        process.stop()
+
+
+def test_metrics_with_tenants_need_an_operator_token_in_the_policy() -> None:
+    policy = AuthConfig(access=(AccessRule(name="a", uids=(1000,), tenants=("a",)),))
+    with pytest.raises(ValueError, match='role = "operator"'):
+        DaemonConfig(metrics_address="127.0.0.1:9464", auth=policy)
+    assert DaemonConfig(auth=policy).metrics_address == ""  # no endpoint: nothing to guard
 
 
 # ---------------------------------------------------------------- the format itself

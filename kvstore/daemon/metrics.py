@@ -424,6 +424,7 @@ def render_metrics(
 _REASONS = {
     200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
     404: "Not Found",
     405: "Method Not Allowed",
     408: "Request Timeout",
@@ -439,16 +440,24 @@ class _BadRequest(Exception):
 class MetricsServer:
     """``GET /metrics`` and ``GET /healthz`` over HTTP/1.x on ``address`` (host:port).
 
-    ``render``: the exposition text; ``healthy``: whether /healthz answers 200 (else 503). One
+    ``render``: the exposition text; ``healthy``: whether /healthz answers 200 (else 503);
+    ``authorize``: given a request's ``Authorization`` header (None: it sent none), whether
+    it may read /metrics (None: anyone may, as on a single-user daemon; with a tenant policy the
+    text names every tenant's namespaces). /healthz says nothing but up or down: open. One
     request per connection (the reply says ``Connection: close``).
     """
 
     def __init__(
-        self, address: str, render: Callable[[], str], healthy: Callable[[], bool]
+        self,
+        address: str,
+        render: Callable[[], str],
+        healthy: Callable[[], bool],
+        authorize: Callable[[str | None], bool] | None = None,
     ) -> None:
         self.address = address
         self._render = render
         self._healthy = healthy
+        self._authorize = authorize
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
@@ -504,7 +513,7 @@ class MetricsServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             async with asyncio.timeout(READ_TIMEOUT_S):
-                method, path = await _read_request(reader)
+                method, path, authorization = await _read_request(reader)
         except TimeoutError:
             await _respond(writer, 408, "request not received in time\n")
             return
@@ -518,6 +527,15 @@ class MetricsServer:
             return
         path = path.split("?", 1)[0]
         if path == "/metrics":
+            if self._authorize is not None and not self._authorize(authorization):
+                await _respond(
+                    writer,
+                    401,
+                    "a bearer token of an operator is needed: this daemon has tenants\n",
+                    head=head,
+                    extra_headers=('WWW-Authenticate: Bearer realm="kvstore"',),
+                )
+                return
             try:
                 body = self._render()
             except Exception:
@@ -534,9 +552,10 @@ class MetricsServer:
             await _respond(writer, 404, "not found: try /metrics or /healthz\n", head=head)
 
 
-async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str]:
-    """(method, path) of one request; its headers are read (bounded) and ignored. The request
-    line is checked first, so bytes that are not HTTP are refused without waiting for more."""
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, str | None]:
+    """(method, path, Authorization header or None) of one request; its other headers are read
+    (bounded) and ignored. The request line is checked first, so bytes that are not HTTP are
+    refused without waiting for more."""
     total = 0
 
     async def line() -> bytes:
@@ -557,9 +576,12 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str]:
         raise _BadRequest("malformed request line")
     if not parts[0].isascii() or not parts[0].isalpha():
         raise _BadRequest("malformed method")
-    while (await line()).strip():
-        pass
-    return parts[0].upper(), parts[1]
+    authorization = None
+    while header := (await line()).strip():
+        name, _, value = header.decode("latin-1").partition(":")
+        if name.strip().lower() == "authorization":
+            authorization = value.strip()
+    return parts[0].upper(), parts[1], authorization
 
 
 async def _discard_input(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

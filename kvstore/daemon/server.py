@@ -118,6 +118,22 @@ def _prepare_unix_socket(path: str, shared: bool) -> None:
             probe.close()
 
 
+def _operator_token_check(policy: Policy) -> Callable[[str | None], bool]:
+    """Whether an HTTP ``Authorization`` header carries the bearer token of an operator: with
+    a tenant policy, /metrics lists every tenant's namespaces and the tiers' counters, which
+    ``Stats`` shows only to operators."""
+
+    def authorized(header: str | None) -> bool:
+        scheme, _, value = (header or "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        name = policy.token_name(value.strip().encode("utf-8"))
+        principal = policy.for_token(name) if name is not None else None
+        return principal is not None and principal.operator
+
+    return authorized
+
+
 class Daemon:
     """Owns the server, the store and the background tasks of one daemon process."""
 
@@ -167,7 +183,10 @@ class Daemon:
             # Bound first: a taken port fails the start before the arena and the socket exist.
             self.rpc_metrics = RpcMetrics(METHOD_NAMES)
             self.metrics_server = MetricsServer(
-                self.config.metrics_address, self.render_metrics, lambda: self._serving
+                self.config.metrics_address,
+                self.render_metrics,
+                lambda: self._serving,
+                _operator_token_check(self.policy) if self.policy.enabled else None,
             )
             await self.metrics_server.start()
         try:
