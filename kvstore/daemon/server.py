@@ -32,6 +32,7 @@ from kvstore.daemon.local_calls import LocalCalls
 from kvstore.daemon.metrics import MetricsServer, RpcMetrics, RpcMetricsInterceptor, render_metrics
 from kvstore.daemon.service import KVStoreServicer, add_to_server
 from kvstore.daemon.session import SessionServer
+from kvstore.daemon.side_streams import SideStreamGuard
 from kvstore.daemon.store import BlockStore
 from kvstore.units import format_size
 from kvstore.v1 import kvstore_pb2 as pb
@@ -235,7 +236,8 @@ class Daemon:
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
         ]
-        interceptors = []
+        side_streams = SideStreamGuard(SERVICE_NAME)
+        interceptors: list[grpc.aio.ServerInterceptor] = [side_streams]
         if self.rpc_metrics is not None:
             interceptors.append(RpcMetricsInterceptor(self.rpc_metrics, SERVICE_NAME))
         self.server = grpc.aio.server(
@@ -261,6 +263,7 @@ class Daemon:
             session_principal=sessions.principal if sessions is not None else lambda t: None,
         )
         self.servicer = KVStoreServicer(self.store, auth)
+        side_streams.authenticate = auth.principal
         if sessions is not None:
             # Before any await: every session that connects from now on is offered them.
             observe = self.rpc_metrics.observe if self.rpc_metrics is not None else None
