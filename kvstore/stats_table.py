@@ -91,6 +91,7 @@ _EXTRA_LABELS = {
     "compression_ratio": "io ratio",
     "prefetch_hits": "prefetch hits",
     "io_errors": "io errors",
+    "lossy_refused": "lossy records refused",
     "skipped_while_down": "calls skipped while down",
     "reconnects": "reconnects",
 }

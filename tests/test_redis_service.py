@@ -181,3 +181,29 @@ def test_blocks_queued_during_an_outage_survive_eviction_until_redis_is_back(
         redis_server.start()
         wait_for(lambda: kv_b.lookup(during) == 4, what="queued blocks reaching redis")
         assert same_bytes(kv_b.get(during), during_blocks)
+
+
+def test_a_host_configured_lossless_never_serves_another_hosts_fp8_form(
+    daemon_factory, redis_server
+) -> None:
+    """Host a's operator chose fp8 for the namespace's Redis values; host b's chose nothing
+    (lossless). b served a's fp8 form, decoded: bytes other than those committed, to a
+    namespace its operator never made lossy. Now a lossy value is a miss on b; a host that
+    chose fp8 too still reads it."""
+    rule = '\n[[codecs]]\nmodel = "test-model"\nredis = "fp8"\n'
+    a = daemon_factory(redis_url=redis_server.url, extra=rule)
+    b = daemon_factory(redis_url=redis_server.url)
+    c = daemon_factory(redis_url=redis_server.url, extra=rule)
+    blocks = random_blocks(SMALL_LAYOUT, 4, seed=1)
+    with client(a) as kv_a, client(b) as kv_b, client(c) as kv_c:
+        keys = kv_a.hash_tokens(tokens(4))
+        assert kv_a.put(keys, blocks) == 4
+        wait_for(lambda: tiers(kv_a)["redis"].demotions >= 4, what="write-through to redis")
+        assert kv_b.get(keys).shape[0] == 0  # a miss, never the fp8 form
+        redis_b = tiers(kv_b)["redis"]
+        assert redis_b.extra["lossy_refused"] >= 1  # counted, not as damage
+        assert redis_b.checksum_failures == 0
+        got = kv_c.get(keys)  # a lossy host reads the fp8 form, as its operator chose
+        assert got.shape[0] == 4 and not same_bytes(got, blocks)
+        kv_b.put(keys, blocks)  # b's own exact blocks serve b
+        assert same_bytes(kv_b.get(keys), blocks)

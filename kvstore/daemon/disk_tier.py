@@ -58,6 +58,8 @@ class DiskSlots:
         }
         extra["prefetch_hits"] = float(self.counters.prefetch_hits)
         extra["io_errors"] = float(self.counters.io_errors)
+        if self.counters.lossy_refused:
+            extra["lossy_refused"] = float(self.counters.lossy_refused)
         return TierSnapshot(
             "nvme",
             int(stats["capacity_bytes"]),

@@ -51,6 +51,14 @@ def encode_payload_privately(
     return sums
 
 
+REFUSED_LOSSY = "refused: lossy"
+"""What a promotion reads of a lossy disk record of a namespace configured lossless here."""
+
+
+async def _refused_lossy() -> str:
+    return REFUSED_LOSSY
+
+
 class Mover:
     """See the module docstring. Created by the store; ``start``/``stop`` bracket its life."""
 
@@ -675,15 +683,19 @@ class Mover:
                     for i in todo
                 ]
                 # Each read: the checksum its bytes were verified against, or for a payload
-                # (decoded-form checksum, payload checksum); None: a miss.
-                reads: list[Awaitable[int | tuple[int, int] | None]] = []
+                # (decoded-form checksum, payload checksum); None: a miss; REFUSED_LOSSY: not
+                # read, a lossy record of a namespace configured lossless here.
+                reads: list[Awaitable[int | tuple[int, int] | str | None]] = []
                 lossless: dict[int, int] = {}  # j -> checksum of the lossless record read
+                exact = not store.accepts_lossy(first)
                 for j, ((disk, key, fp), offset, i) in enumerate(
                     zip(idents, offsets, todo, strict=False)
                 ):
                     view = store.arena.view[offset : offset + block_bytes]
                     args = (disk, key, fp, index.checksum[eids[i]], view)
-                    if not first.cpu_codec:
+                    if exact and tier.codec_of(disk) in LOSSY:
+                        reads.append(_refused_lossy())  # never read: dropped in _take_read
+                    elif not first.cpu_codec:
                         reads.append(tier.read_into_checked(*args))
                     elif tier.codec_of(disk) in LOSSY:
                         reads.append(self._read_payload(tier, *args))
@@ -741,6 +753,12 @@ class Mover:
         if not index.has_key(e, index.ns[e], key) or index.state[e] != State.COMMITTED:
             return False  # deleted while reading: the slot goes back to the pool
         if index.tier[e] & IN_CPU:
+            return False
+        if ok is REFUSED_LOSSY:
+            # A lossy form of a namespace configured lossless here: not its committed bytes.
+            # Dropped, so a put stores the block exactly again.
+            store.nvme_counters.lossy_refused += 1
+            store.forget(e)
             return False
         if ok is None or isinstance(ok, BaseException):
             # Corrupt, torn or unreadable on disk: a miss, counted.

@@ -154,7 +154,9 @@ class SharedTier:
             for part in self._batches(list(range(len(eids))), bb):
                 try:
                     sums += await self.tier.get_into_checked(
-                        record.fingerprint, [(keys_of[i], None, views[i]) for i in part]
+                        record.fingerprint,
+                        [(keys_of[i], None, views[i]) for i in part],
+                        lossy=store.accepts_lossy(record),
                     )
                 except RedisTierUnavailable:
                     self.skipped += 1

@@ -54,6 +54,7 @@ def tier_snapshots(store: BlockStore) -> list[TierSnapshot]:
                 "reconnects",
                 "unavailable",
                 "mac_failures",
+                "lossy_refused",
             )
         }
         extra["skipped_while_down"] = float(store.shared.skipped)

@@ -92,6 +92,7 @@ from kvstore.presence import PresenceTable, fingerprints
 from kvstore.tiers.codecs import (
     CODEC_FP8,
     CODEC_NONE,
+    LOSSY,
     BlockFormat,
     block_format_of,
     codec_id,
@@ -424,6 +425,15 @@ class BlockStore:
                     name = getattr(rule, tier) or default
                     break
         return codec_id(name), None if ns is None else block_format_of(ns.layout)
+
+    def accepts_lossy(self, record: NamespaceRecord) -> bool:
+        """Whether a read of ``record``'s blocks may yield a lossy codec's decoded form: where
+        this host's configuration chose a lossy codec for one of the namespace's tiers. Of a
+        namespace configured lossless here, a lossy record (one an earlier rule wrote down, or
+        another host wrote to Redis) is a miss: it reads exactly its committed bytes."""
+        if record.cpu_codec:
+            return True
+        return any(self.codec_of(record, tier)[0] in LOSSY for tier in ("nvme", "redis"))
 
     def cpu_codec_for(self, namespace: Namespace) -> tuple[int, int]:
         """(codec, payload bytes) of a namespace's CPU-tier entries (``[[codecs]]`` cpu): fp8

@@ -15,6 +15,7 @@ class TierCounters:
     checksum_failures: int = 0
     prefetch_hits: int = 0
     io_errors: int = 0
+    lossy_refused: int = 0  # lossy records of namespaces configured lossless: misses, dropped
 
 
 @dataclass

@@ -153,6 +153,7 @@ class RedisTier:
                 "bytes_read",
                 "checksum_failures",
                 "mac_failures",
+                "lossy_refused",
                 "errors",
                 "reconnects",
                 "evictions",
@@ -391,11 +392,15 @@ class RedisTier:
         return [c is not None for c in await self.get_into_checked(namespace, items)]
 
     async def get_into_checked(
-        self, namespace: bytes, items: Sequence[tuple[bytes, int | None, Any]]
+        self,
+        namespace: bytes,
+        items: Sequence[tuple[bytes, int | None, Any]],
+        lossy: bool = True,
     ) -> list[int | None]:
         """``get_into``, returning for each item the checksum that ``out``'s bytes were verified
         against (``block_checksum(out, namespace, key)``), or None for a miss. Test ``is None``: a
-        checksum may be 0."""
+        checksum may be 0. ``lossy`` False: a value a lossy codec wrote is a miss (counted in
+        ``lossy_refused``), for a namespace this host keeps lossless."""
         prefix = fmt.namespace_prefix(self.key_prefix, fmt.check_namespace(namespace))
         names, outs = [], []
         for key, _, out in items:
@@ -414,7 +419,7 @@ class RedisTier:
             self._check_replies(results)
             return results
 
-        results = await self._call(run)
+        results = list(await self._call(run))
         stated: list[fmt.ValueHeader | None] = []
         decode: list[tuple[int, fmt.ValueHeader]] = []
         for i, ((key, expected, _), head, out, result) in enumerate(
@@ -429,6 +434,10 @@ class RedisTier:
                     self._counters["mac_failures"] += 1  # a value without a MAC
                 if h is not None and result != h.header_bytes + h.stored_length:
                     h = None
+                if h is not None and not lossy and h.codec in codecs.LOSSY:
+                    self._counters["lossy_refused"] += 1
+                    h = None
+                    results[i] = None  # a miss, not a failed verification
                 if h is not None and (h.codec != CODEC_NONE or h.header_bytes != len(head)):
                     decode.append((i, h))
             stated.append(h)
