@@ -23,6 +23,20 @@ message from the daemon is ``{"ok": true, "session": TOKEN, "principal": NAME, "
 or an error (then it closes). With ``calls`` true the connection also carries local calls
 (``kvstore.local_calls``): binary frames, one call in flight at a time, run as the session's
 principal.
+
+A descriptor sent and not yet received by the peer is *in flight*, and Linux charges it to the
+sender's user, the daemon's, up to the daemon's descriptor limit (``RLIMIT_NOFILE``); past it,
+every send of a descriptor fails (``ETOOMANYREFS``), for every client. So the daemon bounds them
+by construction: it sends a descriptor only when the peer has received everything sent to it
+before (``_unread``), hence at most one is in flight per connection, and a connection that
+still has something unread is never forgotten: when its session ends (its peer stopped
+reading, say) it stays counted toward ``connections.max_sessions`` (and its uid's half of it),
+shut both ways, its token refused, until its peer has read all of it or hung up (``_linger``).
+A request that comes while an earlier reply is unread waits for the peer to read it: a client
+that sends one request and reads its reply before the next (``kvstore.client.session``) is
+answered at once; one that still holds a local call's reply unread (an asyncio call in flight
+while another task maps a slab) is answered as soon as it reads it; one that leaves a reply
+unread for ``DRAIN_S`` is refused with a message and its session ends.
 """
 
 from __future__ import annotations
@@ -30,14 +44,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
 import secrets
 import socket
 import struct
+import termios
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore import local_calls
 from kvstore.daemon.auth import SESSION_TOKEN_BYTES, Policy, Principal
@@ -48,7 +65,16 @@ from kvstore.tiers.cpu import SharedMemoryArena
 log = logging.getLogger(__name__)
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+_INT = struct.Struct("i")
+_SIOCOUTQ = termios.TIOCOUTQ  # the same request number for sockets (SIOCOUTQ)
 MAX_MESSAGE = 4096
+DRAIN_S = 5.0
+"""How long a session request waits for the peer to receive the daemon's earlier replies
+before the daemon refuses it and ends the session (a client reading its replies takes
+microseconds)."""
+LINGER_POLL_S = 1.0
+"""The longest pause between two looks at whether the peer of an ended session has received
+everything sent to it (or hung up): that session stays counted until it has."""
 
 PresenceOf = Callable[[Principal, bytes], "tuple[PresenceTable, bool]"]
 """(principal, handle token) -> (its namespace's presence table, ask the daemon on a miss);
@@ -65,6 +91,25 @@ class Session:
     principal: Principal
     pid: int
     uid: int
+    open: bool = True
+    """False once the session ended: its token is refused, and it is only still counted while
+    its peer has not received everything sent to it (``SessionServer._linger``)."""
+
+
+class _PeerBehind(Exception):
+    """The peer has not yet received everything sent to it: no descriptor may be sent now."""
+
+
+class _Stalled(OSError):
+    """The peer left a reply unread for ``DRAIN_S`` while a request of it waited."""
+
+
+def _unread(conn: socket.socket) -> int:
+    """What the daemon sent on ``conn`` that its peer has not received yet, in the kernel's
+    accounting of the send buffer: zero exactly when nothing is in flight to the peer (for a
+    unix socket, ``SIOCOUTQ`` counts the messages queued on the peer's end until it reads
+    them, or closes its end: the kernel drops them then)."""
+    return _INT.unpack(fcntl.ioctl(conn.fileno(), _SIOCOUTQ, bytes(_INT.size)))[0]
 
 
 class SessionServer:
@@ -101,9 +146,11 @@ class SessionServer:
     def principal(self, token: str) -> Principal | None:
         """The principal of the live session ``token`` names (None: unknown or closed)."""
         session = self._sessions.get(token)
-        return session.principal if session is not None else None
+        return session.principal if session is not None and session.open else None
 
     def __len__(self) -> int:
+        """Sessions counted toward ``max_sessions``: the open ones, and the ended ones whose
+        peer has not yet received everything sent to it."""
         return len(self._sessions)
 
     async def start(self) -> None:
@@ -151,38 +198,75 @@ class SessionServer:
     async def _serve(self, conn: socket.socket) -> None:
         token = ""
         try:
-            conn.setblocking(False)
-            pid, uid, gid = _UCRED.unpack(
-                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-            )
-            principal = self.policy.for_unix_peer(uid, gid)
-            if principal is None:
-                self._send(conn, {"ok": False, "code": "permission", "error": (
-                    f"uid {uid} (gid {gid}) is not in the daemon's tenant policy"
-                )})  # fmt: skip
-                return
-            # One user may hold at most half the sessions, so it cannot lock the others out.
-            mine = sum(1 for s in self._sessions.values() if s.uid == uid)
-            if len(self._sessions) >= self.max_sessions or mine >= max(1, self.max_sessions // 2):
-                self._send(conn, {"ok": False, "code": "exhausted", "error": (
-                    f"too many sessions ({len(self._sessions)} open, {mine} of uid {uid}; "
-                    f"connections.max_sessions is {self.max_sessions}, half of it per user)"
-                )})  # fmt: skip
-                return
-            token = secrets.token_hex(SESSION_TOKEN_BYTES)
-            principal = dataclasses.replace(principal, session=token)
-            self._sessions[token] = Session(token, principal, pid, uid)
-            calls = self.calls
-            self._send(conn, {
-                "ok": True, "session": token, "principal": principal.name,
-                "calls": calls is not None,
-            })  # fmt: skip
-            await self._read_messages(conn, self._sessions[token], calls)
-        except (OSError, ValueError) as exc:
-            log.debug("session ended: %s", exc)
+            session: Session | None = None
+            try:
+                conn.setblocking(False)
+                pid, uid, gid = _UCRED.unpack(
+                    conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+                )
+                principal = self.policy.for_unix_peer(uid, gid)
+                if principal is None:
+                    self._send(conn, {"ok": False, "code": "permission", "error": (
+                        f"uid {uid} (gid {gid}) is not in the daemon's tenant policy"
+                    )})  # fmt: skip
+                    return
+                # One user may hold at most half the sessions, so it cannot lock the others
+                # out. Ended sessions whose peer has not read all its replies count (_linger).
+                mine = sum(1 for s in self._sessions.values() if s.uid == uid)
+                if len(self._sessions) >= self.max_sessions or mine >= max(
+                    1, self.max_sessions // 2
+                ):
+                    ended = sum(1 for s in self._sessions.values() if not s.open)
+                    self._send(conn, {"ok": False, "code": "exhausted", "error": (
+                        f"too many sessions ({len(self._sessions)} open, {mine} of uid {uid}"
+                        + (f"; {ended} of them ended with replies their peer has not read "
+                           "yet, counted until it reads them or hangs up" if ended else "")
+                        + f"; connections.max_sessions is {self.max_sessions}, half of it "
+                        "per user)"
+                    )})  # fmt: skip
+                    return
+                token = secrets.token_hex(SESSION_TOKEN_BYTES)
+                principal = dataclasses.replace(principal, session=token)
+                session = self._sessions[token] = Session(token, principal, pid, uid)
+                calls = self.calls
+                self._send(conn, {
+                    "ok": True, "session": token, "principal": principal.name,
+                    "calls": calls is not None,
+                })  # fmt: skip
+                await self._read_messages(conn, session, calls)
+            except _Stalled as exc:
+                assert session is not None
+                log.info("session of uid %d (pid %d) ended: %s", session.uid, session.pid, exc)
+            except (OSError, ValueError) as exc:
+                log.debug("session ended: %s", exc)
+            if session is not None:
+                await self._linger(conn, session)
         finally:
             self._sessions.pop(token, None)
             conn.close()
+
+    async def _linger(self, conn: socket.socket, session: Session) -> None:
+        """The session has ended (its token is refused from now on); while its peer has not
+        received everything sent to it (a descriptor among it, perhaps: in flight, charged to
+        the daemon), it stays counted toward the session caps, so that a peer that stops
+        reading and keeps its end open cannot make the daemon forget its descriptors and take
+        more on a new connection. The connection is shut both ways: a peer that reads on gets
+        its replies, then end-of-file; its sends fail. Returns once the peer has received all
+        of it, or closed its end (the kernel drops what it had not read)."""
+        session.open = False
+        if not _unread(conn):
+            return
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+        # What the peer sent and the daemon did not read: dropped now (nothing more comes).
+        with contextlib.suppress(OSError):
+            for _ in range(100_000):
+                if not conn.recv(MAX_MESSAGE):
+                    break
+        delay = 0.001
+        while _unread(conn):
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, LINGER_POLL_S)
 
     async def _read_messages(
         self, conn: socket.socket, session: Session, calls: Calls | None
@@ -193,12 +277,14 @@ class SessionServer:
         flight per connection, as the client sends them: a message that comes while a call
         runs is held until that call is answered, and the connection is not read meanwhile.
         The reader stays registered across calls (a client waits for each reply, so nothing
-        comes in between): two epoll changes per call fewer than taking it off and back."""
+        comes in between): two epoll changes per call fewer than taking it off and back.
+        A session request whose answer carries a descriptor while the peer has not received
+        an earlier reply waits, the same way, until it has (``_answer_once_read``)."""
         loop = asyncio.get_running_loop()
         fd = conn.fileno()
         limit = local_calls.MAX_REQUEST_BYTES if calls is not None else MAX_MESSAGE
         ended: asyncio.Future[None] = loop.create_future()
-        running: asyncio.Future[bytes] | None = None  # the call in flight
+        running: asyncio.Future[Any] | None = None  # the call, or the request, in flight
         held: bytes | None = None  # a message that came while it ran
         reading = True
 
@@ -210,23 +296,35 @@ class SessionServer:
                 else:
                     ended.set_exception(exc)
 
-        def answer(reply: bytes) -> None:
-            """The running call's reply, from its task: send it, then serve what came meanwhile."""
+        def answer(reply: bytes | None) -> None:
+            """The running call's reply, from its task (None: the waiting request was
+            answered): send it, then serve what came meanwhile."""
             nonlocal running, held, reading
             running = None
             if ended.done():
                 return
-            try:
-                conn.send(reply)  # non-blocking, as _send
-            except BaseException as exc:  # ends the session, reported below
-                end(exc)
-                return
+            if reply is not None:
+                try:
+                    conn.send(reply)  # non-blocking, as _send
+                except BaseException as exc:  # ends the session, reported below
+                    end(exc)
+                    return
             if held is not None:
                 data, held = held, None
                 serve(data)
             if running is None and not reading and not ended.done():
                 loop.add_reader(fd, readable)
                 reading = True
+
+        def waited(task: asyncio.Future[None]) -> None:
+            """The request that waited for the peer to read was answered (or refused)."""
+            if task.cancelled():
+                return
+            exc = task.exception()
+            if exc is not None:
+                end(exc)
+            else:
+                answer(None)
 
         def readable() -> None:
             nonlocal held, reading
@@ -251,7 +349,16 @@ class SessionServer:
             nonlocal running, reading
             try:
                 if data[0] != local_calls.MAGIC or calls is None:
-                    self._answer(conn, session, data[:MAX_MESSAGE])
+                    try:
+                        self._answer(conn, session, data[:MAX_MESSAGE])
+                    except _PeerBehind:  # read no more until it has received the earlier ones
+                        running = asyncio.ensure_future(
+                            self._answer_once_read(conn, session, data[:MAX_MESSAGE])
+                        )
+                        running.add_done_callback(waited)
+                        if reading:
+                            loop.remove_reader(fd)
+                            reading = False
                     return
                 if len(data) > limit:  # truncated: the datagram was larger than allowed
                     call_id = local_calls.REQUEST.unpack_from(data)[2]
@@ -279,6 +386,32 @@ class SessionServer:
             if running is not None:
                 running.cancel()
 
+    async def _answer_once_read(self, conn: socket.socket, session: Session, data: bytes) -> None:
+        """Answer the session request ``data`` as soon as the peer has received every earlier
+        reply (nothing is sent on the connection meanwhile: it is not read), looking again
+        after 1 ms, 2 ms, ... up to 50 ms apart. After ``DRAIN_S``: refuse it with a message
+        (no descriptor) and end the session (``_Stalled``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DRAIN_S
+        delay = 0.001
+        while True:
+            await asyncio.sleep(delay)
+            if not _unread(conn):
+                with contextlib.suppress(_PeerBehind):  # not again: nothing was sent since
+                    self._answer(conn, session, data)
+                    return
+            if loop.time() >= deadline:
+                break
+            delay = min(2 * delay, 0.05)
+        message = (
+            f"an earlier reply on this session was still unread after {DRAIN_S:g} s; the "
+            "daemon sends a descriptor only once the peer has received every earlier reply: "
+            "read each reply before sending the next request. The session is closed"
+        )
+        with contextlib.suppress(BlockingIOError):
+            self._send(conn, {"ok": False, "code": "invalid", "error": message})
+        raise _Stalled(message)
+
     def _answer(self, conn: socket.socket, session: Session, data: bytes) -> None:
         try:
             request = json.loads(data)
@@ -299,12 +432,12 @@ class SessionServer:
                 f"slab {uid} is not available to this session"
             )})  # fmt: skip
             return
+        if _unread(conn):  # checked again as it is sent; here to export nothing meanwhile
+            raise _PeerBehind
         fd = self.arena.export(uid, writable=access)
         try:
             size = os.fstat(fd).st_size
-            socket.send_fds(
-                conn, [json.dumps({"ok": True, "size": size, "writable": access}).encode()], [fd]
-            )
+            self._send_fd(conn, {"ok": True, "size": size, "writable": access}, fd)
         finally:
             os.close(fd)
 
@@ -314,6 +447,8 @@ class SessionServer:
         if self.presence is None:
             self._send(conn, {"ok": False, "code": "invalid", "error": "no presence tables"})
             return
+        if _unread(conn):  # checked again as it is sent; here to export nothing meanwhile
+            raise _PeerBehind
         try:
             table, ask_on_miss = self.presence(session.principal, handle)
             fd = table.export()
@@ -327,9 +462,7 @@ class SessionServer:
             )})  # fmt: skip
             return
         try:
-            socket.send_fds(
-                conn, [json.dumps({"ok": True, "ask_on_miss": ask_on_miss}).encode()], [fd]
-            )
+            self._send_fd(conn, {"ok": True, "ask_on_miss": ask_on_miss}, fd)
         finally:
             os.close(fd)
 
@@ -348,5 +481,15 @@ class SessionServer:
 
     @staticmethod
     def _send(conn: socket.socket, message: dict[str, object]) -> None:
-        # Non-blocking: a client that does not read its replies fills its queue and is dropped.
+        # Non-blocking: a client that does not read its replies fills its queue, and its
+        # session ends (it stays counted while they are unread: _linger).
         conn.send(json.dumps(message).encode())
+
+    @staticmethod
+    def _send_fd(conn: socket.socket, message: dict[str, object], fd: int) -> None:
+        """Send ``message`` with descriptor ``fd``, only if the peer has received everything
+        sent to it before (``_PeerBehind`` if not): the one place a descriptor leaves the
+        daemon, so at most one is ever in flight on a connection (module docstring)."""
+        if _unread(conn):
+            raise _PeerBehind
+        socket.send_fds(conn, [json.dumps(message).encode()], [fd])
