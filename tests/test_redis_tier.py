@@ -810,6 +810,32 @@ async def test_values_of_every_codec_are_read_whatever_the_writer_is_configured_
         assert reader.stats()["checksum_failures"] == 0
 
 
+@pytest.mark.parametrize("drv", DRIVERS)
+async def test_a_lossless_reader_finds_and_reads_no_lossy_value(
+    server: RedisProc, drv: str
+) -> None:
+    """A reader of a namespace its host keeps lossless: a value a lossy codec wrote is absent
+    to ``contains`` and a miss to ``get_into_checked`` alike (its lookups said found while
+    every get missed); a lossy reader finds and reads every value."""
+    values = [kv_value(i) for i in range(4)]
+    async with opened(server.url, driver=drv) as tier:
+        for (k, data, c), name in zip(values, ("none", "lz4", "fp8", "none"), strict=True):
+            assert await tier.put(
+                NS, [(k, data, c)], codec=codecs.NAMES[name], block_format=CODEC_FMT
+            )
+        keys = [k for k, _, _ in values]
+        assert await tier.contains(NS, keys) == 4
+        assert await tier.contains(NS, keys, lossy=False) == 2  # the fp8 value ends the run
+        assert await tier.contains(NS, keys[3:], lossy=False) == 1
+        assert await tier.contains(NS, [key(99)], lossy=False) == 0  # absent
+        k, data, _ = values[2]
+        out = bytearray(len(data))
+        assert await tier.get_into_checked(NS, [(k, None, memoryview(out))], lossy=False) == [None]
+        assert tier.stats()["lossy_refused"] == 1 and tier.stats()["checksum_failures"] == 0
+        (got,) = await tier.get_into_checked(NS, [(k, None, memoryview(out))])
+        assert got is not None
+
+
 async def test_a_read_given_up_while_its_value_decodes_never_writes_the_buffer_afterwards(
     server: RedisProc, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -112,7 +112,8 @@ class SharedTier:
         from kvstore.tiers.redis import RedisTierUnavailable
 
         try:
-            return int(await self.tier.contains(record.fingerprint, keys))
+            lossy = self.store.accepts_lossy(record)
+            return int(await self.tier.contains(record.fingerprint, keys, lossy=lossy))
         except RedisTierUnavailable:
             self.skipped += 1
             return 0

@@ -261,19 +261,32 @@ class RedisTier:
             return
 
     # ------------------------------------------------------------------ calls
-    async def contains(self, namespace: bytes, keys: Sequence[bytes]) -> int:
-        """How many leading keys are present (one EXISTS each, one round trip). A key with an
-        error reply ends the run, as an absent one does."""
+    async def contains(self, namespace: bytes, keys: Sequence[bytes], lossy: bool = True) -> int:
+        """How many leading keys are present (one command each, one round trip). A key with an
+        error reply ends the run, as an absent one does. ``lossy`` False: a value a lossy
+        codec wrote counts as absent, as ``get_into_checked`` reads it (its codec byte is read
+        instead of asking whether the value exists: one byte a key)."""
         prefix = fmt.namespace_prefix(self.key_prefix, fmt.check_namespace(namespace))
         names = [fmt.block_name(prefix, fmt.check_key(k)) for k in keys]
         if not names:
             return 0
-        replies = await self._call(lambda: self._run([("EXISTS", n) for n in names]))
+        if lossy:
+            cmds: list[Command] = [("EXISTS", n) for n in names]
+        else:
+            at = fmt.CODEC_OFFSET
+            cmds = [("GETRANGE", n, at, at) for n in names]
+        replies = await self._call(lambda: self._run(cmds))
         found = 0
         for reply in replies:
             if isinstance(reply, Exception):
                 self._counters["errors"] += 1
-            if reply != 1:
+            if lossy and reply != 1:
+                break
+            if not lossy and (
+                not isinstance(reply, bytes | bytearray)
+                or len(reply) != 1
+                or reply[0] in codecs.LOSSY
+            ):
                 break
             found += 1
         return found

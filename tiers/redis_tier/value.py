@@ -41,6 +41,7 @@ _FIELDS = struct.Struct("<4sBBHQQQQ32s16s")
 _FIELDS_V2 = struct.Struct("<4sBBHQQ32s16s")
 _U64 = struct.Struct("<Q")
 HEADER_BYTES = _FIELDS.size + _U64.size
+CODEC_OFFSET = 5  # of the codec byte, in version 2 and 3 headers alike
 V2_HEADER_BYTES = _FIELDS_V2.size + _U64.size
 assert HEADER_BYTES == 96 and V2_HEADER_BYTES == 80
 KEYED = 1  # flags: the namespace field holds the value's MAC
