@@ -353,6 +353,32 @@ async def test_damaged_metadata_and_a_mistyped_capacity_are_refused_not_reformat
     assert [r.key for r in records] == [key(1)]
 
 
+async def test_a_file_that_never_held_a_record_is_still_formatted(opened, tmp_path):
+    """No slab or record page: a first format cut short (only copy A's first page reached
+    the disk), an empty tier whose both copies are damaged. (The refusal above took them for
+    tiers, and a power cut during a daemon's first start left it unable to start.)"""
+    tier, _ = await opened()
+    geo = tier.geometry
+    await tier.close()
+    path = tmp_path / "nvme" / FILE_NAME
+    formatted = path.read_bytes()
+    torn = bytearray(len(formatted))
+    torn[:64] = formatted[:64]  # a torn first page of copy A; nothing else written
+    path.write_bytes(bytes(torn))
+    tier, records = await opened()
+    assert records == []
+    await tier.close()
+    for copy in (0, 1):  # an empty tier, one byte of each copy damaged
+        flip(path, geo.meta_offset(copy) + 100)
+    tier, records = await opened()
+    assert records == []
+    await put(tier, 1, 8192)
+    await tier.close()
+    again, records = await opened()
+    assert [r.key for r in records] == [key(1)]
+    await again.close()
+
+
 async def test_a_blank_or_foreign_file_is_still_formatted(opened, tmp_path):
     """What no page of this format is in: a file of zeros, or of other bytes."""
     for content in (bytes(1 << 20), b"not a tier " * 100_000):

@@ -275,10 +275,10 @@ def starts_meta(page: Any) -> bool:
     return bytes(page[: len(_META_MAGIC)]) == _META_MAGIC
 
 
-def starts_ours(page: Any) -> bool:
-    """Whether ``page`` starts like a page this format writes (a metadata copy, a slab
-    descriptor, a record header), valid or not."""
-    return bytes(page[: len(_META_MAGIC)]) in (_META_MAGIC, _SLAB_MAGIC, _RECORD_MAGIC)
+def starts_slab_or_record(page: Any) -> bool:
+    """Whether ``page`` starts like a slab descriptor or a record header, valid or not: a
+    page only a tier that has stored blocks writes (a metadata copy alone proves no record)."""
+    return bytes(page[: len(_SLAB_MAGIC)]) in (_SLAB_MAGIC, _RECORD_MAGIC)
 
 
 def parse_meta(buf: Any) -> Meta | None:

@@ -75,18 +75,19 @@ slabs; the first slab descriptor follows the two copies)."""
 
 
 def _find_copy_b(fd: int, page0: bytes, geo: Geometry, size: int) -> tuple[fmt.Meta | None, bool]:
-    """(metadata copy B, whether the file holds pages of this format) of a file whose copy A
-    is damaged. B starts where A ends: where A's header says if it still reads, else where the
+    """(metadata copy B, whether the file may hold records) of a file whose copy A is
+    damaged. B starts where A ends: where A's header says if it still reads, else where the
     configured geometry puts it, else at the first page past A that starts like a copy (A's
     own pages after its first never do: they hold page counts and zeros). The search also
-    notes any page that starts like a slab descriptor or a record: a tier of this format,
-    which must never be taken for a blank file."""
+    notes any page that starts like a slab descriptor or a record: a tier that has stored
+    blocks, which must never be taken for a blank file. Damaged metadata alone is no such
+    sign (a first format cut short, an empty tier): that file is formatted again."""
     candidates = [n for n in (fmt.meta_length(page0), geo.meta_bytes) if n]
     for offset in dict.fromkeys(candidates):
         meta = _read_meta(fd, offset)
         if meta is not None:
             return meta, True
-    ours = fmt.starts_ours(page0)
+    ours = False
     chunk = 1 << 20
     for start in range(PAGE, min(size, MAX_META_SCAN), chunk):
         buf = bytes(_read(fd, min(chunk, size - start), start))
@@ -96,7 +97,7 @@ def _find_copy_b(fd: int, page0: bytes, geo: Geometry, size: int) -> tuple[fmt.M
                 meta = _read_meta(fd, start + at)
                 if meta is not None:
                     return meta, True
-            ours = ours or fmt.starts_ours(head)
+            ours = ours or fmt.starts_slab_or_record(head)
     return None, ours
 
 
@@ -139,9 +140,9 @@ def inspect(fd: int, geo: Geometry, path: str) -> Found:
             if (d.capacity_bytes, d.slab_bytes) != (geo.capacity_bytes, geo.slab_bytes):
                 raise _mismatch(path, d.capacity_bytes, d.slab_bytes, geo)
         if not mine and ours:
-            # Pages of this format that nothing at the configured geometry vouches for: a
-            # tier of another capacity or slab size whose metadata is damaged, or one whose
-            # every copy and descriptor is. Never reformatted: a typo must not wipe a tier.
+            # Slabs or records that nothing at the configured geometry vouches for: a tier of
+            # another capacity or slab size whose metadata is damaged, or one whose every copy
+            # and descriptor is. Never reformatted: a typo must not wipe a tier.
             raise NvmeFormatError(
                 f"{path} holds a tier whose metadata cannot be read and no slab descriptor of "
                 f"the configured {describe_size(geo.capacity_bytes)} in "
