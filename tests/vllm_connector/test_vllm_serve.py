@@ -150,12 +150,14 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return smollm2_dir(cache)
 
 
-def _stored_blocks(daemon: DaemonProcess) -> int:
+def _stored_blocks(daemon: DaemonProcess, model: Path) -> int:
+    """Blocks in the connector's namespaces of ``model``: named by the checkpoint, never by
+    the served name (``smollm2``, an alias)."""
     from kvstore.client.sync import KVStoreClient
     from kvstore.layout import KVLayout
 
     with KVStoreClient(daemon.address, layout=KVLayout(1, 1, 32, BLOCK), model="probe") as kv:
-        return sum(ns.blocks for ns in kv.stats().namespaces if ns.name.startswith("smollm2@"))
+        return sum(ns.blocks for ns in kv.stats().namespaces if ns.name.startswith(f"{model}@"))
 
 
 def test_vllm_serve_second_server_loads_the_conversation_history(
@@ -170,9 +172,9 @@ def test_vllm_serve_second_server_loads_the_conversation_history(
         n1 = r1["usage"]["prompt_tokens"]
         want = (n1 + r1["usage"]["completion_tokens"] - 1) // BLOCK
         deadline = time.monotonic() + 60  # saves are asynchronous
-        while _stored_blocks(daemon) < want and time.monotonic() < deadline:
+        while _stored_blocks(daemon, smollm2) < want and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _stored_blocks(daemon) >= want
+        assert _stored_blocks(daemon, smollm2) >= want
     finally:
         first.stop()
 

@@ -11,8 +11,15 @@ Options (``kv_connector_extra_config``; an unknown option is refused at start-up
 * ``address``: the daemon (default ``$KVSTORE_ADDRESS``, else the daemon's default socket).
 * ``tenant``, ``token``: the tenant the engine's blocks belong to and the credential the daemon
   asks for (see the daemon's tenant policy); every block of the engine lives in that tenant.
-* ``model``, ``revision``: the model identity in the namespace (default: vLLM's served model
-  name and revision). Engines that must share blocks must agree on them.
+* ``model``, ``revision``: the operator's declaration of which engines share blocks. Unset
+  (the default), the namespace names the checkpoint vLLM loads: its path or hub id (vLLM's
+  ``model``, never ``served_model_name``, an alias deployments of different weights may share),
+  vLLM's revision and a fingerprint of its weights (below), so engines share blocks only if
+  they load the same weights from the same path or hub id. Set, ``model`` and ``revision``
+  (default: vLLM's revision) name the namespace alone, as in earlier versions: every engine
+  given the same pair shares blocks whatever it loads. Give one pair only to engines of the
+  same weights (copies at other paths, re-sharded or converted checkpoints); give a new
+  ``revision`` whenever the weights change.
 * ``store``: ``"all"`` (default: every full block computed, prompt and generated, so the next
   turn of a conversation finds its history), ``"prompt"`` (prompt blocks only) or ``"none"``
   (load only).
@@ -47,14 +54,40 @@ What is stored, and under which keys:
   format (backend, shape, ISA) is written into the namespace's revision, which the namespace
   fingerprint covers: blocks of two formats live in two namespaces and can never be mixed.
 * Keys are vLLM's own block hashes (``request.block_hashes``), each hashed once more into a
-  32-byte kvstore key. vLLM's hashes chain every token of the prefix and already cover the LoRA
-  adapter (name and path), multimodal inputs (their hashes and positions), prompt embeddings
-  and ``cache_salt`` (in the first block, so every later block differs too): two salts, two
-  adapters or two images never share a block. The namespace adds what vLLM's hashes leave out:
-  model, layout, dtype, tenant, tensor-parallel rank and size (each rank stores its own shard
-  under its own namespace) and the hash algorithm (``prefix_caching_hash_algo``). With a
-  cryptographic algorithm (sha256, the default) every process computes the same hashes; with
-  xxhash vLLM seeds hashes per process unless ``PYTHONHASHSEED`` is set, and nothing is reused.
+  32-byte kvstore key. vLLM's hashes chain every token of the prefix and cover multimodal
+  inputs (their hashes and positions), prompt embeddings and ``cache_salt`` (in the first
+  block, so every later block differs too): two salts or two images never share a block.
+* LoRA: vLLM's hashes name the adapter, not its weights (vLLM 0.32 hashes its name and path,
+  earlier versions its name or a per-engine id), while kvstore is shared across engines, hosts
+  and restarts. A LoRA request's keys therefore also cover the adapter's identity: its name,
+  its path as vLLM was given it, and a fingerprint of its files (``weights_fingerprint``),
+  computed by the scheduler once per adapter and again whenever its files change (an adapter
+  reloaded in place). Two adapters behind one name (at two paths, on two hosts, or one replaced
+  at the same path) never share a block; copies of one adapter at one path on two hosts do.
+  The fingerprint is of the files on disk when a request is first scheduled: replace an
+  adapter's files only together with reloading it in vLLM (or put new weights at a new path). An
+  adapter the scheduler cannot read (not on its machine nor in its hub cache) gives its
+  requests no store access (no lookup, load or save; counted in ``adapters_unread``).
+  Requests without an adapter keep the keys of earlier versions.
+* The namespace adds what the keys leave out: the model (see ``model`` above: by default the
+  checkpoint's path or hub id, revision and weights fingerprint, with the quantization and
+  ``hf_overrides`` it runs with), layout, dtype, tenant, tensor-parallel rank and size (each
+  rank stores its own shard under its own namespace) and the hash algorithm
+  (``prefix_caching_hash_algo``). With a cryptographic algorithm (sha256, the default) every
+  process computes the same hashes; with xxhash vLLM seeds hashes per process unless
+  ``PYTHONHASHSEED`` is set, and nothing is reused.
+* The weights fingerprint is computed once at start-up by the scheduler and each worker,
+  from the files, never their paths or times (copies on two hosts agree): top-level JSON files
+  and files up to 1 MiB whole; of each larger safetensors file its header and 512 bytes at the
+  start, middle and end of every tensor (4096 tensors a file at most, evenly spaced); of other
+  weight files (``.bin``, ``.pt``, GGUF) the first 1 MiB and 64 samples of 4 KiB. Training
+  changes practically every value of a tensor it touches, so checkpoints that differ in any
+  safetensors tensor differ. It cannot see a change confined to bytes between its samples (a
+  few values edited inside a tensor, a non-safetensors file edited between samples), nor
+  weights changed inside a running engine (vLLM's weight updates, e.g. for RL): give such
+  deployments their own ``model``/``revision``. Weights not on local disk (streamed from object
+  storage) are fingerprinted by the checkpoint's local config files only; a checkpoint it
+  cannot read at all is named by path and revision only, with a warning.
 
 CPU engines: vLLM's CPU backend reserves one more core per worker for any KV connector, and on
 a machine with few cores then reserves none (the forward pass's OpenMP threads share their

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 from kvstore.client.sync import KVStoreClient
-from kvstore.integrations.vllm.identity import StoreIdentity, store_key
+from kvstore.integrations.vllm.identity import AdapterKeys, StoreIdentity, store_key
 from kvstore.integrations.vllm.metadata import (
     KVStoreConnectorMetadata,
     KVStoreWorkerMetadata,
@@ -61,7 +61,11 @@ class _Tracked:
     """A save was scheduled: request_finished keeps the blocks until the worker reports."""
     tenant: str | None = None
     """The tenant of the request's blocks (its ``cache_salt`` mapped by ``salt_tenants``);
-    None: the request has no store access (an unmapped salt under ``unmapped_salt="refuse"``)."""
+    None: the request has no store access (an unmapped salt under ``unmapped_salt="refuse"``,
+    or a LoRA adapter whose files cannot be read here)."""
+    adapter: bytes = b""
+    """What the request's LoRA adapter adds to its keys (``AdapterKeys``), fixed when the
+    request is first scheduled; b"": no adapter."""
 
 
 class _Scheduler:
@@ -86,17 +90,50 @@ class _Scheduler:
         # Every worker (tensor and pipeline ranks) finishes and settles each job once.
         self.reporters = max(1, int(getattr(pc, "world_size", 1) or 1))
         self.hash_block_size = vllm_config.cache_config.block_size
+        self.adapters = AdapterKeys()
 
-    def keys_of(self, request: Request, start: int, stop: int) -> list[bytes]:
-        return [store_key(h) for h in request.block_hashes[start:stop]]
+    def access(self, request: Request, count: bool = False) -> tuple[str, bytes] | None:
+        """The tenant of the request's blocks and what its LoRA adapter adds to their keys;
+        None: no store access (an unmapped salt refused, or an adapter that cannot be read
+        here, whose blocks could not be told from another adapter's). ``count``: count a
+        refusal (once per request: when it is first scheduled)."""
+        tenant = self.cfg.tenant_of(request.cache_salt)
+        if tenant is None:
+            if count:
+                self.stats.add("salts_refused")
+            return None
+        adapter = self.adapters.of(request.lora_request)
+        if adapter is None:
+            if count:
+                self.stats.add("adapters_unread")
+            if not self._adapter_warned:
+                self._adapter_warned = True
+                logger.warning(
+                    "KVStoreConnector: cannot read LoRA adapter %r at %r to fingerprint it; "
+                    "its requests do not use the store",
+                    request.lora_request.lora_name if request.lora_request else None,
+                    request.lora_request.lora_path if request.lora_request else None,
+                )
+            return None
+        return tenant, adapter
+
+    _adapter_warned = False
+
+    def keys_of(
+        self, request: Request, start: int, stop: int, adapter: bytes | None = None
+    ) -> list[bytes]:
+        """The store keys of the request's blocks ``start:stop``: vLLM's block hashes, with
+        the LoRA adapter's identity (``adapter``, default: computed now) mixed in."""
+        if adapter is None:
+            adapter = self.adapters.of(request.lora_request)
+            if adapter is None:
+                raise ValueError("the request's LoRA adapter cannot be read: it has no keys")
+        return [store_key(h, adapter) for h in request.block_hashes[start:stop]]
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         if self.cfg.load == "none" or num_computed_tokens % self.block_size:
-            return 0, False
-        tenant = self.cfg.tenant_of(request.cache_salt)
-        if tenant is None:
             return 0, False
         bs = self.block_size
         start = num_computed_tokens // bs
@@ -104,7 +141,17 @@ class _Scheduler:
         stop = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
         if stop <= start:
             return 0, False
-        keys = self.keys_of(request, start, stop)
+        state = self.tracked.get(request.request_id)
+        if state is not None:  # preempted and scheduled again: the access it was given
+            if state.tenant is None:
+                return 0, False
+            tenant, adapter = state.tenant, state.adapter
+        else:
+            access = self.access(request)
+            if access is None:
+                return 0, False
+            tenant, adapter = access
+        keys = self.keys_of(request, start, stop, adapter)
         store = self.stores.of(tenant)
 
         def lookup(client: KVStoreClient) -> int:
@@ -123,10 +170,10 @@ class _Scheduler:
     ) -> None:
         state = self.tracked.get(request.request_id)
         if state is None:
-            tenant = self.cfg.tenant_of(request.cache_salt)
-            state = self.tracked[request.request_id] = _Tracked(request, tenant=tenant)
-            if tenant is None:
-                self.stats.add("salts_refused")
+            access = self.access(request, count=True)
+            tenant, adapter = access if access is not None else (None, b"")
+            state = _Tracked(request, tenant=tenant, adapter=adapter)
+            self.tracked[request.request_id] = state
         state.request = request
         if num_external_tokens == 0 or state.tenant is None:
             return
@@ -136,7 +183,7 @@ class _Scheduler:
         stop = start + num_external_tokens // bs
         job = LoadJob(
             request.request_id,
-            self.keys_of(request, start, stop),
+            self.keys_of(request, start, stop, state.adapter),
             list(block_ids[start:stop]),
             tenant=state.tenant,
         )
@@ -198,7 +245,7 @@ class _Scheduler:
             if block_ids is None or len(block_ids) < stop:
                 continue
             start = state.saved
-            keys = self.keys_of(req, start, stop)
+            keys = self.keys_of(req, start, stop, state.adapter)
             for i, key in enumerate(keys):
                 self._remember(req, start + i, key)
             meta.saves.append(

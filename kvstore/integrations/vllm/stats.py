@@ -26,6 +26,7 @@ _COUNTERS = (
     "save_seconds",
     "events_dropped",
     "salts_refused",
+    "adapters_unread",
 )
 
 
@@ -78,6 +79,7 @@ _HELP = {
     "save_seconds": "Seconds spent saving blocks to kvstore",
     "events_dropped": "Block events lost because too many transfers were pending at once",
     "salts_refused": "Requests given no store access: their cache_salt maps to no tenant",
+    "adapters_unread": "LoRA requests given no store access: their adapter could not be read",
 }
 
 
