@@ -414,29 +414,40 @@ def test_records_written_under_one_codec_are_read_after_the_codec_changes(
         # Served from the CPU tier: the committed bytes, exactly.
         assert same_bytes(kv.get(lossy_keys[:8]), lossy[:8])
     assert d.stop(signal.SIGTERM) == 0  # written down with fp8
-    # Restarted with no codec rule and lz4 by default: the fp8 records still decode.
-    d.config_text = d.config_text.replace(FP8_RULE, "").replace('codec = "none"', 'codec = "lz4"')
+    # Restarted with a rule that still chooses fp8 below the CPU tier: the records decode.
+    d.config_text = d.config_text.replace(FP8_RULE, FP8_RULE.replace('"fp8"', '"fp8+lz4"'))
     d.start()
     with client(d) as kv:
         assert kv.lookup(lossy_keys) == n
         got = kv.get(lossy_keys)  # the client verifies each block against its checksum
         assert same_bytes(got, fp8_form(lossy)) and not same_bytes(got, lossy)
         assert (got.float() - lossy.float()).norm() <= lossy.float().norm() / 16
+    assert d.stop(signal.SIGTERM) == 0
+    # With no codec rule and lz4 by default the namespace is lossless: its fp8 records are
+    # not its bytes, dropped when it is opened (never counted as found, never read).
+    d.config_text = d.config_text.replace(FP8_RULE.replace('"fp8"', '"fp8+lz4"'), "").replace(
+        'codec = "none"', 'codec = "lz4"'
+    )
+    d.start()
+    with client(d) as kv:
+        assert kv.lookup(lossy_keys) == 0
+        assert kv.get(lossy_keys).shape[0] == 0
+        nv = tiers(kv)["nvme"]
+        assert nv.extra["lossy_refused"] == n and nv.checksum_failures == 0
         exact_keys = kv.hash_tokens(tokens(n, offset=50_000))
         exact = random_blocks(SMALL_LAYOUT, n, seed=22)
         exact[..., 4:] = 0  # compressible by more than a page: lz4 stores it
         put_in_batches(kv, exact_keys, exact)
-        nv = tiers(kv)["nvme"]
-        assert nv.checksum_failures == 0
+        put_in_batches(kv, lossy_keys, lossy)  # stored exactly again
     assert d.stop(signal.SIGTERM) == 0
-    # Again with codec none: the tier holds fp8 and lz4 records, each read as its codec says.
+    # Again with codec none: the lz4 records are read as their codec says.
     d.config_text = d.config_text.replace('codec = "lz4"', 'codec = "none"')
     d.start()
     with client(d) as kv:
         assert same_bytes(kv.get(exact_keys), exact)
-        assert same_bytes(kv.get(lossy_keys), fp8_form(lossy))
+        assert same_bytes(kv.get(lossy_keys), lossy)
         nv = tiers(kv)["nvme"]
-        assert nv.extra["records_fp8"] == n and nv.extra["records_lz4"] == n
+        assert nv.extra["records_fp8"] == 0 and nv.extra["records_lz4"] == n
         assert nv.checksum_failures == 0
 
 

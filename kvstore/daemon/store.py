@@ -300,6 +300,7 @@ class BlockStore:
         if not record.cpu_codec_set:
             record.cpu_codec_set = True
             record.cpu_codec, record.cpu_payload_bytes = self.cpu_codec_for(namespace)
+            self._drop_lossy_records(record)
         handle.books = self.quotas.handle_books()
         if handle.record.usage is None:
             self.quotas.new_books(handle.record)
@@ -425,6 +426,25 @@ class BlockStore:
                     name = getattr(rule, tier) or default
                     break
         return codec_id(name), None if ns is None else block_format_of(ns.layout)
+
+    def _drop_lossy_records(self, record: NamespaceRecord) -> None:
+        """At a namespace's first open (its rules known at last: a namespace recovered from
+        disk has no identity before), drop its lossy NVMe records if this host keeps it
+        lossless: ``lookup`` would count them, and every read refuse them."""
+        tier = self.nvme
+        if tier is None or not record.entries or self.accepts_lossy(record):
+            return
+        index = self.index
+        lossy = [
+            eid
+            for eid in list(index.ids_of(record.ns_id).values())
+            if index.state[eid] == State.COMMITTED
+            and index.tier[eid] == IN_NVME
+            and tier.codec_of(index.disk[eid]) in LOSSY
+        ]
+        for eid in lossy:
+            self.forget(eid)
+        self.nvme_counters.lossy_refused += len(lossy)
 
     def accepts_lossy(self, record: NamespaceRecord) -> bool:
         """Whether a read of ``record``'s blocks may yield a lossy codec's decoded form: where
