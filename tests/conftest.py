@@ -7,6 +7,7 @@ SIGKILL) and its socket directory removed when the test ends.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -58,6 +59,22 @@ def wait_healthy(
     # A hang guard, not a speed check: on two busy cores a daemon's start (imports, tier
     # recovery) has taken over 30 s.
     wait_for_daemon(address, timeout_s, proc)
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (made here): a real filesystem that fills up.
+    Needs root (mount): the test is skipped without it."""
+    path.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def tokens(n_blocks: int, offset: int = 0, block_size: int = 16) -> list[int]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tiers, tokens, wait_for
+from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tiers, tmpfs, tokens, wait_for
 
 from kvstore import AsyncKVStoreClient, KVLayout, KVStoreClient
 from kvstore.errors import UnavailableError
@@ -263,11 +263,7 @@ def test_a_durable_put_retried_after_a_full_disk_is_acknowledged_only_once_on_di
     memory, and the error says the put may be retried. The retry found its keys stored and
     was acknowledged at once, with nothing on disk: a kill -9 then lost an acknowledged put.
     Now a retry writes what it finds in memory down first, on every put path."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)]).returncode:
-        pytest.skip("cannot mount a small tmpfs here")
-    try:
+    with tmpfs(tmp_path / "small", "256k") as mount:
         d = daemon_factory(
             cpu_capacity="1MiB",
             slab="64KiB",
@@ -304,16 +300,10 @@ def test_a_durable_put_retried_after_a_full_disk_is_acknowledged_only_once_on_di
                 assert kv.lookup(keys) == 4
                 assert same_bytes(kv.get(keys), blocks)
         d.stop()
-    finally:
-        subprocess.run(["umount", "-l", str(mount)])
 
 
 def test_a_full_disk_leaves_the_daemon_serving_from_cpu(daemon_factory, tmp_path) -> None:
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)]).returncode:
-        pytest.skip("cannot mount a small tmpfs here")
-    try:
+    with tmpfs(tmp_path / "small", "256k") as mount:
         d = daemon_factory(
             cpu_capacity="256KiB", slab="64KiB", nvme_path=mount, nvme_capacity="8MiB"
         )
@@ -331,8 +321,6 @@ def test_a_full_disk_leaves_the_daemon_serving_from_cpu(daemon_factory, tmp_path
         lines = (d.directory / "daemon.log").read_text(errors="replace").count("write failed")
         assert lines <= 1 + errors // 2, (lines, errors)
         d.stop()
-    finally:
-        subprocess.run(["umount", "-l", str(mount)])
 
 
 def test_stat_shows_the_nvme_tier_and_check_verifies_it(daemon_factory, nvme_dir) -> None:

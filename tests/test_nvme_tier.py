@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
+from conftest import tmpfs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -1116,16 +1117,9 @@ async def test_free_or_cancel_during_a_write_frees_after_it(opened):
 
 @pytest.fixture
 def tiny_fs(tmp_path):
-    """An 8 MiB tmpfs: a real filesystem that fills up. Needs root (mount)."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(mnt)], capture_output=True
-    )
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    """An 8 MiB tmpfs."""
+    with tmpfs(tmp_path / "tiny", "8M") as mnt:
+        yield mnt
 
 
 async def test_full_disk_raises_and_leaves_the_tier_usable(opened, tiny_fs):

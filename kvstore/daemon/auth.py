@@ -158,6 +158,14 @@ class Policy:
                 found = name
         return found
 
+    def bearer_token_name(self, header: str) -> str | None:
+        """The name of the configured token an ``authorization`` value (``Bearer <token>``)
+        carries; None for another scheme or a token not configured."""
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        return self.token_name(value.strip().encode("utf-8"))
+
     def for_token(self, name: str) -> Principal | None:
         if not self.enabled:
             return Principal(f"token {name}", operator=True)
@@ -223,9 +231,8 @@ class Authenticator:
                 return principal
         header = metadata.get("authorization")
         if isinstance(header, str) and header:
-            scheme, _, value = header.partition(" ")
-            name = self.policy.token_name(value.strip().encode("utf-8"))
-            if scheme.lower() != "bearer" or name is None:
+            name = self.policy.bearer_token_name(header)
+            if name is None:
                 raise UnauthenticatedError("invalid bearer token")
             principal = self.policy.for_token(name)
             if principal is None:

@@ -125,10 +125,7 @@ def _operator_token_check(policy: Policy) -> Callable[[str | None], bool]:
     ``Stats`` shows only to operators."""
 
     def authorized(header: str | None) -> bool:
-        scheme, _, value = (header or "").partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        name = policy.token_name(value.strip().encode("utf-8"))
+        name = policy.bearer_token_name(header or "")
         principal = policy.for_token(name) if name is not None else None
         return principal is not None and principal.operator
 

@@ -432,7 +432,9 @@ class BlockStore:
         disk has no identity before), drop its lossy NVMe records if this host keeps it
         lossless: ``lookup`` would count them, and every read refuse them."""
         tier = self.nvme
-        if tier is None or not record.entries or self.accepts_lossy(record):
+        if tier is None or not record.entries or not tier.holds_lossy():
+            return  # the usual case, decided without a walk over the namespace's entries
+        if self.accepts_lossy(record):
             return
         index = self.index
         lossy = [

@@ -802,6 +802,10 @@ class NvmeTier:
             return None
         return want
 
+    def holds_lossy(self) -> bool:
+        """Whether any live record was written by a lossy codec."""
+        return any(self._by_codec[c] for c in codecs.LOSSY)
+
     def codec_of(self, slot: int) -> int | None:
         """The codec id of the committed record in ``slot``; None when it holds none."""
         try:
