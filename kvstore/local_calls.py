@@ -20,6 +20,10 @@ byte, which JSON never starts with:
 
 The call id lets a client drop a late reply to a call it stopped waiting for.
 
+Decoding a peer's frame (``decode_request``, ``decode_reply``) raises ``FrameError`` (a
+``ValueError``) with a message for any bytes that are not a frame, and nothing else: the daemon
+answers it with an error reply (``INVALID_ARGUMENT``) and serves on.
+
 Shared by ``kvstore.client`` and ``kvstore.daemon`` (core types only: it imports nothing of ours).
 """
 
@@ -46,7 +50,9 @@ METHOD_INDEX = {name: i for i, name in enumerate(METHODS)}
 REQUEST = struct.Struct("<BBIf")
 REPLY = struct.Struct("<BBI")
 STATUS_OK = 0
+STATUS_INVALID = 3  # grpc.StatusCode.INVALID_ARGUMENT
 STATUS_EXHAUSTED = 8  # grpc.StatusCode.RESOURCE_EXHAUSTED
+STATUS_INTERNAL = 13  # grpc.StatusCode.INTERNAL
 
 MAX_REQUEST_BYTES = 64 << 10
 """Largest request datagram the daemon reads (a 2000-key lookup); larger calls go over gRPC."""
@@ -54,19 +60,35 @@ MAX_REPLY_BYTES = 256 << 10
 """Largest reply datagram (an acquire of max_keys_per_request keys: ~20 bytes a key)."""
 
 
+class FrameError(ValueError):
+    """Bytes that are not a frame of this protocol; the message says why. ``call_id``: the
+    frame's call id where its header could be read (0 otherwise), for the error reply."""
+
+    def __init__(self, message: str, call_id: int = 0) -> None:
+        super().__init__(message)
+        self.call_id = call_id
+
+
+def call_id_of(frame: bytes | memoryview) -> int:
+    """The call id of a request frame, 0 if it is too short to have one (for an error reply)."""
+    return REQUEST.unpack_from(frame)[2] if len(frame) >= REQUEST.size else 0
+
+
 def encode_request(method: int, call_id: int, timeout_s: float, body: bytes) -> bytes:
     return REQUEST.pack(MAGIC, method, call_id, timeout_s) + body
 
 
-def decode_request(frame: bytes) -> tuple[int, int, float, memoryview]:
-    """(method index, call id, timeout_s, body); ValueError for a frame that is not a call."""
+def decode_request(frame: bytes | memoryview) -> tuple[int, int, float, memoryview]:
+    """(method index, call id, timeout_s, body) of a request frame; ``FrameError`` for any
+    bytes that are not one (too short, another first byte, an unknown method, a deadline that
+    is not a positive number of seconds). Pure: the peer's bytes decide nothing else."""
     if len(frame) < REQUEST.size or frame[0] != MAGIC:
-        raise ValueError("not a call frame")
+        raise FrameError(f"not a call frame (a call is at least {REQUEST.size} bytes, from 0x00)")
     _, method, call_id, timeout_s = REQUEST.unpack_from(frame)
     if method >= len(METHODS):
-        raise ValueError(f"unknown method index {method}")
+        raise FrameError(f"unknown method index {method}", call_id)
     if not timeout_s > 0:  # also NaN
-        raise ValueError(f"bad deadline {timeout_s!r}")
+        raise FrameError(f"bad deadline {timeout_s!r} (seconds, positive)", call_id)
     return method, call_id, timeout_s, memoryview(frame)[REQUEST.size :]
 
 
@@ -80,9 +102,9 @@ def encode_error(call_id: int, status: int, name: str, message: str) -> bytes:
 
 
 def decode_reply(frame: memoryview) -> tuple[int, int, memoryview]:
-    """(status, call id, body); ValueError for a frame that is not a reply."""
+    """(status, call id, body); ``FrameError`` for a frame that is not a reply."""
     if len(frame) < REPLY.size or frame[0] != MAGIC:
-        raise ValueError("not a call reply")
+        raise FrameError("not a call reply")
     _, status, call_id = REPLY.unpack_from(frame)
     return status, call_id, frame[REPLY.size :]
 

@@ -5,6 +5,12 @@ The call gets a ``LocalContext`` that presents the session's token as ``kvstore-
 metadata, so the servicer authenticates it through the same ``Authenticator`` as a gRPC call of
 that session (same principal, same handle checks); its deadline is the one the client sent;
 ``abort`` ends the call with the status and ``kvstore-error`` name a gRPC call would carry.
+
+A peer's frame is decoded by ``decode_call`` (pure: bytes in, a ``DecodedCall`` or
+``kvstore.local_calls.FrameError`` out, nothing else): a frame that is not a call is answered
+with ``INVALID_ARGUMENT`` at once; a call whose message does not decode goes to its servicer
+method as ``Undecodable``, which refuses it as gRPC does (after the caller is authenticated,
+logged at most once per 10 s). Every request frame gets a reply frame, whatever its bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -22,10 +28,37 @@ from kvstore import local_calls as wire
 from kvstore.daemon.auth import SESSION_METADATA
 from kvstore.daemon.service import Undecodable
 from kvstore.daemon.shared import SharedTier
+from kvstore.local_calls import FrameError
 from kvstore.v1 import kvstore_pb2 as pb
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
 log = logging.getLogger(__name__)
+_REQUEST_TYPES = tuple(
+    getattr(pb, _SERVICE.methods_by_name[name].input_type.name) for name in wire.METHODS
+)
+
+
+class DecodedCall(NamedTuple):
+    name: str  # the method's name (``kvstore.local_calls.METHODS``)
+    call_id: int
+    timeout_s: float
+    request: Any  # its request message
+
+
+def decode_call(frame: bytes | memoryview) -> DecodedCall:
+    """The call a request frame carries; ``FrameError`` (with the call id where the header
+    gave one) for bytes that are not a call, or whose message does not decode as the method's
+    request (its ``__cause__`` is the decoder's error). Raises nothing else, whatever the
+    bytes."""
+    index, call_id, timeout_s, body = wire.decode_request(frame)
+    name = wire.METHODS[index]
+    try:
+        request = _REQUEST_TYPES[index].FromString(body)
+    except Exception as exc:  # DecodeError, or worse (a nesting past upb's depth): refused
+        raise FrameError(
+            f"the request does not decode as {name}'s message: {exc}", call_id
+        ) from exc
+    return DecodedCall(name, call_id, timeout_s, request)
 
 
 class LocalAbort(Exception):
@@ -131,17 +164,18 @@ class LocalCalls:
         first waits (``asyncio.timeout``, ``current_task``: redis-py does) is never stepped
         here: a lookup that reached the Redis tier failed with INTERNAL when it was."""
         try:
-            index, call_id, timeout_s, body = wire.decode_request(frame)
-        except ValueError as exc:
-            return wire.encode_error(
-                0, grpc.StatusCode.INVALID_ARGUMENT.value[0], "InvalidRequestError", str(exc)
-            )
-        name, method, request_type, _ = self._methods[index]
+            name, call_id, timeout_s, request = decode_call(frame)
+        except FrameError as exc:
+            if not isinstance(exc.__cause__, Exception):  # not a call at all
+                return wire.encode_error(
+                    exc.call_id, wire.STATUS_INVALID, "InvalidRequestError", str(exc)
+                )
+            # A call whose message does not decode: refused by its method, as gRPC does.
+            index, call_id, timeout_s, _ = wire.decode_request(frame)
+            name = wire.METHODS[index]
+            request = Undecodable(name, exc.__cause__)
+        method = self._methods[wire.METHOD_INDEX[name]][1]
         start = time.perf_counter()
-        try:
-            request = request_type.FromString(body)
-        except Exception as exc:  # as the gRPC decoder: a refusal, never INTERNAL
-            request = Undecodable(name, exc)
         context = LocalContext(token, timeout_s)
         # Its own context, as a gRPC call's task has: the servicer sets the caller in a
         # contextvar.

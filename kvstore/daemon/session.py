@@ -24,14 +24,38 @@ or an error (then it closes). With ``calls`` true the connection also carries lo
 (``kvstore.local_calls``): binary frames, one call in flight at a time, run as the session's
 principal.
 
+Every message gets an answer, whatever its bytes: ``parse_session_op`` (pure, for fuzzing)
+turns a datagram into a ``SessionOp`` or a ``SessionOpError`` naming the problem (too long, not
+UTF-8 JSON, nested past the parser's depth, an unknown op, a field of the wrong type), which the
+peer gets back as a refusal on a session that serves on; a local call frame that does not decode
+gets an error reply (``kvstore.daemon.local_calls.decode_call``). A session ends only when its
+peer hangs up, a send to it fails, it leaves a descriptor unread (below), or the daemon stops;
+whatever ends it, what it held is accounted for the same way (``_linger``).
+
 A descriptor sent and not yet received by the peer is *in flight*, and Linux charges it to the
 sender's user, the daemon's, up to the daemon's descriptor limit (``RLIMIT_NOFILE``); past it,
 every send of a descriptor fails (``ETOOMANYREFS``), for every client. So the daemon bounds them
-by construction: it sends a descriptor only when the peer has received everything sent to it
-before (``_unread``), hence at most one is in flight per connection, and a connection that
-still has something unread is never forgotten: when its session ends (its peer stopped
-reading, say) it stays counted toward ``connections.max_sessions`` (and its uid's half of it),
-shut both ways, its token refused, until its peer has read all of it or hung up (``_linger``).
+by construction, and charges them to the caller whose peer holds them:
+
+- it sends a descriptor only when the peer has received everything sent to it before
+  (``_unread``): at most one is in flight per connection;
+- a connection that still has something unread is never forgotten: when its session ends it
+  stays counted toward ``connections.max_sessions`` and toward its caller's share, shut both
+  ways, its token refused, until its peer has read all of it or hung up (``_linger``). What
+  then sits in the peer's receive queue is the kernel's, not the daemon's to free; it is
+  counted against that caller until the peer reads it or hangs up;
+- a caller's share is half of ``max_sessions``: with a tenant policy per tenant (the first its
+  rules name, so the several uids of one tenant share one half), without one per uid
+  (``share_key``). One caller can therefore never take the sessions another needs;
+- ``max_sessions`` fits under the descriptor limit: at start the soft limit is raised to the
+  hard one, and a ``max_sessions`` that would not fit beside the descriptors the daemon holds is
+  lowered, with a warning naming both numbers (``fit_sessions``; the start is refused when not
+  even two fit). Sessions (open or lingering) hold at most ``max_sessions`` sockets and as many
+  descriptors in flight, so they cannot exhaust either (other processes of the daemon's user
+  sending descriptors count in the kernel's same total: run the daemon as a user of its own);
+- a peer that does not read a descriptor within ``DRAIN_S`` of its sending is cut off: a
+  refusal saying why, its session ended (``_watch``), whether or not it sends anything more.
+
 A request that comes while an earlier reply is unread waits for the peer to read it: a client
 that sends one request and reads its reply before the next (``kvstore.client.session``) is
 answered at once; one that still holds a local call's reply unread (an asyncio call in flight
@@ -48,6 +72,7 @@ import fcntl
 import json
 import logging
 import os
+import resource
 import secrets
 import socket
 import struct
@@ -72,6 +97,9 @@ DRAIN_S = 5.0
 """How long a session request waits for the peer to receive the daemon's earlier replies
 before the daemon refuses it and ends the session (a client reading its replies takes
 microseconds)."""
+SPARE_FDS = 64
+"""Descriptors kept free beside the sessions and those the daemon held at start: slabs and
+presence tables made later, a descriptor being exported, files opened for a moment."""
 LINGER_POLL_S = 1.0
 """The longest pause between two looks at whether the peer of an ended session has received
 everything sent to it (or hung up): that session stays counted until it has."""
@@ -85,15 +113,84 @@ Calls = Callable[[str, bytes, Callable[[bytes], None]], "bytes | Awaitable[bytes
 gives it to ``answer``."""
 
 
+class SessionOpError(ValueError):
+    """A session message that is not a request this socket serves; its text says why (it goes
+    back to the peer as ``{"ok": false, "code": "invalid", "error": "bad request: ..."}``)."""
+
+
+@dataclass(frozen=True)
+class SessionOp:
+    """A decoded session request: ``kind`` "map" names ``slab`` (a slab uid), "presence" names
+    ``handle`` (a namespace handle's bytes)."""
+
+    kind: str
+    slab: int = -1
+    handle: bytes = b""
+
+
+_MAX_HANDLE_HEX = 2 * 64  # far more than a handle (16 bytes); keeps a forged one short
+
+
+def parse_session_op(data: bytes) -> SessionOp:
+    """The session request ``data`` (one datagram) asks for; ``SessionOpError`` naming the
+    problem for anything else, whatever the bytes (too long, not UTF-8 JSON, nested past the
+    parser's depth, not an object, an unknown op, a field of the wrong type or range). Pure: no
+    socket, no state; nothing else escapes it."""
+    if len(data) > MAX_MESSAGE:
+        raise SessionOpError(f"a session message is at most {MAX_MESSAGE} bytes")
+    try:
+        request = json.loads(data)
+    except RecursionError:
+        raise SessionOpError("not a JSON object: nested too deeply") from None
+    except Exception as exc:  # ValueError, UnicodeDecodeError, MemoryError: the peer's bytes
+        raise SessionOpError(f"not a JSON object: {type(exc).__name__}: {exc}") from None
+    if not isinstance(request, dict):
+        raise SessionOpError(f"not a JSON object but a {type(request).__name__}")
+    op = request.get("op")
+    if op == "map":
+        slab = request.get("slab")
+        if type(slab) is not int or not 0 <= slab < 1 << 64:
+            raise SessionOpError("map: 'slab' must be a slab uid (an integer in [0, 2**64))")
+        return SessionOp("map", slab=slab)
+    if op == "presence":
+        text = request.get("handle")
+        if not isinstance(text, str) or len(text) > _MAX_HANDLE_HEX:
+            raise SessionOpError("presence: 'handle' must be a namespace handle in hex")
+        try:
+            handle = bytes.fromhex(text)
+        except ValueError:
+            raise SessionOpError("presence: 'handle' must be a namespace handle in hex") from None
+        return SessionOp("presence", handle=handle)
+    shown = repr(op) if isinstance(op, str | int | float | bool | None) else type(op).__name__
+    raise SessionOpError(f"unknown op {shown[:64]} (the ops are 'map' and 'presence')")
+
+
 @dataclass
 class Session:
     token: str
     principal: Principal
     pid: int
     uid: int
+    share: tuple[str, object] = ("", None)
+    """Whose share of ``max_sessions`` it counts toward (``share_key``)."""
     open: bool = True
     """False once the session ended: its token is refused, and it is only still counted while
     its peer has not received everything sent to it (``SessionServer._linger``)."""
+    end: Callable[[BaseException], None] | None = None
+    """Ends the session from outside its reader (a descriptor left unread: ``_watch``)."""
+    watch: asyncio.TimerHandle | None = None
+    """Looks, ``DRAIN_S`` after a descriptor was sent, whether the peer has received it."""
+
+
+def share_key(principal: Principal, uid: int) -> tuple[str, object]:
+    """Whose share of the sessions a peer's session counts toward: with a tenant policy, the
+    tenant the principal's rules name first by name (the one ``Quotas.payer`` charges by
+    default), so the several uids of one tenant hold one share together, not one each; without
+    a policy (or for a principal whose rules name no tenant), its uid."""
+    own = principal.own
+    if own:
+        return ("tenant", min(own))
+    return ("uid", uid)
 
 
 class _PeerBehind(Exception):
@@ -112,6 +209,45 @@ def _unread(conn: socket.socket) -> int:
     return _INT.unpack(fcntl.ioctl(conn.fileno(), _SIOCOUTQ, bytes(_INT.size)))[0]
 
 
+def fit_sessions(max_sessions: int, reserved_fds: int = 0) -> int:
+    """How many sessions the daemon may count: ``max_sessions``, or fewer when that many would
+    not fit under its descriptor limit beside what it holds already (the descriptors open now,
+    ``reserved_fds`` more for its other connections, ``SPARE_FDS``), with a warning naming both
+    numbers. The soft ``RLIMIT_NOFILE`` is raised to the hard one first. Each counted session
+    holds one descriptor (its socket) and at most one more in flight, charged to the daemon's
+    user against that same limit: so neither can reach it through sessions. RuntimeError when
+    not even two sessions fit (one per caller of a pair)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and hard != resource.RLIM_INFINITY:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return max_sessions
+    held = len(os.listdir("/proc/self/fd"))
+    budget = soft - held - reserved_fds - SPARE_FDS
+    if max_sessions <= budget:
+        return max_sessions
+    if budget < 2:
+        raise RuntimeError(
+            f"the descriptor limit ({soft}, RLIMIT_NOFILE) leaves no room for sessions: "
+            f"{held} descriptors are open, {reserved_fds} kept for other connections and "
+            f"{SPARE_FDS} spare; raise it (ulimit -n) or lower connections.max_connections"
+        )
+    log.warning(
+        "connections.max_sessions is %d, but the descriptor limit %d (RLIMIT_NOFILE; %d open, "
+        "%d kept for other connections, %d spare) fits %d sessions: at most %d are served",
+        max_sessions,
+        soft,
+        held,
+        reserved_fds,
+        SPARE_FDS,
+        budget,
+        budget,
+    )
+    return budget
+
+
 class SessionServer:
     """Accepts session connections on the daemon's event loop. ``tenant_of_domain`` names the
     tenant whose memory a slab's domain is (None: domain 0, every tenant's when there is no
@@ -125,13 +261,17 @@ class SessionServer:
         tenant_of_domain: Callable[[int], str | None],
         max_sessions: int,
         socket_mode: int,
+        reserved_fds: int = 0,
     ) -> None:
         self.path = path
         self.policy = policy
         self.arena = arena
         self._tenant_of_domain = tenant_of_domain
         self.max_sessions = max_sessions
+        """``connections.max_sessions``, fitted to the descriptor limit at ``start``."""
         self.socket_mode = socket_mode
+        self.reserved_fds = reserved_fds
+        """Descriptors the daemon keeps for its other connections (gRPC's), not sessions."""
         self._sessions: dict[str, Session] = {}
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
@@ -154,6 +294,7 @@ class SessionServer:
         return len(self._sessions)
 
     async def start(self) -> None:
+        self.max_sessions = fit_sessions(self.max_sessions, self.reserved_fds)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # the caller checked that no live daemon owns the directory
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -197,8 +338,8 @@ class SessionServer:
 
     async def _serve(self, conn: socket.socket) -> None:
         token = ""
+        session: Session | None = None
         try:
-            session: Session | None = None
             try:
                 conn.setblocking(False)
                 pid, uid, gid = _UCRED.unpack(
@@ -210,24 +351,28 @@ class SessionServer:
                         f"uid {uid} (gid {gid}) is not in the daemon's tenant policy"
                     )})  # fmt: skip
                     return
-                # One user may hold at most half the sessions, so it cannot lock the others
-                # out. Ended sessions whose peer has not read all its replies count (_linger).
-                mine = sum(1 for s in self._sessions.values() if s.uid == uid)
+                # One caller (a tenant with a policy, a uid without) may hold at most half
+                # the sessions, so it cannot lock the others out. Ended sessions whose peer
+                # has not read all its replies count (_linger).
+                share = share_key(principal, uid)
+                mine = sum(1 for s in self._sessions.values() if s.share == share)
                 if len(self._sessions) >= self.max_sessions or mine >= max(
                     1, self.max_sessions // 2
                 ):
                     ended = sum(1 for s in self._sessions.values() if not s.open)
+                    whose = f"{share[0]} {share[1]!r}" if share[0] == "tenant" else f"uid {uid}"
                     self._send(conn, {"ok": False, "code": "exhausted", "error": (
-                        f"too many sessions ({len(self._sessions)} open, {mine} of uid {uid}"
+                        f"too many sessions ({len(self._sessions)} open, {mine} of {whose}"
                         + (f"; {ended} of them ended with replies their peer has not read "
                            "yet, counted until it reads them or hangs up" if ended else "")
                         + f"; connections.max_sessions is {self.max_sessions}, half of it "
-                        "per user)"
+                        "per tenant, or per uid without a policy)"
                     )})  # fmt: skip
                     return
                 token = secrets.token_hex(SESSION_TOKEN_BYTES)
                 principal = dataclasses.replace(principal, session=token)
-                session = self._sessions[token] = Session(token, principal, pid, uid)
+                session = Session(token, principal, pid, uid, share=share)
+                self._sessions[token] = session
                 calls = self.calls
                 self._send(conn, {
                     "ok": True, "session": token, "principal": principal.name,
@@ -237,11 +382,15 @@ class SessionServer:
             except _Stalled as exc:
                 assert session is not None
                 log.info("session of uid %d (pid %d) ended: %s", session.uid, session.pid, exc)
-            except (OSError, ValueError) as exc:
+            except OSError as exc:
                 log.debug("session ended: %s", exc)
+            except Exception:  # never skips _linger; a cancellation (a stop) goes through
+                log.exception("session ended by an unexpected error")
             if session is not None:
                 await self._linger(conn, session)
         finally:
+            if session is not None and session.watch is not None:
+                session.watch.cancel()
             self._sessions.pop(token, None)
             conn.close()
 
@@ -254,6 +403,10 @@ class SessionServer:
         its replies, then end-of-file; its sends fail. Returns once the peer has received all
         of it, or closed its end (the kernel drops what it had not read)."""
         session.open = False
+        session.end = None
+        if session.watch is not None:
+            session.watch.cancel()
+            session.watch = None
         if not _unread(conn):
             return
         with contextlib.suppress(OSError):
@@ -349,6 +502,9 @@ class SessionServer:
             nonlocal running, reading
             try:
                 if data[0] != local_calls.MAGIC or calls is None:
+                    # Whatever the bytes, an answer: _answer replies to a message that does
+                    # not parse (parse_session_op), and ends the session only when a send
+                    # fails.
                     try:
                         self._answer(conn, session, data[:MAX_MESSAGE])
                     except _PeerBehind:  # read no more until it has received the earlier ones
@@ -369,14 +525,31 @@ class SessionServer:
                         f"a local call is at most {limit} bytes: send it over gRPC",
                     )
                 else:
-                    served = calls(session.token, data, answer)
+                    try:
+                        served = calls(session.token, data, answer)
+                    except Exception as exc:  # LocalCalls.serve answers errors; never dropped
+                        log.exception("local call not served")
+                        served = local_calls.encode_error(
+                            local_calls.call_id_of(data),
+                            local_calls.STATUS_INTERNAL,
+                            "",
+                            f"the call was not served: {type(exc).__name__}",
+                        )
                     if not isinstance(served, bytes):
                         running = asyncio.ensure_future(served)  # it calls ``answer``
                         return
                     reply = served
                 conn.send(reply)  # non-blocking, as _send
-            except BaseException as exc:  # ends the session, reported below
+            except BaseException as exc:  # a send failed: ends the session, reported below
                 end(exc)
+
+        def stalled(exc: BaseException) -> None:
+            """A descriptor sent was still unread ``DRAIN_S`` later (``_watch``)."""
+            if running is not None:
+                running.cancel()
+            end(exc)
+
+        session.end = stalled
 
         loop.add_reader(fd, readable)
         try:
@@ -413,18 +586,19 @@ class SessionServer:
         raise _Stalled(message)
 
     def _answer(self, conn: socket.socket, session: Session, data: bytes) -> None:
+        """Answer the session request ``data``: a descriptor and its reply, or a refusal that
+        says why (a message that does not parse among them); ``_PeerBehind`` when a descriptor
+        is due and the peer has not yet received an earlier reply. OSError only when a send
+        fails (the session ends then)."""
         try:
-            request = json.loads(data)
-            op = request.get("op")
-            if op == "presence":
-                self._answer_presence(conn, session, bytes.fromhex(request["handle"]))
-                return
-            if op != "map":
-                raise ValueError(f"unknown op {op!r}")
-            uid = int(request["slab"])
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            op = parse_session_op(data)
+        except SessionOpError as exc:
             self._send(conn, {"ok": False, "code": "invalid", "error": f"bad request: {exc}"})
             return
+        if op.kind == "presence":
+            self._answer_presence(conn, session, op.handle)
+            return
+        uid = op.slab
         access = self._access(session.principal, uid)
         if access is None:
             # The same answer for a retired slab and another tenant's: nothing says which.
@@ -434,10 +608,17 @@ class SessionServer:
             return
         if _unread(conn):  # checked again as it is sent; here to export nothing meanwhile
             raise _PeerBehind
-        fd = self.arena.export(uid, writable=access)
+        try:
+            fd = self.arena.export(uid, writable=access)
+        except OSError as exc:  # out of descriptors: refused, the session lives on
+            log.warning("slab not handed over: %s", exc)
+            self._send(conn, {"ok": False, "code": "unavailable", "error": (
+                f"slab {uid} cannot be handed over now ({exc.strerror or exc})"
+            )})  # fmt: skip
+            return
         try:
             size = os.fstat(fd).st_size
-            self._send_fd(conn, {"ok": True, "size": size, "writable": access}, fd)
+            self._send_fd(conn, session, {"ok": True, "size": size, "writable": access}, fd)
         finally:
             os.close(fd)
 
@@ -462,7 +643,7 @@ class SessionServer:
             )})  # fmt: skip
             return
         try:
-            self._send_fd(conn, {"ok": True, "ask_on_miss": ask_on_miss}, fd)
+            self._send_fd(conn, session, {"ok": True, "ask_on_miss": ask_on_miss}, fd)
         finally:
             os.close(fd)
 
@@ -485,11 +666,39 @@ class SessionServer:
         # session ends (it stays counted while they are unread: _linger).
         conn.send(json.dumps(message).encode())
 
-    @staticmethod
-    def _send_fd(conn: socket.socket, message: dict[str, object], fd: int) -> None:
+    def _send_fd(
+        self, conn: socket.socket, session: Session, message: dict[str, object], fd: int
+    ) -> None:
         """Send ``message`` with descriptor ``fd``, only if the peer has received everything
         sent to it before (``_PeerBehind`` if not): the one place a descriptor leaves the
-        daemon, so at most one is ever in flight on a connection (module docstring)."""
+        daemon, so at most one is ever in flight on a connection (module docstring). Whether
+        the peer received it is looked at again ``DRAIN_S`` later (``_watch``)."""
         if _unread(conn):
             raise _PeerBehind
         socket.send_fds(conn, [json.dumps(message).encode()], [fd])
+        if session.watch is not None:  # the earlier descriptor was received (nothing unread)
+            session.watch.cancel()
+        session.watch = asyncio.get_running_loop().call_later(DRAIN_S, self._watch, conn, session)
+
+    def _watch(self, conn: socket.socket, session: Session) -> None:
+        """``DRAIN_S`` after a descriptor was sent: a peer that has not received it yet stops
+        reading (or reads too slowly to be served); its session ends (token refused) whether
+        or not it sends anything more, and stays counted until it reads or hangs up
+        (``_linger``)."""
+        session.watch = None
+        end = session.end
+        if not session.open or end is None:
+            return
+        try:
+            behind = _unread(conn)
+        except OSError:
+            return  # closed meanwhile: the reader ends the session
+        if not behind:
+            return
+        message = (
+            f"a descriptor sent on this session was still unread after {DRAIN_S:g} s: read "
+            "each reply before sending the next request. The session is closed"
+        )
+        with contextlib.suppress(OSError):
+            self._send(conn, {"ok": False, "code": "invalid", "error": message})
+        end(_Stalled(message))
