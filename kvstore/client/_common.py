@@ -23,7 +23,7 @@ import xxhash
 from kvstore.checksum import seeded_checksum
 from kvstore.client._parallel import SPLIT_MIN_BYTES, each_block
 from kvstore.client.session import ClientSession, SlabUnavailable
-from kvstore.errors import ERRORS_BY_NAME, KVStoreError, UnavailableError
+from kvstore.errors import ERRORS_BY_NAME, InvalidRequestError, KVStoreError, UnavailableError
 from kvstore.keys import Namespace, pack_keys
 from kvstore.layout import KVLayout
 from kvstore.tiers.gpu import MappedDevicePool, PoolInfo
@@ -65,6 +65,14 @@ def check_keys(keys: Sequence[bytes]) -> bytes:
     if isinstance(keys, bytes | bytearray):
         raise ValueError("keys must be a sequence of 32-byte keys, not one bytes object")
     return pack_keys(keys)
+
+
+def check_distinct(keys: Sequence[bytes], what: str) -> None:
+    """Refuse a read whose keys repeat one, as the daemon does on every read path
+    (``InvalidRequestError``, the daemon's words): answered from a presence table too, the
+    answer is the one a call would get. A prefix chain never repeats a key."""
+    if len(set(keys)) != len(keys):
+        raise InvalidRequestError(f"{what}: a key is repeated (a prefix chain never repeats a key)")
 
 
 def check_priority(priority: int | None) -> int:

@@ -41,6 +41,7 @@ from kvstore.client._common import (
     PutCount,
     StreamAssembler,
     byte_rows,
+    check_distinct,
     check_keys,
     check_open_reply,
     check_out,
@@ -230,6 +231,7 @@ class ClientCore:
         packed = check_keys(keys)
         if not keys:
             return 0
+        check_distinct(keys, "lookup")  # as the daemon, also when the table answers
         session = self._session
         if session is not None:
             # Releases waiting meanwhile ride on the next call, as after any get: at the
@@ -362,6 +364,7 @@ class ClientCore:
         check_out(self.layout, len(keys), out)
         if not keys:
             return out[:0] if out is not None else empty_blocks(self.layout, 0)
+        check_distinct(keys, "acquire")  # as the daemon's Acquire, also when the table serves
         if self._arena is None:
             return (yield from self._get_bytes(packed, out))
         dest = rows = None
@@ -469,6 +472,7 @@ class ClientCore:
     ) -> Op[int]:
         ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
         check_keys(keys)
+        check_distinct(keys, "acquire")  # as the daemon's Acquire, also when the table serves
         gpu = self._pool_link.device_for(kv_caches)
         stream = paged_io.caller_stream(kv_caches)
         loaded = 0

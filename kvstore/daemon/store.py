@@ -649,6 +649,7 @@ class BlockStore:
 
     async def lookup(self, handle: Handle, keys: Sequence[bytes]) -> int:
         self.check_keys(keys, "lookup")
+        _distinct(keys, "lookup")  # a repeat would count as found (and as hits) each time
         record = handle.record
         self.quotas.take_keys(record, len(keys), handle.payer)
         ns_id = record.ns_id
@@ -1462,7 +1463,7 @@ class BlockStore:
         gpu_only = [e for e in live if not self.index.tier[e] & (IN_CPU | IN_NVME)]
         if gpu_only:
             await self.device.to_cpu(gpu_only)
-        results = await asyncio.gather(*(self.mover.flush(e) for e in live))
+        results = await asyncio.gather(*(self.mover.flush(e, durable=True) for e in live))
         lost = [
             k
             for e, k, ok in zip(live, keys, results, strict=True)
