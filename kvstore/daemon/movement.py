@@ -336,15 +336,22 @@ class Mover:
             store.cpu.evictions += 1
 
     # ----------------------------------------------------------------- down: write-back
-    async def flush(self, eid: int) -> bool:
-        """Write a CPU block to disk (keeping its CPU copy). True when it is on disk."""
+    async def flush(self, eid: int, durable: bool = False) -> bool:
+        """Write a CPU block to disk (keeping its CPU copy). True when it is on disk.
+        ``durable``: a durable put waits for it, so room is made as ``_disk_slot`` makes it for
+        such writes; a write-back of the block in flight that failed is tried again so."""
         pending = self._flushing.get(eid)
         if pending is not None:
-            return await asyncio.shield(pending)
+            ok = await asyncio.shield(pending)
+            if ok or not durable:
+                return ok
+            pending = self._flushing.get(eid)
+            if pending is not None:  # another caller tries again already
+                return await asyncio.shield(pending)
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._flushing[eid] = future
         try:
-            ok = await self._flush_one(eid)
+            ok = await self._flush_one(eid, durable)
         except BaseException:
             future.set_result(False)
             raise
@@ -353,7 +360,7 @@ class Mover:
         future.set_result(ok)
         return ok
 
-    async def _flush_one(self, eid: int) -> bool:
+    async def _flush_one(self, eid: int, durable: bool = False) -> bool:
         store, index, tier = self.store, self.store.index, self.store.nvme
         if tier is None or index.state[eid] != State.COMMITTED:
             return False
@@ -367,7 +374,9 @@ class Mover:
             return False  # at its quota_nvme, its own disk blocks all busy: stays in memory
         codec, block_format = store.codec_of(record, "nvme")
         slot = self._disk_slot(
-            tier.payload_bytes_for(block_bytes, codec, block_format), record.owner
+            tier.payload_bytes_for(block_bytes, codec, block_format),
+            record.owner,
+            take_copies_above=durable,
         )
         if slot is None:
             return False
@@ -476,13 +485,22 @@ class Mover:
             self._evict_disk(victims)
         return True
 
-    def _disk_slot(self, payload_bytes: int, requester: Usage | None = None) -> int | None:
+    def _disk_slot(
+        self, payload_bytes: int, requester: Usage | None = None, take_copies_above: bool = False
+    ) -> int | None:
         """A free disk slot for a payload of ``payload_bytes`` (its codec's bound), making room
         when the tier is full: the coldest unprotected disk block goes, and when its slot is of
         another size, its whole slab goes (the slab then returns to the pool, where this size
         takes it), as in the CPU tier. A disk-only victim is gone; a victim with a copy above
         just loses its disk copy (it becomes dirty again). A block of another tenant than
-        ``requester`` goes only while that tenant keeps its ``guaranteed_nvme``."""
+        ``requester`` goes only while that tenant keeps its ``guaranteed_nvme``.
+
+        Write-back leaves a slab of another size alone while one of its blocks has a copy
+        above (two sizes would take slabs from each other on every write-back). A durable put's
+        write (``take_copies_above``) cannot wait for those copies to go: it takes such a slab
+        too, or a size without a disk slab of its own would have every durable put refused
+        while the disk's slabs all held blocks cached above (with durable puts, the recent
+        ones all are)."""
         store, index, tier = self.store, self.store.index, self.store.nvme
         assert tier is not None
         quotas = store.quotas
@@ -521,7 +539,11 @@ class Mover:
                 continue
             slab = tier.slab_of(index.disk[victim])
             owners = [store.disk_owner(s) for s in tier.live_slots(slab)]
-            if any(e is None or protected(e) or index.tier[e] & (IN_CPU | IN_GPU) for e in owners):
+            above = not take_copies_above
+            if any(
+                e is None or protected(e) or (above and index.tier[e] & (IN_CPU | IN_GPU))
+                for e in owners
+            ):
                 # A slot being written, a block being read, or a block with a copy above:
                 # dropping that copy would only make it dirty again, and two sizes taking a
                 # slab from each other on every write-back would churn without end.

@@ -919,7 +919,7 @@ class BlockStore:
         self.quotas.check_pin(record, "reservations", 0)
         if not record.entries and record.namespace is not None:
             # Its first block: past its tenant's share of namespaces holding blocks, refused.
-            self.names.check_share(record.namespace.tenant)
+            self.names.check_share(record.namespace.tenant, handle.principal, record)
         wait = self.limits.write_wait_s if wait_s is None else wait_s
         pending = 0 if spare else await self._wait_for_writers(record.ns_id, keys, wait)
         if not spare:
