@@ -49,10 +49,11 @@ class RedisTierUnavailable(KVStoreError):
 class RedisTier:
     """The bytes of the shared Redis tier: blocks of many hosts in one Redis or Redis Cluster.
 
-    Owns its connections to Redis, the value format (``value``: an 80-byte header naming key,
-    namespace fingerprint, length and xxh3-64 of the block, then the raw block), the per-namespace
-    capacity bound and the up/down state. It keeps no index: other hosts write this Redis, so
-    the daemon asks in batches. It knows nothing of eviction policy beyond the bound below.
+    Owns its connections to Redis, the value format (``value``: a 96-byte header naming key,
+    namespace fingerprint or MAC, codec, lengths and checksums, then the payload), the
+    per-namespace capacity bound and the up/down state. It keeps no index: other hosts write
+    this Redis, so the daemon asks in batches. It knows nothing of eviction policy beyond the
+    bound below.
 
     URLs: ``redis://[[user]:password@]host[:port][/db]``, ``unix://[[user]:password@]/path
     [?db=N]``, ``rediss://...`` (TLS), and Redis Cluster as ``redis+cluster://host:port`` or
@@ -93,6 +94,13 @@ class RedisTier:
     read), so the caller keeps it without hashing the block again. Both write payloads straight
     into ``out``, so after a miss, a raise or a cancellation ``out`` holds unspecified bytes;
     nothing is written to it after the call ends.
+
+    Keyed values. With ``mac_secret`` every value written carries a keyed MAC and a read
+    verifies it before trusting anything else of the value: a value without one (written by a
+    host without the secret, or forged by anyone with kvstore's public code) or with a wrong one
+    is a miss counted in ``mac_failures``; without it only unkeyed values are read. The class
+    leaves the secret optional; the daemon refuses a Redis tier without one unless its operator
+    sets ``redis.allow_unkeyed`` (``kvstore.daemon.shared``).
 
     Capacity. ``ttl_s``: every SET carries an expiry (PX); reads do not refresh it.
     ``max_bytes_per_namespace``: a bound on the value bytes (header + block) of each namespace,
@@ -262,31 +270,30 @@ class RedisTier:
 
     # ------------------------------------------------------------------ calls
     async def contains(self, namespace: bytes, keys: Sequence[bytes], lossy: bool = True) -> int:
-        """How many leading keys are present (one command each, one round trip). A key with an
-        error reply ends the run, as an absent one does. ``lossy`` False: a value a lossy
-        codec wrote counts as absent, as ``get_into_checked`` reads it (its codec byte is read
-        instead of asking whether the value exists: one byte a key)."""
+        """How many leading keys are present (one command each, one round trip), as far as
+        their values' codec and flags bytes tell (two bytes a key): a value this tier would
+        refuse on sight counts as absent, as ``get_into_checked`` reads it. Those are values
+        keyed when this tier is not, unkeyed ones when it is (a host without the secret, or
+        anyone forging a value with kvstore's public code), and with ``lossy`` False the ones a
+        lossy codec wrote. A key with an error reply ends the run, as an absent one does. Only a
+        read checks the rest: a keyed-looking forgery or a damaged value counts here and
+        misses there."""
         prefix = fmt.namespace_prefix(self.key_prefix, fmt.check_namespace(namespace))
         names = [fmt.block_name(prefix, fmt.check_key(k)) for k in keys]
         if not names:
             return 0
-        if lossy:
-            cmds: list[Command] = [("EXISTS", n) for n in names]
-        else:
-            at = fmt.CODEC_OFFSET
-            cmds = [("GETRANGE", n, at, at) for n in names]
+        at = fmt.CODEC_OFFSET  # the codec byte, then the low byte of the flags
+        cmds: list[Command] = [("GETRANGE", n, at, at + 1) for n in names]
         replies = await self._call(lambda: self._run(cmds))
+        keyed = self._mac_key is not None
         found = 0
         for reply in replies:
             if isinstance(reply, Exception):
                 self._counters["errors"] += 1
-            if lossy and reply != 1:
-                break
-            if not lossy and (
-                not isinstance(reply, bytes | bytearray)
-                or len(reply) != 1
-                or reply[0] in codecs.LOSSY
-            ):
+            if not isinstance(reply, bytes | bytearray) or len(reply) != 2:
+                break  # absent (an empty reply), an error, or too short to be a value
+            codec, flags = reply[0], reply[1]
+            if (not lossy and codec in codecs.LOSSY) or bool(flags & fmt.KEYED) != keyed:
                 break
             found += 1
         return found
