@@ -1,24 +1,27 @@
 """A prefix computed on host A, served on host B through the shared Redis tier, in one run.
 
 One real ``redis-server`` on a unix socket and two real daemons, host A and host B (separate
-sockets, separate CPU tiers), both started with ``--redis-url unix://<sock>`` on the embedded
-default config (write-through to Redis) except for the deadline of a Redis call: 5 s instead of
-0.5 s (``--redis-timeout``; see ``REDIS_TIMEOUT_S``).
+sockets, separate CPU tiers), both started with ``--redis-url unix://<sock>`` and one secret
+(``--redis-mac-key-file``, written by ``kvstore redis-secret``: keyed values, as every deployment
+runs) on the embedded default config (write-through to Redis) except for the deadline of a Redis
+call: 5 s instead of 0.5 s (``--redis-timeout``; see ``REDIS_TIMEOUT_S``).
 
 Part 1, Llama-3-8B layout (``KVLayout(32, 8, 128, 16)`` bf16, 2 MiB blocks). A round takes a
 new 128-block (2048-token) prefix of random bytes, puts it through A and waits until A's redis
 tier counts the 128 write-through demotions. Then, in an order that rotates between rounds:
 
-* B fresh: ``lookup(keys)`` (nothing local: one batched EXISTS to Redis), then
-  ``get(keys, out=preallocated)``, which fetches the blocks from Redis into B's CPU tier and
-  copies them out (the first get of this prefix on B; checked by B's promotion counter);
+* B fresh: ``lookup(keys)`` (nothing local: one batched call to Redis, two header bytes a
+  key), then ``get(keys, out=preallocated)``, which fetches the blocks from Redis into B's CPU
+  tier and copies them out (the first get of this prefix on B; checked by B's promotion
+  counter);
 * redis-py GET seq + copy: the raw peer on host B, reading the very values A wrote
-  (``kvs:<namespace fingerprint hex>:<key hex>``, 80-byte header + block) with one GET per
+  (``kvs:<namespace fingerprint hex>:<key hex>``, 96-byte header + block) with one GET per
   block, each payload then copied into the preallocated tensor;
 * redis-py GET pipelined + copy: the same with one pipeline of 128 GETs;
 * RedisTier.get_into in process (diagnostic): the daemon's Redis read alone, the tier's own
-  RESP client reading the same values into a preallocated buffer and verifying them, without
-  RPCs, index or the client's copy out: what B's fetch costs beyond it is the daemon's own;
+  RESP client reading the same values into a preallocated buffer and verifying them (MAC and
+  checksum, with the daemons' secret), without RPCs, index or the client's copy out: what B's
+  fetch costs beyond it is the daemon's own;
 * memcpy: ``np.copyto`` of the prefix between preallocated buffers, the machine's floor;
 
 then one xxh3-64 pass over the prefix (the checksum B's daemon and client compute on the way;
@@ -62,6 +65,8 @@ import contextlib
 import io
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -84,6 +89,7 @@ from _harness import (
 
 from kvstore import KVLayout, KVStoreClient
 from kvstore.checksum import block_checksum
+from kvstore.daemon.shared import read_mac_secret
 from kvstore.keys import BlockKey
 from kvstore.models import find_smollm2, kv_shape
 from kvstore.tiers.redis import RedisTier
@@ -318,14 +324,16 @@ class LlamaPart:
         return {XXH3: dt}
 
 
-def llama_part(a: KVStoreDaemon, b: KVStoreDaemon, sock: str, rounds: int) -> dict[str, Any]:
+def llama_part(
+    a: KVStoreDaemon, b: KVStoreDaemon, sock: str, secret: bytes | None, rounds: int
+) -> dict[str, Any]:
     samples: dict[str, list[float]] = {}
     with contextlib.ExitStack() as stack:
         kv_a = stack.enter_context(client(a, LLAMA, LLAMA_MODEL))
         kv_b = stack.enter_context(client(b, LLAMA, LLAMA_MODEL))
         peer = stack.enter_context(peer_client(sock))
         runner = stack.enter_context(asyncio.Runner())
-        tier = RedisTier(f"unix://{sock}", timeout_s=10.0)
+        tier = RedisTier(f"unix://{sock}", timeout_s=10.0, mac_secret=secret)
         runner.run(tier.start())
         stack.callback(lambda: runner.run(tier.close()))
         part = LlamaPart(kv_a, kv_b, peer, tier, runner)
@@ -574,12 +582,21 @@ def main() -> int:
         config = os.path.join(tmp, "redis.toml")
         with open(config, "w") as f:
             f.write(f"[redis]\ntimeout_s = {args.redis_timeout}\n")
-        serve_args = ["--redis-url", f"unix://{srv.socket_path}", "--config", config]
+        key_file = os.path.join(tmp, "redis.key")
+        subprocess.run(
+            [sys.executable, "-m", "kvstore", "redis-secret", key_file],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        serve_args = [
+            *("--redis-url", f"unix://{srv.socket_path}", "--config", config),
+            *("--redis-mac-key-file", key_file),
+        ]
         with (
             KVStoreDaemon(CPU_CAPACITY, extra_args=serve_args) as a,
             KVStoreDaemon(CPU_CAPACITY, extra_args=serve_args) as b,
         ):
-            llama = llama_part(a, b, srv.socket_path, rounds)
+            llama = llama_part(a, b, srv.socket_path, read_mac_secret(key_file), rounds)
             report_llama(rep, llama)
             smol = smol_part(a, b, not args.no_model, rep)
             report_smol(rep, smol)

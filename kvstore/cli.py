@@ -1,7 +1,8 @@
 """The ``kvstore`` command: ``serve`` runs the daemon, ``stat`` shows tier occupancy, ``hash``
-prints the keys of a token sequence so operators can check them against an engine's.
+prints the keys of a token sequence so operators can check them against an engine's,
+``redis-secret`` writes the secret every daemon sharing a Redis keys its values with.
 
-Every command takes ``--address``; sizes are written ``512MiB``, ``4GiB``.
+Every command that talks to a daemon takes ``--address``; sizes are written ``512MiB``, ``4GiB``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
+import secrets
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -63,6 +66,18 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="shared tier: redis://host:port/db, rediss://, unix:///path.sock, redis+cluster://",
     )
     serve.add_argument(
+        "--redis-mac-key-file",
+        metavar="PATH",
+        help="the secret shared by every daemon of the Redis (kvstore redis-secret PATH writes "
+        "one); a Redis tier needs it unless --redis-allow-unkeyed",
+    )
+    serve.add_argument(
+        "--redis-allow-unkeyed",
+        action="store_true",
+        help="run a Redis tier without a secret: anyone who can write to Redis can then make "
+        "every host serve forged blocks (logged at start)",
+    )
+    serve.add_argument(
         "--gpu",
         choices=("auto", "on", "off"),
         help="GPU tier: auto (on where CUDA and CuPy are), on (refuse to start without), off",
@@ -86,6 +101,18 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     _add_address(stat)
     stat.add_argument("--json", action="store_true", help="machine-readable output")
     stat.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+
+    secret = sub.add_parser(
+        "redis-secret",
+        help="write a new secret for redis.mac_key_file (32 random bytes, hex, mode 0600)",
+    )
+    secret.add_argument("path", metavar="PATH", help="the file to create")
+    secret.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing file (a rotation: values keyed with the old secret become "
+        "misses on every host given the new one)",
+    )
 
     sub.add_parser(
         "demo",
@@ -164,6 +191,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         redis = cfg.redis
         if args.redis_url is not None:
             redis = dataclasses.replace(redis, url=args.redis_url)
+        if args.redis_mac_key_file is not None:
+            redis = dataclasses.replace(redis, mac_key_file=args.redis_mac_key_file)
+        if args.redis_allow_unkeyed:
+            redis = dataclasses.replace(redis, allow_unkeyed=True)
+        redis.check_keyed()  # every layer applied: file, KVSTORE_* and flags
         gpu = cfg.gpu
         if args.gpu is not None:
             gpu = dataclasses.replace(gpu, enabled=args.gpu)
@@ -294,6 +326,65 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if problems == 0 or args.fix else 1
 
 
+SECRET_BYTES = 32
+
+
+def cmd_redis_secret(args: argparse.Namespace) -> int:
+    """Write ``SECRET_BYTES`` random bytes as hex (what ``redis.mac_key_file`` reads: the text
+    is the secret) to a new file of mode 0600. An existing file is left alone unless
+    ``--force``: replacing a secret hosts still use makes every value they wrote a miss."""
+    path = os.path.abspath(args.path)
+    text = (secrets.token_hex(SECRET_BYTES) + "\n").encode()
+    try:
+        if args.force:
+            # A new file beside it, renamed over it: never a half-written secret, and the old
+            # file's mode and owner are not inherited.
+            tmp = f"{path}.tmp-{os.getpid()}"
+            _write_new(tmp, text)
+            try:
+                os.replace(tmp, path)
+            except OSError:
+                os.unlink(tmp)
+                raise
+        else:
+            _write_new(path, text)
+    except FileExistsError:
+        print(
+            f"kvstore redis-secret: {path} exists; pass --force to replace it (every host must "
+            "then get the new file: values keyed with the old secret become misses)",
+            file=sys.stderr,
+        )
+        return 2
+    except OSError as exc:
+        print(f"kvstore redis-secret: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote a new Redis MAC secret to {path} (mode 0600).\n"
+        "Copy this same file to every host whose daemon shares the Redis, readable only by the "
+        "daemon's user, and set in each daemon's config:\n\n"
+        f"    [redis]\n    mac_key_file = {json.dumps(path)}\n\n"
+        f"(or kvstore serve --redis-mac-key-file {path}, or KVSTORE_REDIS_MAC_KEY_FILE={path})."
+    )
+    return 0
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """Create ``path`` (never an existing file or a link's target), mode 0600, holding ``data``
+    on disk."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # exactly 0600, whatever the umask
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
@@ -301,9 +392,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return demo_main(argv[1:])
     args = _parse_args(argv)
-    handler = {"serve": cmd_serve, "stat": cmd_stat, "hash": cmd_hash, "check": cmd_check}[
-        args.command
-    ]
+    handler = {
+        "serve": cmd_serve,
+        "stat": cmd_stat,
+        "hash": cmd_hash,
+        "check": cmd_check,
+        "redis-secret": cmd_redis_secret,
+    }[args.command]
     return handler(args)
 
 

@@ -107,11 +107,38 @@ class RedisTierConfig:
     max_bytes_per_namespace: int = 0  # 0: no per-namespace bound (use Redis's maxmemory)
     key_prefix: str = "kvs"
     codec: str = "none"  # of the values this host writes; [[codecs]] overrides per namespace
-    # A file holding a secret shared by every daemon of the Redis: values carry a keyed MAC
-    # and only values with a right one are read. Empty: xxh3 checksums only (Redis ACL/TLS).
+    # A file holding a secret shared by every daemon of the Redis (``kvstore redis-secret``
+    # writes one): values carry a keyed MAC and only values with a right one are read.
     mac_key_file: str = ""
+    # Serve a Redis tier without a secret: xxh3 checksums only, which anyone who can write to
+    # Redis can compute, so every host would serve their forged blocks. Off: such a daemon
+    # refuses to start (``check_keyed``); on: it starts with a warning.
+    allow_unkeyed: bool = False
+
+    @property
+    def keyed(self) -> bool:
+        return bool(self.mac_key_file)
+
+    def check_keyed(self) -> None:
+        """Refuse a Redis tier without a MAC secret unless the operator allowed it. Checked once
+        every layer (file, ``KVSTORE_*``, flags) is applied: any of them may add the secret."""
+        if self.url and not self.mac_key_file and not self.allow_unkeyed:
+            raise ValueError(
+                "redis.mac_key_file is not set: without a secret anyone who can write to this "
+                "Redis can make every host serve forged KV blocks. Run `kvstore redis-secret "
+                "PATH` once, copy the file to every host and set redis.mac_key_file = PATH "
+                "(--redis-mac-key-file, KVSTORE_REDIS_MAC_KEY_FILE), or accept the risk with "
+                "redis.allow_unkeyed = true (--redis-allow-unkeyed, KVSTORE_REDIS_ALLOW_UNKEYED)"
+            )
 
     def __post_init__(self) -> None:
+        if self.allow_unkeyed and self.mac_key_file:
+            # A keyed daemon reads keyed values only: "allow unkeyed" would not do what it says
+            # (read old unkeyed values during a move to a secret), so the pair is a mistake.
+            raise ValueError(
+                "redis.allow_unkeyed = true and redis.mac_key_file both set: a daemon with a "
+                "secret writes and reads keyed values only; drop allow_unkeyed"
+            )
         if self.codec not in CODECS:
             raise ValueError(f"redis codec {self.codec!r} unknown; choose one of {CODECS}")
         _check_finite("redis.timeout_s", self.timeout_s)
@@ -566,6 +593,14 @@ def _bool(value: Any) -> bool:
     raise ValueError(f"must be true or false, a TOML boolean without quotes (got {value!r})")
 
 
+def _env_bool(value: str) -> bool:
+    """A boolean ``KVSTORE_*`` variable: ``true`` or ``false``, as TOML writes them. Never
+    "anything non-empty is true": ``=0`` or ``=no`` must not turn a safety off."""
+    if value in ("true", "false"):
+        return value == "true"
+    raise ValueError(f"must be true or false (got {value!r})")
+
+
 def _int(value: Any) -> int:
     # bool is an int in Python; a float would be truncated (3.7 -> 3) and a string parsed.
     if isinstance(value, int) and not isinstance(value, bool):
@@ -720,6 +755,7 @@ _KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "key_prefix": ("key_prefix", _str),
         "codec": ("codec", _str),
         "mac_key_file": ("mac_key_file", _str),
+        "allow_unkeyed": ("allow_unkeyed", _bool),
     },
 }
 
@@ -915,6 +951,14 @@ def _env_override(cfg: DaemonConfig, variable: str, value: str) -> DaemonConfig:
             )
         if variable == "KVSTORE_REDIS_URL":
             return dataclasses.replace(cfg, redis=dataclasses.replace(cfg.redis, url=value))
+        if variable == "KVSTORE_REDIS_MAC_KEY_FILE":
+            return dataclasses.replace(
+                cfg, redis=dataclasses.replace(cfg.redis, mac_key_file=value)
+            )
+        if variable == "KVSTORE_REDIS_ALLOW_UNKEYED":
+            return dataclasses.replace(
+                cfg, redis=dataclasses.replace(cfg.redis, allow_unkeyed=_env_bool(value))
+            )
         if variable == "KVSTORE_METRICS_ADDRESS":
             return dataclasses.replace(cfg, metrics_address=value)
         if variable == "KVSTORE_NVME_PATH":
@@ -928,6 +972,8 @@ _ENV_OVERRIDES = (
     "KVSTORE_CPU_CAPACITY",
     "KVSTORE_GPU",
     "KVSTORE_REDIS_URL",
+    "KVSTORE_REDIS_MAC_KEY_FILE",
+    "KVSTORE_REDIS_ALLOW_UNKEYED",
     "KVSTORE_METRICS_ADDRESS",
     "KVSTORE_NVME_PATH",
 )
@@ -947,7 +993,8 @@ def load_config(
     """The embedded default, overlaid by ``path`` (if given) and ``KVSTORE_*`` variables.
 
     A value of the wrong type or out of range raises ValueError naming its key (or variable);
-    an unreadable file, OSError."""
+    an unreadable file, OSError. A Redis tier's secret is checked by whoever starts the daemon,
+    once its flags are applied too (``RedisTierConfig.check_keyed``)."""
     cfg = _apply(DaemonConfig(), tomllib.loads(default_config_text()), "default config")
     if path is not None:
         cfg = _apply(cfg, _read_toml(path), str(path))

@@ -2,7 +2,9 @@
 
 ``daemon_factory(**config)`` starts ``python -m kvstore serve`` with a config file written for
 the test and waits until its health check answers; every daemon is stopped (SIGTERM, then
-SIGKILL) and its socket directory removed when the test ends.
+SIGKILL) and its socket directory removed when the test ends. A daemon given a Redis tier is
+keyed with the session's secret (``redis_mac_key_file``) unless the test passes its own, None,
+or ``redis_allow_unkeyed=True``.
 """
 
 from __future__ import annotations
@@ -157,6 +159,7 @@ def config_toml(
     cpu_capacity: str = "16MiB",
     redis_url: str | None = None,
     redis_mac_key_file: str | Path | None = None,
+    redis_allow_unkeyed: bool = False,
     slab: str = "1MiB",
     policy: str = "lru",
     lease_ttl_s: float = 30.0,
@@ -200,6 +203,8 @@ timeout_s = 0.5
 """
         if redis_mac_key_file is not None:
             text += f'mac_key_file = "{redis_mac_key_file}"\n'
+        if redis_allow_unkeyed:
+            text += "allow_unkeyed = true\n"
     if nvme_path is not None:
         text += f"""
 [nvme]
@@ -211,13 +216,42 @@ write_through = {"true" if write_through else "false"}
     return text + extra
 
 
+SUITE_REDIS_SECRET = "the test suite's redis mac secret, shared by its daemons\n"
+
+
+@pytest.fixture(scope="session")
+def redis_mac_key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A secret file (mode 0600) every daemon of the session shares unless a test says
+    otherwise: a daemon with a Redis tier and no secret refuses to start, and daemons sharing a
+    Redis read each other's values only with the same secret."""
+    path = Path(tmp_path_factory.mktemp("redis-secret")) / "redis.key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(SUITE_REDIS_SECRET)
+    return path
+
+
+def keyed_by_default(kwargs: dict[str, object], secret: Path) -> dict[str, object]:
+    """``config_toml`` keyword arguments with the suite's Redis secret where a test gives a
+    Redis tier but neither a secret of its own (``redis_mac_key_file``, None for none) nor
+    ``redis_allow_unkeyed``."""
+    if (
+        kwargs.get("redis_url") is not None
+        and "redis_mac_key_file" not in kwargs
+        and not kwargs.get("redis_allow_unkeyed")
+    ):
+        return {**kwargs, "redis_mac_key_file": secret}
+    return kwargs
+
+
 @pytest.fixture
-def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+def daemon_factory(tmp_path_factory: pytest.TempPathFactory, redis_mac_key_file: Path) -> Iterator:
     started: list[DaemonProcess] = []
 
     def start(**kwargs: object) -> DaemonProcess:
         # Short paths: a unix socket path must fit in 108 bytes.
         directory = Path(tmp_path_factory.mktemp("kvd", numbered=True))
+        kwargs = keyed_by_default(kwargs, redis_mac_key_file)
         d = DaemonProcess(directory, config_toml(**kwargs))  # type: ignore[arg-type]
         started.append(d)
         return d.start()
@@ -229,7 +263,7 @@ def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 
 
 @pytest.fixture
-def open_daemon_factory() -> Iterator:
+def open_daemon_factory(redis_mac_key_file: Path) -> Iterator:
     """Like ``daemon_factory``, for tests whose clients run under other uids: the daemon's
     directory is under a /tmp directory others may traverse (pytest's are owner-only)."""
     started: list[tuple[DaemonProcess, Path]] = []
@@ -237,6 +271,7 @@ def open_daemon_factory() -> Iterator:
     def start(**kwargs: object) -> DaemonProcess:
         base = Path(tempfile.mkdtemp(prefix="kvopen-", dir="/tmp"))
         base.chmod(0o711)
+        kwargs = keyed_by_default(kwargs, redis_mac_key_file)
         d = DaemonProcess(base / "d", config_toml(**kwargs))  # type: ignore[arg-type]
         d.directory.mkdir()
         started.append((d, base))

@@ -27,12 +27,17 @@ async def put(s: BlockStore, h: Handle, ns: Namespace, key: bytes) -> None:
 
 
 async def test_a_forgotten_namespace_in_the_queue_does_not_stop_write_through(
-    redis_server,
+    redis_server, redis_mac_key_file
 ) -> None:
     cfg = DaemonConfig(
         gpu=GpuTierConfig(enabled="off"),
         cpu=CpuTierConfig(capacity_bytes=16 * BB, slab_bytes=4 * BB, prefault=False),
-        redis=RedisTierConfig(url=redis_server.url, write_through=True, timeout_s=5.0),
+        redis=RedisTierConfig(
+            url=redis_server.url,
+            write_through=True,
+            timeout_s=5.0,
+            mac_key_file=str(redis_mac_key_file),
+        ),
     )
     s = BlockStore(cfg)
     await s.start()

@@ -8,6 +8,11 @@ ordinary local block (CPU tier, then NVMe by write-back), so the next read is lo
 ``SharedTier`` owns the ``RedisTier`` object and the write-through queue. Every Redis call has a
 deadline; when Redis is down, slow or restarting the tier is skipped (a lookup counts only local
 blocks, a put is not queued), and it recovers by itself. Event-loop only.
+
+Values are keyed with the operator's secret (``redis.mac_key_file``, ``value``): a daemon with a
+Redis tier and no secret refuses to start unless ``redis.allow_unkeyed`` says otherwise, and
+then warns at every start, since anyone who can write to Redis could make it serve forged
+blocks.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import stat
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +88,8 @@ class SharedTier:
             return
         from kvstore.tiers.redis import RedisTier
 
+        # ``kvstore serve`` checked this already (exit 2); here for daemons started otherwise.
+        self.config.check_keyed()
         self.tier = RedisTier(
             self.config.url,
             timeout_s=self.config.timeout_s,
@@ -89,6 +98,13 @@ class SharedTier:
             key_prefix=self.config.key_prefix,
             mac_secret=read_mac_secret(self.config.mac_key_file),
         )
+        if not self.config.keyed:
+            log.warning(
+                "redis tier %s WITHOUT a MAC secret (redis.allow_unkeyed): anyone who can write "
+                "to this Redis can make every host serve forged KV blocks; set "
+                "redis.mac_key_file (kvstore redis-secret PATH writes one)",
+                self.tier.url,  # redacted: never a password in the log
+            )
         await self.tier.start()  # a Redis that is down now is not fatal: it reconnects
         self._putter = asyncio.create_task(self._put_loop())
 
@@ -303,16 +319,27 @@ class SharedTier:
 
 
 def read_mac_secret(path: str) -> bytes | None:
-    """The Redis values' MAC secret from ``redis.mac_key_file`` (stripped), None without one.
-    A file that cannot be read or holds under 16 bytes refuses the start: a daemon that wrote
-    unkeyed values, or keyed them with an empty secret, would silently give up the promise."""
+    """The Redis values' MAC secret from ``redis.mac_key_file``, None without one: the file's
+    bytes, surrounding whitespace stripped (``kvstore redis-secret`` writes 64 hex digits and a
+    newline; the hex text itself is the secret). A file that cannot be read or holds under 16
+    bytes refuses the start: a daemon that wrote unkeyed values, or keyed them with an empty
+    secret, would silently give up the promise. A file others may read is warned about: whoever
+    reads it can forge values every host serves."""
     if not path:
         return None
     try:
         with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
             secret = f.read().strip()
     except OSError as exc:
         raise ValueError(f"redis.mac_key_file: cannot read {path}: {exc}") from None
     if len(secret) < 16:
         raise ValueError(f"redis.mac_key_file: {path} holds fewer than 16 bytes of secret")
+    if stat.S_IMODE(mode) & 0o077:
+        log.warning(
+            "redis.mac_key_file %s is readable by others (mode %o): whoever reads it can forge "
+            "values every host serves; chmod 600 it",
+            path,
+            stat.S_IMODE(mode),
+        )
     return secret
