@@ -51,7 +51,11 @@ def kvstore_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Com
         capture_output=True,
         text=True,
         timeout=120,  # a hang guard: the refusal comes before anything is served
-        env={**os.environ, **(env or {})},
+        # Only the variables a test gives: a KVSTORE_* of the caller's shell must not decide.
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")},
+            **(env or {}),
+        },
     )
 
 
