@@ -33,6 +33,12 @@ READ_BUFFER = 1 << 16
 """Replies are parsed from this buffer; a GET's payload bypasses it."""
 SEND_DIRECT = 1 << 14
 """Arguments at least this large are sent from the caller's buffer, not copied."""
+MAX_BULK = 512 << 20
+"""Longest bulk string a reply may state (Redis's own ``proto-max-bulk-len`` default): a longer
+one is a reply stream that makes no sense."""
+MAX_DEPTH = 8
+"""Deepest nesting of arrays a reply may have (the tier's replies nest at most two deep): a
+deeper one is a reply stream that makes no sense, never a recursion without bound."""
 
 
 class RespConnectionError(ConnectionError):
@@ -246,7 +252,26 @@ class RespConnection:
             raise RespConnectionError("bulk string not followed by CRLF")
         self._start += 2
 
-    async def read_reply(self) -> Any:
+    async def _read_bulk(self, n: int) -> bytes:
+        """A bulk string's ``n`` bytes, its CRLF consumed. Memory follows the bytes that
+        arrive, not the length stated: the buffer doubles as it fills, so a reply that states
+        a huge length and sends little costs little."""
+        data = bytearray(min(n, READ_BUFFER))
+        filled = 0
+        while True:
+            await self._readinto(memoryview(data)[filled:])
+            filled = len(data)
+            if filled == n:
+                break
+            data += bytes(min(n - filled, filled))
+        await self._crlf()
+        return bytes(data)
+
+    async def read_reply(self, depth: int = 0) -> Any:
+        """One reply: bytes (simple or bulk string), int, None (a null), a list of replies, or
+        an error reply as an exception instance. ``RespConnectionError`` when the stream ends
+        or makes no sense (a bad line, a length past ``MAX_BULK``, nesting past
+        ``MAX_DEPTH``)."""
         line = await self._readline()
         kind, rest = line[:1], line[1:]
         try:
@@ -260,13 +285,14 @@ class RespConnection:
                 n = int(rest)
                 if n < 0:
                     return None
-                data = bytearray(n)
-                await self._readinto(memoryview(data))
-                await self._crlf()
-                return bytes(data)
+                if n > MAX_BULK:
+                    raise RespConnectionError(f"a bulk string of {n} bytes stated: {line[:40]!r}")
+                return await self._read_bulk(n)
             if kind == b"*":
                 n = int(rest)
-                return None if n < 0 else [await self.read_reply() for _ in range(n)]
+                if n >= 0 and depth >= MAX_DEPTH:
+                    raise RespConnectionError(f"a reply nested deeper than {MAX_DEPTH} arrays")
+                return None if n < 0 else [await self.read_reply(depth + 1) for _ in range(n)]
         except ValueError:
             pass
         raise RespConnectionError(f"unexpected reply line {line[:40]!r}")
