@@ -146,8 +146,14 @@ def parse_header(page: Any) -> Header | None:
     return None
 
 
+MAX_RECORD_LENGTH = (1 << 32) - 1
+"""Largest raw length a record may state (the tier keeps lengths as u32): a header stating
+more, checksum or not, was never written by the tier."""
+
+
 def header_fits(h: Header, slot: int, slot_bytes: int, format_id: int) -> bool:
-    """Whether ``h`` is a committed record of this format for this very slot."""
+    """Whether ``h`` is a committed record of this format for this very slot: lengths the
+    tier can have written too (a raw payload is exactly the block)."""
     return (
         h.kind == KIND_RECORD
         and h.format_id == format_id
@@ -155,6 +161,8 @@ def header_fits(h: Header, slot: int, slot_bytes: int, format_id: int) -> bool:
         and h.slot_pages * PAGE == slot_bytes
         and h.codec in codecs.NAME_OF
         and 0 < h.stored_length <= min(h.length, slot_bytes - PAGE)
+        and h.length <= MAX_RECORD_LENGTH
+        and (h.codec != CODEC_NONE or h.stored_length == h.length)
     )
 
 
@@ -265,7 +273,10 @@ def pack_meta(
 
 
 def meta_length(page: Any) -> int:
-    """Bytes to read for the whole metadata copy that starts in ``page`` (0: not one)."""
+    """Bytes to read for the whole metadata copy that starts in ``page`` (0: not one, or
+    ``page`` is too short to say: a file cut short in its first page)."""
+    if len(page) < _META.size:
+        return 0
     magic, _, meta_pages, *_ = _META.unpack_from(page)
     return meta_pages * PAGE if magic == _META_MAGIC and 0 < meta_pages < 1 << 20 else 0
 

@@ -849,10 +849,13 @@ class NvmeTier:
         slab_map, size = found.slab_map, found.size
         self._alloc = SlotAllocator.restore(self.geometry, slab_map, set())
         slots = [s for slab in self._alloc.carved() for s in self._alloc.slots(slab)]
+        # A header page the file's end cuts: what is left of it may still read as a valid
+        # header once the file grows back to its capacity (zeros after it), and bring back a
+        # record whose payload is gone: tombstoned like a record cut short.
+        stale: list[int] = [s for s in slots if s < size < s + PAGE]
         slots = [s for s in slots if s + PAGE <= size]
         batches = [slots[i : i + SCAN_BATCH] for i in range(0, len(slots), SCAN_BATCH)]
         newest: dict[tuple[bytes, bytes], Header] = {}
-        stale: list[int] = []
         max_seq = self._next_seq - 1
 
         async def scan(batch: list[int]) -> tuple[list[int], bytearray]:
