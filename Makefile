@@ -2,12 +2,15 @@
 #   make demo   set up .venv, start the daemon on the embedded default config, run a workload
 #   make test   set up .venv, lint, type-check, check generated code, compile kernels, run tests,
 #               then the vLLM connector's tests against real engines in .venv-vllm
+#   make fuzz   fuzz every parser a peer or a disk feeds (FUZZ_SECONDS each, default 60;
+#               FUZZ_TARGET=name for one): new inputs in var/fuzz/corpus, crashes in
+#               var/fuzz/crashes
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint pytest proto kernels bench clean vllm-env test-vllm bench-vllm
+.PHONY: setup demo test lint pytest proto kernels bench clean vllm-env test-vllm bench-vllm fuzz
 
 setup: $(STAMP)
 
@@ -51,6 +54,14 @@ bench-vllm: vllm-env
 	$(VLLM_PY) benchmarks/bench_vllm.py
 	$(VLLM_PY) benchmarks/bench_vllm_binding.py
 	$(VLLM_PY) benchmarks/bench_vllm_layerwise.py
+
+# Coverage-guided fuzzing (atheris, from the dev extra): each target of tests/fuzz/ runs
+# FUZZ_SECONDS from its seed corpus; prints per target the inputs run and any crash.
+FUZZ_SECONDS ?= 60
+FUZZ_TARGET ?=
+
+fuzz: setup
+	$(PY) tests/fuzz/run.py --seconds $(FUZZ_SECONDS) $(if $(FUZZ_TARGET),--target $(FUZZ_TARGET))
 
 proto: setup
 	PYTHON=$(PY) scripts/gen_proto.sh
