@@ -10,7 +10,11 @@ Identity comes from what the transport proves, never from what a request claims:
 
 The tenant policy (``[[access]]`` in the config) maps those credentials to tenants and a role.
 Without a policy the daemon is single-user: its socket and directory are owner-only, so whoever
-reaches the unix socket is its owner (or root) and may use every tenant.
+reaches the unix socket is its owner (or root) and may use every tenant. Callers are still told
+apart (``caller_key``) for the per-caller bounds (sessions, open handles, namespaces holding
+blocks): by uid on the unix socket, by token or certificate name on TCP; with a policy, by the
+tenant the caller's rules name first, so the several uids (or tokens) of one tenant share one
+bound rather than get one each.
 
 Shared tenants (``[shared.NAME]``) are the one way a namespace crosses tenants: their readers
 may read, their writers may write, both declared by the operator.
@@ -74,6 +78,14 @@ class Principal:
 
 
 OWNER = Principal("owner", operator=True)
+
+
+def caller_key(principal: Principal) -> str:
+    """Whose share of a per-caller bound (open handles, namespaces holding blocks) a call
+    spends: with a tenant policy, the tenant its rules name first by name (the one
+    ``Quotas.payer`` charges by default); otherwise its name (``uid N`` on the unix socket,
+    ``owner`` for a call without a session there, a token or certificate name on TCP)."""
+    return f"tenant {min(principal.own)!r}" if principal.own else principal.name
 
 
 def load_tokens(sources: Sequence[tuple[str, str]]) -> dict[str, bytes]:
@@ -142,8 +154,9 @@ class Policy:
     def for_unix_peer(self, uid: int, gid: int) -> Principal | None:
         """The principal of a unix-socket peer, None if the policy does not know it."""
         if not self.enabled:
-            # Single-user: only the owner (or root) can reach the owner-only socket.
-            return Principal("owner", operator=True)
+            # Single-user: only the owner (or root) can reach the owner-only socket. Named by
+            # its uid, so root's processes and the owner's each have bounds of their own.
+            return Principal(f"uid {uid}", operator=True)
         matches = [i for i, r in enumerate(self.config.access) if uid in r.uids or gid in r.gids]
         if not matches:
             return None

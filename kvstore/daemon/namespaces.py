@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.config import LimitsConfig
+from kvstore.daemon.auth import Principal, caller_key
 from kvstore.errors import CapacityError, NamespaceMismatchError, UnknownNamespaceError
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
@@ -57,6 +58,9 @@ class NamespaceRecord:
     claimed: bool = False
     lookup_hits: int = 0
     lookup_misses: int = 0
+    # Whose share of namespaces holding blocks it counts toward (``check_share``): the caller
+    # that gave it its first block (with a tenant policy, its tenant's regardless).
+    holder: str = ""
     # Its books and its tenant's (``kvstore.daemon.quotas.Usage``), given by the store's
     # quotas when the record is made.
     usage: Any = None
@@ -289,28 +293,48 @@ class NamespaceTable:
         self._by_identity[key] = record
         return record
 
-    def check_share(self, tenant: str) -> None:
-        """With a tenant policy, refuse ``tenant`` one more namespace once it has a quarter of
-        ``limits.max_namespaces`` holding blocks: such a namespace outlives its handles, so
-        without a share one tenant could fill the table for everyone. Namespaces without
+    def check_share(
+        self, tenant: str, caller: object = None, record: NamespaceRecord | None = None
+    ) -> None:
+        """Refuse one more namespace holding blocks to whoever already holds a quarter of
+        ``limits.max_namespaces`` with blocks: such a namespace outlives its handles, so
+        without a share one holder could fill the table for everyone. With a tenant policy the
+        holder is the namespace's tenant; without one (where the tenant is whatever a client
+        says) it is the caller (``kvstore.daemon.auth.caller_key`` of ``caller``, a
+        ``Principal``: the owner's uid, root's, a token's name), so one runaway process cannot
+        take every namespace either. ``record``: the empty namespace about to take its first
+        block (the store's check), which then counts toward that holder. Namespaces without
         blocks do not count: they go with their handles, which are bounded per caller, and a
-        reader of a shared tenant (which cannot write) must not use up that tenant's share;
-        the store checks again before an empty namespace takes its first block. A scan of the
-        table: opening a namespace, or filling an empty one, is rare next to other calls."""
-        if not self._tenant_domains:
-            return
+        reader of a shared tenant (which cannot write) must not use up that tenant's share.
+        Without a policy the check is made only at that first block (the caller is known
+        there). A scan of the table: opening a namespace, or filling an empty one, is rare
+        next to other calls."""
+        if self._tenant_domains:
+            holder = f"tenant {tenant!r}"
+        elif isinstance(caller, Principal):
+            holder = caller_key(caller)
+        else:
+            return  # no caller to charge (the store's own, or a test's, callers of everything)
         share = max(1, min(self.limits.max_namespaces, MAX_NAMESPACE_ID) // 4)
         held = sum(
             1
             for r in self._records.values()
-            if r.entries and r.namespace is not None and r.namespace.tenant == tenant
+            if r.entries and r is not record and self._holder_of(r) == holder
         )
         if held >= share:
             raise CapacityError(
-                f"tenant {tenant!r} has {held} namespaces holding blocks, a quarter of "
+                f"{holder} has {held} namespaces holding blocks, a quarter of "
                 f"limits.max_namespaces ({self.limits.max_namespaces}): delete the blocks of "
                 "some first"
             )
+        if record is not None and not self._tenant_domains:
+            record.holder = holder
+
+    def _holder_of(self, record: NamespaceRecord) -> str:
+        if self._tenant_domains:
+            tenant = record.namespace.tenant if record.namespace is not None else None
+            return f"tenant {tenant!r}" if tenant is not None else ""
+        return record.holder
 
     def domain_for(self, tenant: str) -> int:
         """The memory domain of a tenant's namespaces (0 for all without a tenant policy)."""

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvstore import __version__
-from kvstore.daemon.auth import OWNER, Authenticator, Principal
+from kvstore.daemon.auth import OWNER, Authenticator, Principal, caller_key
 from kvstore.daemon.store import BlockStore, Handle
 from kvstore.errors import (
     CapacityError,
@@ -203,7 +203,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.limits = store.config.limits
         self.started_at = time.monotonic()
         self._closing = asyncio.Event()
-        self._handles_of: dict[str, int] = {}  # open handles per caller (principal name)
+        self._handles_of: dict[str, int] = {}  # open handles per caller (``caller_key``)
 
     def close_streams(self) -> None:
         """End every OpenNamespace stream (the daemon is stopping): clients see their handle
@@ -259,16 +259,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 raise PermissionDeniedError(
                     f"{principal.name} may not use tenant {namespace.tenant!r}"
                 )
-            # One caller (a uid, a token, a certificate) may hold at most a quarter of all
-            # handles, so it cannot lock the others out of opening namespaces.
-            held = self._handles_of.get(principal.name, 0)
-            if not principal.all_tenants and held >= max(1, self.limits.max_handles // 4):
+            # One caller (a tenant with a policy; a uid, token or certificate without one)
+            # may hold at most a quarter of all handles, so it cannot lock the others out of
+            # opening namespaces; without a policy too (a runaway process of root's).
+            who = caller_key(principal)
+            held = self._handles_of.get(who, 0)
+            if held >= max(1, self.limits.max_handles // 4):
                 raise CapacityError(
-                    f"{principal.name} holds {held} open namespace handles, a quarter of "
+                    f"{who} holds {held} open namespace handles, a quarter of "
                     f"limits.max_handles ({self.limits.max_handles}): close some first"
                 )
             handle = self.store.open_namespace(namespace, request.priority, principal)
-            self._handles_of[principal.name] = held + 1
+            self._handles_of[who] = held + 1
             handle.principal = principal
             handle.writable = principal.may_write(namespace.tenant)
         except Exception as exc:
@@ -281,9 +283,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             await self._closing.wait()
         finally:
             self.store.close_handle(handle)
-            left = self._handles_of.pop(principal.name, 1) - 1
+            left = self._handles_of.pop(who, 1) - 1
             if left:
-                self._handles_of[principal.name] = left
+                self._handles_of[who] = left
 
     def _open_reply(self, handle: Handle, principal: Principal) -> pb.OpenNamespaceResponse:
         record = handle.record
