@@ -2,8 +2,12 @@
 
 * ``KVStoreDaemon``: runs ``python -m kvstore serve`` on a unix socket in a private temp dir,
   waits until its gRPC health check says SERVING, stops it with SIGTERM (SIGKILL after a grace
-  period, then removes the arena it would have unlinked).
-* ``RedisServer``: runs ``redis-server`` on a unix socket only (``--port 0``), no persistence.
+  period, then removes the arena it would have unlinked). ``kill()`` + ``start()`` is a crash
+  and a restart: same socket, same directory, same arguments (so the same NVMe file).
+* ``RedisServer``: runs ``redis-server`` on a unix socket only (``--port 0``), no persistence;
+  ``kill()`` + ``start()`` restarts it on the same socket and data directory.
+* ``mount_tmpfs``: a small tmpfs (a real filesystem that fills up), unmounted on exit; needs
+  root.
 * ``Timing`` / ``summarize`` / ``median_time``: medians (and p99) of repeated measurements.
 * ``print_table``, ``emit``: a readable table, or one JSON document with ``--json``.
 
@@ -30,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -111,7 +115,10 @@ class KVStoreDaemon:
         self.stop()
 
     def start(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="kvbench-kv-")
+        """Start the daemon; after ``kill()``, start it again in the same directory (same
+        socket, log appended)."""
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="kvbench-kv-")
         sock = os.path.join(self._dir, "kv.sock")
         self.address = f"unix:{sock}"
         self.log_path = os.path.join(self._dir, "daemon.log")
@@ -128,7 +135,7 @@ class KVStoreDaemon:
             self.policy,
             *self.extra_args,
         ]
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd,
                 cwd=self._dir,
@@ -159,18 +166,32 @@ class KVStoreDaemon:
         """Resident memory of the daemon process (its share of the arena included)."""
         return _rss_of(self.pid)
 
+    def kill(self) -> None:
+        """``kill -9`` the daemon (a crash: nothing of it runs after this returns) and remove
+        the arena it could not unlink; its directory stays for ``start()``."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            self.proc.wait()
+            _unlink_arena(self.proc.pid)
+            self.proc = None
+
     def stop(self) -> None:
         if self.proc is not None:
             pid = self.proc.pid
             _stop_process(self.proc, self.grace_s)
             self.proc = None
             # A daemon that had to be killed could not unlink its arena: do it for it.
-            for path in glob.glob(f"/dev/shm/kvstore-{pid}-*"):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+            _unlink_arena(pid)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+
+def _unlink_arena(pid: int) -> None:
+    for path in glob.glob(f"/dev/shm/kvstore-{pid}-*"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _env_with_our_kvstore() -> dict[str, str]:
@@ -193,13 +214,17 @@ def redis_server_path() -> str | None:
 
 class RedisServer:
     """A real ``redis-server`` listening only on ``<tmpdir>/redis.sock``: no TCP port, no RDB
-    snapshots, no AOF, no memory limit."""
+    snapshots, no AOF, no memory limit unless ``extra_args`` set one (``--maxmemory 32mb``:
+    arguments, not ``CONFIG SET``, so a restart keeps them)."""
 
-    def __init__(self, ready_timeout_s: float = 30.0, grace_s: float = 10.0) -> None:
+    def __init__(
+        self, ready_timeout_s: float = 30.0, grace_s: float = 10.0, extra_args: Sequence[str] = ()
+    ) -> None:
         path = redis_server_path()
         if path is None:
             raise FileNotFoundError("redis-server not found (install the redis-server package)")
         self.binary = path
+        self.extra_args = list(extra_args)
         self.ready_timeout_s = ready_timeout_s
         self.grace_s = grace_s
         self._dir: str | None = None
@@ -219,7 +244,9 @@ class RedisServer:
         self.stop()
 
     def start(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="kvbench-redis-")
+        """Start redis-server; after ``kill()``, again on the same socket and data dir."""
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="kvbench-redis-")
         self.socket_path = os.path.join(self._dir, "redis.sock")
         self.log_path = os.path.join(self._dir, "redis.log")
         cmd = [
@@ -240,6 +267,7 @@ class RedisServer:
             self.log_path,
             "--daemonize",
             "no",
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(
             cmd,
@@ -277,6 +305,14 @@ class RedisServer:
         assert self.proc is not None
         return self.proc.pid
 
+    def kill(self) -> None:
+        """SIGKILL redis-server; its socket path and data dir stay for ``start()``."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
     def stop(self) -> None:
         if self.proc is not None:
             _stop_process(self.proc, self.grace_s)
@@ -284,6 +320,26 @@ class RedisServer:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+
+@contextlib.contextmanager
+def mount_tmpfs(path: str, size: str) -> Iterator[str]:
+    """A tmpfs of ``size`` (``"96m"``) mounted at ``path`` (made here, must not exist): a real
+    filesystem that fills up. Needs root (mount); RuntimeError with mount's message otherwise.
+    Lazily unmounted on exit, so a file still open there does not keep it mounted."""
+    os.mkdir(path)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True
+    )
+    if r.returncode:
+        os.rmdir(path)
+        raise RuntimeError(f"cannot mount a tmpfs at {path}: {r.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=False)
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
 
 
 # --------------------------------------------------------------------------- in process

@@ -36,7 +36,12 @@ in the NVMe tier; a fresh put/get per namespace and transport must still round-t
 daemon must exit 0 on SIGTERM. Exit status 1 on any wrong block, leak, unexplained error, hang
 or bad daemon exit.
 
+``--smoke``: a run of a few seconds (2 clients, small tiers) that checks all of the above.
+``--faults``: the soak with faults instead (daemon ``kill -9``s, a Redis restart, a full disk,
+clients of two tenants under their own uids, a durable ledger), ``benchmarks/soak_faults.py``.
+
     PYTHONPATH=. .venv/bin/python benchmarks/soak.py [--seconds 60] [--clients 8] [--seed 1]
+    PYTHONPATH=. .venv/bin/python benchmarks/soak.py --faults [--seconds 600] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import multiprocessing as mp
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -104,10 +110,11 @@ class NsSpec:
     layers: int  # 8 KV heads x 128 dims x 16 tokens x bf16: 64 KiB per layer
     blocks_per_prompt: int
     shared_keys: bool  # raw keys from SHARED_KEY_SEED (same bytes in every such namespace)
+    heads: int = 8  # KV heads (2: 16 KiB per layer)
 
     @property
     def layout(self) -> KVLayout:
-        return KVLayout(self.layers, 8, 128, TOKENS_PER_BLOCK, torch.bfloat16)
+        return KVLayout(self.layers, self.heads, 128, TOKENS_PER_BLOCK, torch.bfloat16)
 
     @property
     def block_bytes(self) -> int:
@@ -779,7 +786,7 @@ def rss(pid: int) -> int:
     return 0
 
 
-def config_toml(args: argparse.Namespace) -> str:
+def config_toml(args: argparse.Namespace, mac_key_file: str) -> str:
     return f"""
 [daemon]
 lease_ttl_s = {args.ttl}
@@ -792,6 +799,7 @@ slab = "{args.cpu_slab_mib}MiB"
 
 [redis]
 timeout_s = 2.0
+mac_key_file = "{mac_key_file}"
 """
 
 
@@ -812,13 +820,33 @@ def parse() -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=120.0, help="for the workers (s)")
     p.add_argument("--save-daemon-log", metavar="PATH", help="copy the daemon's log there")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny run of seconds (2 clients, small tiers and keyspace): does it all work?",
+    )
+    p.add_argument(
+        "--faults",
+        action="store_true",
+        help="the soak with faults instead (daemon kill -9s, a Redis restart, a full disk): "
+        "see benchmarks/soak_faults.py and its --help",
+    )
     args = p.parse_args()
+    if args.smoke:
+        args.seconds, args.clients, args.kill_every = 6.0, 2, 2.0
+        args.cpu_capacity_mib, args.cpu_slab_mib = 48, 4
+        args.nvme_capacity_mib, args.redis_maxmemory_mib, args.keyspace_mib = 64, 16, 48
+        args.ttl, args.rpc_timeout, args.progress_every = 3.0, 10.0, 2.0
     if not 2 <= args.clients <= 16:
         p.error("--clients must be in 2..16")
     return args
 
 
 def main() -> int:
+    if "--faults" in sys.argv[1:]:
+        import soak_faults  # its own options (--seconds, --plot, --smoke, ...)
+
+        return soak_faults.main([a for a in sys.argv[1:] if a != "--faults"])
     args = parse()
     # Ctrl-C unwinds (stopping everything) even where the shell started us with SIGINT ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -826,9 +854,14 @@ def main() -> int:
         work = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvsoak-"))
         events_dir = os.path.join(work, "events")
         os.mkdir(events_dir)
+        # The Redis tier's values carry a MAC under a secret of this run (a daemon with a Redis
+        # tier and no secret refuses to start).
+        mac_file = os.path.join(work, "redis-mac.key")
+        with open(os.open(mac_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
         cfg = os.path.join(work, "soak.toml")
         with open(cfg, "w") as f:
-            f.write(config_toml(args))
+            f.write(config_toml(args, mac_file))
         extra = ["--config", cfg, "--gpu", "off"]
         if args.nvme_capacity_mib:
             nvme_dir = os.path.join(work, "nvme")
