@@ -312,14 +312,21 @@ class Mover:
         share (it changed while the writes ran) stays, unless it is ``requester``'s own."""
         store, index = self.store, self.store.index
         quotas = store.quotas
-        dirty = [v for v in victims if not index.tier[v] & IN_NVME]
+        # The blocks the writes below are for. A victim not committed yet (a slab drain names
+        # every slot's entry: a spare slot a Bind may commit while the writes run) or one whose
+        # entry holds another block by then got no write: it is left for the next round, never
+        # dropped as if its write had failed.
+        was = {v: index.key(v) for v in victims if index.state[v] == State.COMMITTED}
+        dirty = [v for v in was if not index.tier[v] & IN_NVME]
         if dirty and store.nvme is not None:
             await asyncio.gather(*(self.flush(v) for v in dirty))
         elif dirty and store.shared.enabled:
             await store.shared.demote(dirty)  # the CPU tier is the last local one
         for v in victims:
             if (
-                index.state[v] != State.COMMITTED
+                v not in was
+                or not index.has_key(v, index.ns[v], was[v])
+                or index.state[v] != State.COMMITTED
                 or index.leases[v]
                 or v in self._flushing
                 or not index.tier[v] & IN_CPU

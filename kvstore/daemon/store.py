@@ -1458,21 +1458,25 @@ class BlockStore:
 
     async def persist(self, ns_id: int, eids: list[int], keys: list[bytes]) -> None:
         """Write committed blocks to disk durably now (waiting for writes in flight); blocks
-        deleted meanwhile need nothing. UnavailableError if one could not be made durable."""
-        live = [e for e, k in zip(eids, keys, strict=True) if self.index.has_key(e, ns_id, k)]
-        gpu_only = [e for e in live if not self.index.tier[e] & (IN_CPU | IN_NVME)]
+        deleted before it starts need nothing. UnavailableError if one could not be made
+        durable, or is gone by the end without its write having succeeded: the daemon cannot
+        tell a client's delete from an eviction (a failed write-back evicts), and a put is
+        acknowledged only with its blocks on disk."""
+        live = [(e, k) for e, k in zip(eids, keys, strict=True) if self.index.has_key(e, ns_id, k)]
+        gpu_only = [e for e, _ in live if not self.index.tier[e] & (IN_CPU | IN_NVME)]
         if gpu_only:
             await self.device.to_cpu(gpu_only)
-        results = await asyncio.gather(*(self.mover.flush(e, durable=True) for e in live))
+        results = await asyncio.gather(*(self.mover.flush(e, durable=True) for e, _ in live))
         lost = [
             k
-            for e, k, ok in zip(live, keys, results, strict=True)
-            if not ok and self.index.has_key(e, ns_id, k) and not self.index.tier[e] & IN_NVME
+            for (e, k), ok in zip(live, results, strict=True)
+            if not ok and not (self.index.has_key(e, ns_id, k) and self.index.tier[e] & IN_NVME)
         ]
         if lost:
             raise UnavailableError(
                 f"{len(lost)} of {len(eids)} blocks could not be made durable (the NVMe tier is "
-                "full of leased blocks, or failing: see kvstore stat); they are stored in memory"
+                "full of leased blocks, or failing: see kvstore stat); those still stored are "
+                "in memory, and a retry of the put writes them down"
             )
 
     def _commit_entry(self, eid: int, checksum: int) -> None:
