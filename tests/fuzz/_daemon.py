@@ -132,6 +132,7 @@ class Daemon:
         self.handle = reply.handle
         self.reservation = self.lease = 0
         self.reserved: list[tuple[bytes, int]] = []  # (key, address) of the last reservation
+        self.spare: list[int] = []  # addresses of the spare slots last granted
         try:
             for call in calls:
                 await one(*call)
@@ -167,6 +168,8 @@ class Daemon:
                 request.reservation_id = self.reservation
             if "lease_id" in fields:
                 request.lease_id = self.lease
+            if "slots" in fields:  # Bind: the spare slots granted, one per key
+                request.slots[:] = self.spare[: max(1, len(request.keys) // 32)]
             if "release_leases" in fields and request.release_leases:
                 request.release_leases[:] = [self.lease] * min(len(request.release_leases), 2)
         if flags & FIX_KEYS and "keys" in fields:
@@ -178,14 +181,18 @@ class Daemon:
                 if field in fields:
                     setattr(request, field, getattr(request, field) % 4)
         if flags & FIX_CHECKSUMS and name == "Commit":
-            request.checksums[:] = self._checksums(arg[2] if len(arg) > 2 else 0)
+            request.checksums[:] = self._checksums(self.reserved, arg[2] if len(arg) > 2 else 0)
+        if flags & FIX_CHECKSUMS and name == "Bind":
+            keys = [bytes(request.keys[i : i + 32]) for i in range(0, len(request.keys), 32)]
+            slots = list(zip(keys, request.slots, strict=False))
+            request.checksums[:] = self._checksums(slots, arg[2] if len(arg) > 2 else 0)
 
-    def _checksums(self, fill: int) -> list[int]:
-        """Fill the last reservation's slots (as a client would) and their checksums."""
+    def _checksums(self, slots: list[tuple[bytes, int]], fill: int) -> list[int]:
+        """Fill the slots (key, address) as a client would, and give their checksums."""
         arena, bb = self.store.arena, LAYOUT.block_bytes
         fingerprint = NS.fingerprint
         sums = []
-        for key, address in self.reserved:
+        for key, address in slots:
             if address < 0:
                 continue
             found = arena.file(address >> 32)
@@ -287,8 +294,8 @@ class Daemon:
             self.reserved = list(zip(keys, reply.offsets, strict=False))
         elif name == "Acquire" and reply.lease_id:
             self.lease = reply.lease_id
-        elif name == "Commit" and reply.spare:
-            pass
+        if name in ("Commit", "Bind") and reply.spare:
+            self.spare = list(reply.spare)
 
 
 def cut_calls(data: bytes, max_calls: int = 6) -> list[tuple[str, int, bytes, list[bytes]]]:

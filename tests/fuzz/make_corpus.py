@@ -242,7 +242,7 @@ def grpc_requests() -> dict[str, bytes]:
     out["commit_spare_bind"] = (
         encode_call("Reserve", hk, b"\x0b\x01", [b["Reserve"]])
         + encode_call("Commit", h | FIX_IDS | FIX_CHECKSUMS, b"\x00\x00\x01", [b["Commit"]])
-        + encode_call("Bind", hk, b"\x0c\x01", [b["Bind"]])
+        + encode_call("Bind", hk | FIX_IDS | FIX_CHECKSUMS, b"\x0c\x01\x03", [b["Bind"]])
     )
     out["acquire_prefetch"] = encode_call("Acquire", hk, b"\x00\x08", [b["AcquirePrefetch"]])
     out["undecodable"] = encode_call("Lookup", h, b"", [b"\xff\xff\xff"])
