@@ -2,19 +2,22 @@
 cut short inside its first metadata page is formatted again (it raised struct.error); a record
 header that states a length the tier never writes (2**33 bytes, checksum right) loses that
 record, not the tier (it raised OverflowError); a header page cut by the file's end does not
-come back as a record once the file grows back (it came back at the second open)."""
+come back as a record once the file grows back (it came back at the second open); a metadata
+copy whose page count is damaged costs a read of no more than the copy's checksum covers (it
+read, and kept a populated buffer of, up to 4 GiB)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import struct
+import threading
 from pathlib import Path
 
 import xxhash
 
 from kvstore.checksum import block_checksum
-from kvstore.tiers.nvme import FILE_NAME, PAGE, NvmeTier, ondisk
+from kvstore.tiers.nvme import FILE_NAME, PAGE, NvmeTier, ondisk, recovery
 
 NS = bytes(range(16))
 CAPACITY, SLAB = 160 * 1024, 32 * 1024
@@ -74,3 +77,29 @@ def test_a_header_page_cut_by_the_end_of_the_file_stays_gone(tmp_path: Path) -> 
     os.truncate(tmp_path / FILE_NAME, second + PAGE // 2)  # the header's first half is left
     assert asyncio.run(reopen(tmp_path)) == [first]
     assert asyncio.run(reopen(tmp_path)) == [first]  # grown back: the record did not return
+
+
+def test_a_damaged_metadata_page_count_is_not_a_read_of_that_size(tmp_path: Path) -> None:
+    asyncio.run(two_records(tmp_path))
+    path = tmp_path / FILE_NAME
+    with open(path, "r+b") as f:
+        f.seek(12)  # copy A's page count: 65536 pages, 256 MiB
+        f.write(struct.pack("<I", 1 << 16))
+    scratch: list[int] = []
+    geometry = ondisk.Geometry.plan(CAPACITY, SLAB)
+
+    def inspect() -> None:  # on a thread of its own: its scratch buffer starts empty
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            found = recovery.inspect(fd, geometry, str(path))
+        finally:
+            os.close(fd)
+        assert found.meta_ok == [False, True]  # copy B in force
+        view = recovery._scratch.view
+        scratch.append(view.nbytes if view is not None else 0)
+
+    thread = threading.Thread(target=inspect)
+    thread.start()
+    thread.join()
+    assert scratch and scratch[0] <= 1 << 20, f"a {scratch} byte read buffer"
+    assert asyncio.run(reopen(tmp_path)) != []

@@ -281,6 +281,14 @@ def meta_length(page: Any) -> int:
     return meta_pages * PAGE if magic == _META_MAGIC and 0 < meta_pages < 1 << 20 else 0
 
 
+def meta_checked_bytes(page: Any) -> int:
+    """Bytes a metadata copy that starts in ``page`` needs read for its checksum to be
+    verified, as its own slab count says (0: ``page`` is too short to say)."""
+    if len(page) < _META.size:
+        return 0
+    return round_up(_META.size + 4 * _META.unpack_from(page)[-1] + 8)
+
+
 def starts_meta(page: Any) -> bool:
     """Whether ``page`` starts like a metadata copy (its magic), valid or not."""
     return bytes(page[: len(_META_MAGIC)]) == _META_MAGIC

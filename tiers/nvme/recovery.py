@@ -55,8 +55,11 @@ def _read_meta(fd: int, offset: int) -> fmt.Meta | None:
     page = _read(fd, PAGE, offset)
     if page.nbytes < PAGE:
         return None
-    n = fmt.meta_length(page)
-    return fmt.parse_meta(bytes(_read(fd, n, offset))) if n else None
+    # Its header is not checksummed until the whole copy is read: a damaged page count
+    # (up to 4 GiB) must not become a read (and a buffer) of that size. What its checksum
+    # needs, as its slab count says, and never past the file's end.
+    n = min(fmt.meta_length(page), fmt.meta_checked_bytes(page), os.fstat(fd).st_size - offset)
+    return fmt.parse_meta(bytes(_read(fd, n, offset))) if n > 0 else None
 
 
 def _mismatch(path: str, file_cap: int, file_slab: int, geo: Geometry) -> NvmeFormatError:
