@@ -137,15 +137,22 @@ RSS_GROWTH = 48 * MiB
 FD_GROWTH = 16
 # Error kinds that may happen, by period; anything else is a failure.
 UNDER_PRESSURE = {"CapacityError", "LeaseExpiredError"}
+# A durable put whose block is gone before its write reached the disk is refused (the daemon
+# cannot tell a client's delete from an eviction): the two clients of a tenant share keys, so
+# one's put racing the other's delete may be refused at any time. A write into a slot never
+# written before needs filesystem space: on the full disk such puts are refused too.
+NOT_DURABLE = "UnavailableError(not durable)"
 LEGAL = {
     "daemon down": UNDER_PRESSURE
-    | {"UnavailableError(UNAVAILABLE)", "UnavailableError(DEADLINE_EXCEEDED)"},
-    "redis restart": UNDER_PRESSURE,
-    # A write into a slot never written before needs filesystem space: that put is refused.
-    "disk full": UNDER_PRESSURE | {"UnavailableError(not durable)"},
-    "steady": UNDER_PRESSURE,
+    | {"UnavailableError(UNAVAILABLE)", "UnavailableError(DEADLINE_EXCEEDED)", NOT_DURABLE},
+    "redis restart": UNDER_PRESSURE | {NOT_DURABLE},
+    "disk full": UNDER_PRESSURE | {NOT_DURABLE},
+    "steady": UNDER_PRESSURE | {NOT_DURABLE},
 }
 PERIODS = tuple(LEGAL)
+# The ledger deletes only keys it no longer puts: a refused durable put of its own is legal
+# only where the disk is full or the daemon was killed under it.
+LEDGER_NOT_DURABLE = ("daemon down", "disk full")
 
 
 def fault_kind(exc: BaseException) -> str:
@@ -895,6 +902,15 @@ def report(soak: FaultSoak, stats: dict | None, final: LedgerCheck | None, abort
         by.setdefault(e["kind"], Counter())[period_of(e["t"], run.faults)] += 1
         first.setdefault(e["kind"], f"{e['op']}: {e['msg']}")
     unexpected = {k: {p: n for p, n in c.items() if k not in LEGAL[p]} for k, c in by.items()}
+    for e in errors:
+        period = period_of(e["t"], run.faults)
+        if (
+            e["worker"] == "ledger"
+            and e["kind"] == NOT_DURABLE
+            and period not in LEDGER_NOT_DURABLE
+        ):
+            by_period = unexpected.setdefault("ledger " + NOT_DURABLE, {})
+            by_period[period] = by_period.get(period, 0) + 1
     unexpected = {k: v for k, v in unexpected.items() if v}
     print_table(
         f"Errors by kind and period ({len(errors)}; periods: a fault's window up to "
