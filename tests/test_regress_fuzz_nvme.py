@@ -103,3 +103,20 @@ def test_a_damaged_metadata_page_count_is_not_a_read_of_that_size(tmp_path: Path
     thread.join()
     assert scratch and scratch[0] <= 1 << 20, f"a {scratch} byte read buffer"
     assert asyncio.run(reopen(tmp_path)) != []
+
+
+def test_a_header_stating_a_sequence_number_past_any_write_is_not_taken(tmp_path: Path) -> None:
+    """A checksummed header (here in the free slot after the records) whose sequence number is
+    2**64 - 1: open took it as the newest and overflowed writing the metadata (struct.error)."""
+    first, second = asyncio.run(two_records(tmp_path))
+    path = tmp_path / FILE_NAME
+    with open(path, "r+b") as f:
+        f.seek(second)
+        page = bytearray(f.read(PAGE))
+        struct.pack_into("<QQ", page, 16, second + 8192, (1 << 64) - 1)  # slot, seq
+        size = ondisk._HEADER.size
+        struct.pack_into("<Q", page, size, xxhash.xxh3_64_intdigest(bytes(page[:size])))
+        f.seek(second + 8192)
+        f.write(page)
+    assert asyncio.run(reopen(tmp_path)) == [first, second]
+    assert asyncio.run(reopen(tmp_path)) == [first, second]

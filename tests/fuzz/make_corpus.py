@@ -128,6 +128,7 @@ def nvme_superblock() -> dict[str, bytes]:
         "meta_a_damaged": _nvme_patches([(0, 100, b"\xff" * 8)]),
         "meta_both_damaged": _nvme_patches([(0, 100, b"\xff"), (0, geo.meta_bytes + 100, b"\xff")]),
         "meta_a_newer_gen": _nvme_patches([(t.FIX_META_A, 48, struct.pack("<Q", 99))]),
+        "meta_page_count": _nvme_patches([(0, 12, struct.pack("<I", 1 << 16))]),
         "meta_slab_map": _nvme_patches([(t.FIX_META_A, fmt._META.size, struct.pack("<I", 1))]),
         "meta_geometry": _nvme_patches(
             [(t.FIX_META_A | t.FIX_META_B, 24, struct.pack("<Q", 1 << 30))]
@@ -146,6 +147,7 @@ def nvme_superblock() -> dict[str, bytes]:
         "header_length_2p33": _nvme_patches(
             [(t.FIX_HEADER, first + 88, struct.pack("<Q", 1 << 33))]
         ),
+        "header_seq_max": _nvme_patches([(t.FIX_HEADER, first + 2 * 8192 + 10, b"\xff" * 25 + b"\x00\x01")]),
         "header_payload": _nvme_patches([(t.FIX_STORED, first + 4096, b"garbage")]),
         "tombstone_revived": _nvme_patches(
             [(t.FIX_HEADER, _nvme.GEO.data_start + 4096 + 2 * 8192 + 10, b"\x01")]

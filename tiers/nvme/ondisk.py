@@ -127,8 +127,20 @@ def pack_header_v3(h: Header) -> bytearray:
     return page
 
 
+MAX_SEQ = 1 << 62
+"""Sequence numbers and generations the tier can have written are below this (it counts from
+1 and adds one per write: centuries away): a header or metadata copy stating more, checksum or
+not, is not one it wrote, and taking it would overflow the counters it writes next."""
+
+
 def parse_header(page: Any) -> Header | None:
-    """The header in ``page`` if its magic, version (4, or 3) and checksum hold, else None."""
+    """The header in ``page`` if its magic, version (4, or 3) and checksum hold and its sequence
+    number is one the tier can have written (``MAX_SEQ``), else None."""
+    h = _parse_header(page)
+    return h if h is None or h.seq < MAX_SEQ else None
+
+
+def _parse_header(page: Any) -> Header | None:
     magic, version = struct.unpack_from("<8sH", page)
     if magic != _RECORD_MAGIC:
         return None
@@ -301,8 +313,8 @@ def starts_slab_or_record(page: Any) -> bool:
 
 
 def parse_meta(buf: Any) -> Meta | None:
-    """The metadata copy in ``buf`` if its magic and checksum hold (any version, any geometry:
-    the caller compares), else None."""
+    """The metadata copy in ``buf`` if its magic and checksum hold and its counters are below
+    ``MAX_SEQ`` (any version, any geometry: the caller compares), else None."""
     if len(buf) < _META.size:
         return None
     magic, version, pages, fid, cap, slab, start, gen, seq, clean, n = _META.unpack_from(buf)
@@ -311,6 +323,8 @@ def parse_meta(buf: Any) -> Meta | None:
         return None
     if _U64.unpack_from(buf, end)[0] != _sum(buf, end):
         return None
+    if gen >= MAX_SEQ or seq >= MAX_SEQ:
+        return None  # counters the tier never wrote (see MAX_SEQ)
     slot_pages = struct.unpack_from(f"<{n}I", buf, _META.size)
     return Meta(
         version, fid, cap, slab, pages, start, gen, seq, bool(clean), [p * PAGE for p in slot_pages]
