@@ -120,3 +120,23 @@ def test_a_header_stating_a_sequence_number_past_any_write_is_not_taken(tmp_path
         f.write(page)
     assert asyncio.run(reopen(tmp_path)) == [first, second]
     assert asyncio.run(reopen(tmp_path)) == [first, second]
+
+
+def test_a_header_stating_a_block_longer_than_its_slot_can_hold_is_not_taken(
+    tmp_path: Path,
+) -> None:
+    """A checksummed header stating a 4 GiB block in an 8 KiB slot (under u32, so it passed):
+    open took it, and a caller sized its read buffer by it."""
+    first, second = asyncio.run(two_records(tmp_path))
+    path = tmp_path / FILE_NAME
+    with open(path, "r+b") as f:
+        f.seek(first)
+        page = bytearray(f.read(PAGE))
+        page[11] = 1  # codec lz4: a stored length below the block's is allowed
+        struct.pack_into("<Q", page, 88, 0xFF003000)  # the length field
+        size = ondisk._HEADER.size
+        struct.pack_into("<Q", page, size, xxhash.xxh3_64_intdigest(bytes(page[:size])))
+        assert ondisk.parse_header(page) is not None
+        f.seek(first)
+        f.write(page)
+    assert asyncio.run(reopen(tmp_path)) == [second]

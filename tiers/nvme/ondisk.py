@@ -165,7 +165,9 @@ more, checksum or not, was never written by the tier."""
 
 def header_fits(h: Header, slot: int, slot_bytes: int, format_id: int) -> bool:
     """Whether ``h`` is a committed record of this format for this very slot: lengths the
-    tier can have written too (a raw payload is exactly the block)."""
+    tier can have written too (a raw payload is exactly the block; a slot's payload room is
+    its codec's bound, the block itself for a lossless codec and at least a quarter of it for
+    fp8, so no block is longer than four times the room)."""
     return (
         h.kind == KIND_RECORD
         and h.format_id == format_id
@@ -173,7 +175,7 @@ def header_fits(h: Header, slot: int, slot_bytes: int, format_id: int) -> bool:
         and h.slot_pages * PAGE == slot_bytes
         and h.codec in codecs.NAME_OF
         and 0 < h.stored_length <= min(h.length, slot_bytes - PAGE)
-        and h.length <= MAX_RECORD_LENGTH
+        and h.length <= min(MAX_RECORD_LENGTH, 4 * (slot_bytes - PAGE))
         and (h.codec != CODEC_NONE or h.stored_length == h.length)
     )
 
