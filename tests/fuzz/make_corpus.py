@@ -147,7 +147,12 @@ def nvme_superblock() -> dict[str, bytes]:
         "header_length_2p33": _nvme_patches(
             [(t.FIX_HEADER, first + 88, struct.pack("<Q", 1 << 33))]
         ),
-        "header_seq_max": _nvme_patches([(t.FIX_HEADER, first + 2 * 8192 + 10, b"\xff" * 25 + b"\x00\x01")]),
+        "header_seq_max": _nvme_patches(
+            [(t.FIX_HEADER, first + 2 * 8192 + 10, b"\xff" * 25 + b"\x00\x01")]
+        ),
+        "header_length_4gib": _nvme_patches(
+            [(t.FIX_HEADER, first + 88, struct.pack("<Q", 0xFF003000))]
+        ),
         "header_payload": _nvme_patches([(t.FIX_STORED, first + 4096, b"garbage")]),
         "tombstone_revived": _nvme_patches(
             [(t.FIX_HEADER, _nvme.GEO.data_start + 4096 + 2 * 8192 + 10, b"\x01")]
