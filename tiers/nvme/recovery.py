@@ -168,7 +168,13 @@ def inspect(fd: int, geo: Geometry, path: str) -> Found:
             if m is None:
                 found.damage.append((geo.meta_offset(copy), f"metadata copy {'AB'[copy]} damaged"))
     for slab, desc in enumerate(descriptors):
-        fallback = best.slab_slot_bytes[slab] if best is not None else 0
+        fallback = 0
+        if best is not None and slab < len(best.slab_slot_bytes):
+            fallback = best.slab_slot_bytes[slab]
+            # A carving no slab of this geometry can have (checksum or not): not one.
+            if fallback and not PAGE < fallback <= geo.slab_sizes[slab] - PAGE:
+                found.damage.append((geo.slab_start(slab), f"slab {slab}: impossible carving"))
+                fallback = 0
         if desc is not None and fmt.descriptor_fits(desc, geo, slab, found.format_id):
             found.descriptors.append(desc.slot_bytes)
             found.slab_map.append(desc.slot_bytes)
