@@ -983,7 +983,7 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
     with open(path, "rb") as f:
         try:
             return tomllib.load(f)
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise ValueError(f"{path}: not valid TOML: {exc}") from None
 
 

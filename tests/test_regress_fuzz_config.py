@@ -11,11 +11,6 @@ import pytest
 from kvstore.config import load_config
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RecursionError,
-    reason="kvstore/config.py _read_toml lets tomllib's RecursionError escape (owner: config)",
-)
 @pytest.mark.parametrize("nested", ["a = " + "[" * 3000, "a = " + "{b = " * 3000])
 def test_deeply_nested_toml_is_refused_with_a_value_error(tmp_path: Path, nested: str) -> None:
     path = tmp_path / "kvstore.toml"
