@@ -301,18 +301,38 @@ class ClientCore:
             count = yield from self._bind(handle, keys, packed, rows, prio, taken, wanted)
             if count is not None:
                 return count
-        reservation = yield from self._reserve(keys, priority, packed, None)
-        if not reservation.offsets_new:
-            return PutCount(0, reservation.pending)
-        try:
-            nbytes = len(reservation.offsets_new) * self.layout.block_bytes
-            yield Blocking(lambda: reservation.fill_from(rows), nbytes)
-        except BaseException:
-            yield from reservation._abort_op()
-            raise
-        reservation.spare_wanted = wanted
-        committed = yield from reservation._commit_op(None)
-        return PutCount(committed, reservation.pending)
+        for attempt in range(2):
+            reservation = yield from self._reserve(keys, priority, packed, None)
+            reserved_on = self._handle
+            if not reservation.offsets_new:
+                return PutCount(0, reservation.pending)
+            try:
+                nbytes = len(reservation.offsets_new) * self.layout.block_bytes
+                yield Blocking(partial(reservation.fill_from, rows), nbytes)
+            except KVStoreError:
+                yield from reservation._abort_op()
+                if attempt or not self._restarted_since(reserved_on):
+                    raise
+                continue  # the slab could not be mapped: the daemon restarted
+            except BaseException:
+                yield from reservation._abort_op()
+                raise
+            reservation.spare_wanted = wanted
+            try:
+                committed = yield from reservation._commit_op(None)
+            except UnknownNamespaceError:
+                if attempt or not self._restarted_since(reserved_on):
+                    raise
+                continue
+            return PutCount(committed, reservation.pending)
+        raise AssertionError("unreachable")
+
+    def _restarted_since(self, handle: bytes) -> bool:
+        """Whether the client reopened its namespace since it held ``handle``: the daemon
+        forgot that handle (a restart), and every reservation made on it went with it. A put
+        or offload, which still holds its blocks, then writes them again on the new handle
+        rather than fail a call the caller made once, as every single call is retried."""
+        return self._handle != handle
 
     def _bind(
         self,
@@ -434,7 +454,23 @@ class ClientCore:
                 )  # waits for the kernel
                 stored += yield from self._put(ck, blocks, priority)
                 continue
+            stored += yield from self._offload_chunk(kv_caches, ck, cids, priority, gpu, stream)
+        return stored
+
+    def _offload_chunk(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        ck: Sequence[bytes],
+        cids: Sequence[int],
+        priority: int | None,
+        gpu: torch.device | None,
+        stream: Any,
+    ) -> Op[int]:
+        """One chunk of an offload through a reservation in the arena (or the GPU pool);
+        written again once on a new handle if the daemon restarted before its Commit."""
+        for attempt in range(2):
             reservation = yield from self._reserve(ck, priority, None, gpu)
+            reserved_on = self._handle
             try:
                 ids_new = [cids[i] for i in reservation.indices]
                 checksums = None
@@ -464,8 +500,12 @@ class ClientCore:
             except BaseException:
                 yield from reservation._abort_op()
                 raise
-            stored += yield from reservation._commit_op(checksums)
-        return stored
+            try:
+                return int((yield from reservation._commit_op(checksums)))
+            except UnknownNamespaceError:
+                if attempt or not self._restarted_since(reserved_on):
+                    raise
+        raise AssertionError("unreachable")
 
     def _load(
         self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], keys: Sequence[bytes]
@@ -645,7 +685,10 @@ class ClientCore:
 
         def abort() -> Op[None]:
             req = pb.AbortRequest(reservation_id=reply.reservation_id, handle=handle)
-            yield Call("Abort", lambda: req)
+            try:
+                yield Call("Abort", lambda: req)
+            except UnknownNamespaceError:
+                pass  # the daemon forgot the handle (a restart): the reservation went with it
 
         if reply.gpu and pool is None:
             yield from abort()
