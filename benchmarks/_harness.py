@@ -9,7 +9,15 @@
 * ``mount_tmpfs``: a small tmpfs (a real filesystem that fills up), unmounted on exit; needs
   root.
 * ``Timing`` / ``summarize`` / ``median_time``: medians (and p99) of repeated measurements.
-* ``print_table``, ``emit``: a readable table, or one JSON document with ``--json``.
+* ``print_table``, ``emit``: a readable table, or one JSON document with ``--json``; with
+  ``--json-out PATH`` that document is also written to PATH, whatever goes to stdout.
+* ``--smoke`` (``add_run_args``, ``parse_args``): tiny sizes, a few seconds, every byte read
+  back still verified; it implies ``--quick``, so a script picks its quick path and shrinks
+  it further. Its figures mean nothing: it checks that the script still runs
+  (``tests/test_bench_smoke.py`` runs every ``bench_*.py`` so).
+* ``skip``: a script that cannot run here (no CUDA device, a missing package) says which
+  prerequisite is missing and exits with ``SKIP_EXIT`` (77), never 0 and never 1.
+* ``expect``: a check that holds even under ``python -O`` (wrong bytes read back, a miss).
 
 Every process and temp dir is cleaned up on return, exception, Ctrl-C and SIGTERM: use the
 classes as context managers inside ``run_main``.
@@ -486,18 +494,37 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def run_mode(args: argparse.Namespace) -> str:
+    """ "smoke", "quick" or "full"."""
+    if getattr(args, "smoke", False):
+        return "smoke"
+    return "quick" if getattr(args, "quick", False) else "full"
+
+
 def print_header(name: str, args: argparse.Namespace) -> None:
     info = machine_info()
     load = ", ".join(f"{x:.2f}" for x in info["loadavg"])
-    mode = "quick" if args.quick else "full"
-    print(f"{name} ({mode})  {info['cpu']}, {info['cpus']} CPUs, load {load}")
+    print(f"{name} ({run_mode(args)})  {info['cpu']}, {info['cpus']} CPUs, load {load}")
 
 
-def emit(result: dict[str, Any], as_json: bool) -> None:
-    """With ``--json`` print the whole result as one JSON document on stdout."""
-    if as_json:
-        result = {**result, "machine": machine_info()}
-        print(json.dumps(result, indent=2, default=_json_default))
+def benchmark_name() -> str:
+    """``lookup`` for ``benchmarks/bench_lookup.py``: the running script's name."""
+    stem = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    return stem.removeprefix("bench_")
+
+
+def emit(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """The run's result as one JSON document: on stdout with ``--json``, into the file
+    ``--json-out`` names (whatever goes to stdout). It names the benchmark and the run's mode
+    and carries the machine's description."""
+    doc = {"benchmark": benchmark_name(), **result, "mode": run_mode(args)}
+    doc["machine"] = machine_info()
+    text = json.dumps(doc, indent=2, default=_json_default)
+    if args.json:
+        print(text, flush=True)
+    if getattr(args, "json_out", None):
+        with open(args.json_out, "w") as f:
+            f.write(text + "\n")
 
 
 def _json_default(o: Any) -> Any:
@@ -506,15 +533,61 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
-def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None):
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--quick", action="store_true", help="a short run (smoke test)")
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    """``--quick``, ``--smoke``, ``--json`` and ``--json-out``, for a script with its own
+    parser (``finish_args`` after parsing)."""
+    parser.add_argument("--quick", action="store_true", help="a short run (noisier figures)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes, a few seconds, bytes still verified: checks the script runs; its "
+        "figures mean nothing (implies --quick)",
+    )
     parser.add_argument(
         "--json", action="store_true", help="print one JSON document instead of tables"
     )
+    parser.add_argument("--json-out", metavar="PATH", help="also write the JSON document to PATH")
+
+
+def finish_args(args: argparse.Namespace) -> argparse.Namespace:
+    if args.smoke:
+        args.quick = True
+    return args
+
+
+def parse_args(
+    description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    add_run_args(parser)
     if extra is not None:
         extra(parser)
-    return parser.parse_args()
+    return finish_args(parser.parse_args())
+
+
+SKIP_EXIT = 77
+"""Exit status of a script that measured nothing because a prerequisite is missing here."""
+
+
+def skip(args: argparse.Namespace, needs: str, reason: str) -> int:
+    """Say that this run measures nothing because ``needs`` is missing, and return
+    ``SKIP_EXIT`` for ``main`` to return. ``needs`` names the prerequisite in a form a caller can
+    check: ``"cuda"`` (a CUDA device torch sees) or ``"module:NAME"`` (an importable module)."""
+    if not (needs == "cuda" or needs.startswith("module:")):
+        raise ValueError(f"unknown prerequisite {needs!r}")
+    print(f"SKIPPED ({benchmark_name()}): needs {needs}: {reason}", file=sys.stderr, flush=True)
+    emit({"skipped": {"needs": needs, "reason": reason}}, args)
+    return SKIP_EXIT
+
+
+class BenchmarkError(RuntimeError):
+    """A benchmark saw something wrong: bytes read back that differ, a miss, a lost block."""
+
+
+def expect(ok: bool, what: str) -> None:
+    """Raise BenchmarkError(``what``) unless ``ok`` (an ``assert`` that ``-O`` keeps)."""
+    if not ok:
+        raise BenchmarkError(what)
 
 
 class Reporter:

@@ -1,7 +1,7 @@
 """A ``cpu = "fp8"`` namespace against a lossless one, through one real daemon: the bytes that
 cross the host boundary per block, and paged offload / load throughput.
 
-    python benchmarks/bench_cpu_codec.py [--quick] [--blocks N] [--rounds R]
+    python benchmarks/bench_cpu_codec.py [--quick | --smoke] [--json] [--blocks N] [--rounds R]
 
 Both namespaces use the same SmolLM2-135M-shaped layout (30 layers, 3 KV heads, head_dim 64,
 16-token blocks: 360 KiB of bf16 per block) and a CPU paged cache. Each round offloads the
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import KVStoreDaemon, Reporter, parse_args, run_main
+from _harness import KVStoreDaemon, Reporter, emit, expect, parse_args, print_header, run_main
 
 from kvstore import KVLayout, KVStoreClient
 from kvstore.tiers import codecs
@@ -49,14 +49,33 @@ def cache(n: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g).to(LAYOUT.dtype) for _ in range(LAYOUT.num_layers)]
 
 
+def block_bytes(caches: list[torch.Tensor], i: int) -> bytes:
+    """Block ``i`` of a paged cache, laid out as the store keeps it."""
+    block = torch.stack([c[:, i] for c in caches])  # (layers, 2, block_size, heads, dim)
+    return block.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def check_loaded(model: str, src: list[torch.Tensor], dst: list[torch.Tensor], n: int) -> None:
+    """Every loaded block is the offloaded one: the same bytes for the lossless namespace, the
+    bytes an fp8 round trip gives for the fp8 one."""
+    fmt = codecs.block_format_of(LAYOUT)
+    for i in range(n):
+        want = block_bytes(src, i)
+        if model == FP8_MODEL:
+            want = codecs.round_trip(codecs.codec_id("fp8"), memoryview(want), fmt)
+        expect(block_bytes(dst, i) == want, f"{model}: block {i} loaded differs from the stored")
+
+
 def main() -> int:
     def extra(p):
         p.add_argument("--blocks", type=int, default=64)
         p.add_argument("--rounds", type=int, default=5)
 
     args = parse_args(__doc__.splitlines()[0], extra)
-    n, rounds = (16, 2) if args.quick else (args.blocks, args.rounds)
+    n, rounds = (4, 1) if args.smoke else (16, 2) if args.quick else (args.blocks, args.rounds)
     out = Reporter(args.json)
+    if not args.json:
+        print_header("bench_cpu_codec", args)
     block = LAYOUT.block_bytes
     payload = codecs.fp8_payload_bytes(codecs.block_format_of(LAYOUT))
     fd, cfg = tempfile.mkstemp(suffix=".toml")
@@ -86,6 +105,8 @@ def main() -> int:
                         t3 = time.perf_counter()
                         times[m]["offload"].append(t1 - t0)
                         times[m]["load"].append(t3 - t2)
+                        if args.smoke or r == rounds - 1:  # untimed
+                            check_loaded(m, src, dst, n)
                 stats = clients[FP8_MODEL].stats()
                 cpu = next(t for t in stats.tiers if t.name == "cpu")
             finally:
@@ -108,10 +129,12 @@ def main() -> int:
         f"{cpu.stored_bytes} bytes ({cpu.stored_bytes / cpu.logical_bytes:.3f}x)"
     )
     rows = []
+    gbs: dict[str, dict[str, float]] = {}
     for m in (RAW_MODEL, FP8_MODEL):
         off = statistics.median(times[m]["offload"])
         ld = statistics.median(times[m]["load"])
-        rows.append([m, f"{n * block / off / 1e9:.3f}", f"{n * block / ld / 1e9:.3f}"])
+        gbs[m] = {"offload": n * block / off / 1e9, "load": n * block / ld / 1e9}
+        rows.append([m, f"{gbs[m]['offload']:.3f}", f"{gbs[m]['load']:.3f}"])
     ratio_off = statistics.median(times[RAW_MODEL]["offload"]) / statistics.median(
         times[FP8_MODEL]["offload"]
     )
@@ -124,6 +147,18 @@ def main() -> int:
         "quantizer)",
         ["namespace", "offload GB/s", "load GB/s"],
         rows,
+    )
+    emit(
+        {
+            "blocks": n,
+            "rounds": rounds,
+            "block_bytes": block,
+            "fp8_payload_bytes": payload,
+            "cpu_tier": {"logical_bytes": cpu.logical_bytes, "stored_bytes": cpu.stored_bytes},
+            "gbps": gbs,
+            "fp8_over_lossless": {"offload": ratio_off, "load": ratio_ld},
+        },
+        args,
     )
     return 0
 

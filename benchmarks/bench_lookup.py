@@ -74,7 +74,7 @@ def interleaved(calls: dict[str, Callable[[], object]], n: int, warmup: int) -> 
     return {name: summarize(s) for name, s in samples.items()}
 
 
-async def in_process_costs(keys: list[bytes], k: int) -> dict[str, Timing]:
+async def in_process_costs(keys: list[bytes], k: int, warmup: int) -> dict[str, Timing]:
     """Daemon-side lookup and client-side packing of the same keys, without any RPC."""
     config = DaemonConfig(
         gpu=GpuTierConfig(enabled="off"),
@@ -90,8 +90,8 @@ async def in_process_costs(keys: list[bytes], k: int) -> dict[str, Timing]:
         # is a coroutine because it may ask Redis for the rest of the run.
         ns_id = handle.record.ns_id
         return {
-            "store": median_time(lambda: store.leading_run(ns_id, keys), k, warmup=50),
-            "pack": median_time(lambda: pack_keys(keys), k, warmup=50),
+            "store": median_time(lambda: store.leading_run(ns_id, keys), k, warmup),
+            "pack": median_time(lambda: pack_keys(keys), k, warmup),
         }
 
 
@@ -111,10 +111,10 @@ def three_calls_or_one(kv: KVStoreClient, keys: list[bytes]) -> dict[str, Callab
     return calls
 
 
-async def async_lookups(address: str, keys: list[bytes], n: int) -> Timing:
+async def async_lookups(address: str, keys: list[bytes], n: int, warmup: int) -> Timing:
     """``lookup`` of the same keys from an ``AsyncKVStoreClient``, back to back."""
     async with AsyncKVStoreClient(address, layout=LAYOUT, model="bench-lookup") as kv:
-        for _ in range(50):
+        for _ in range(warmup):
             await kv.lookup(keys)
         samples = []
         for _ in range(n):
@@ -132,7 +132,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main() -> int:
     args = parse_args(__doc__.split("\n\n")[0], add_args)
-    n = args.calls or (300 if args.quick else 3000)
+    n = args.calls or (20 if args.smoke else 300 if args.quick else 3000)
+    warm = 5 if args.smoke else 50
     rep = Reporter(args.json)
     if not args.json:
         print_header("bench_lookup", args)
@@ -172,15 +173,15 @@ def main() -> int:
             "lookup1": lambda: kv.lookup(one),
             "grpc128": lambda: over_grpc.lookup(keys),
         }
-        t = interleaved(calls, n, warmup=50)
+        t = interleaved(calls, n, warm)
         if kv.lookup(keys) != N_KEYS:
             raise RuntimeError("lookup lost keys during the run")
         presence = getattr(kv, "_presence", None)
         answered = presence.answered if presence is not None else 0
-        t.update(interleaved({"lookup128_alone": lambda: kv.lookup(keys)}, n, warmup=50))
-        t.update(interleaved(three_calls_or_one(kv, keys), n, warmup=50))
-        t["async_lookup128"] = asyncio.run(async_lookups(daemon.address, keys, n))
-    local = asyncio.run(in_process_costs(keys, 10 * n))
+        t.update(interleaved({"lookup128_alone": lambda: kv.lookup(keys)}, n, warm))
+        t.update(interleaved(three_calls_or_one(kv, keys), n, warm))
+        t["async_lookup128"] = asyncio.run(async_lookups(daemon.address, keys, n, warm))
+    local = asyncio.run(in_process_costs(keys, 10 * n, warm))
 
     empty = t["empty"]
     rows = [
@@ -233,7 +234,6 @@ def main() -> int:
     rep.line(f"load {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     emit(
         {
-            "benchmark": "lookup",
             "keys": N_KEYS,
             "calls": n,
             "us": {
@@ -246,7 +246,7 @@ def main() -> int:
             "target": {"max_ratio": TARGET, "status": status},
             "target_us": {"max_us": TARGET_US, "status": status_us},
         },
-        args.json,
+        args,
     )
     return 0
 

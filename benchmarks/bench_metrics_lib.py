@@ -7,7 +7,7 @@ hand-written ``RpcMetrics.observe``; the library's ``labels(m).observe`` and a b
 library's ``generate_latest`` of the RPC histogram alone). Medians of 5 runs of the best of 3.
 
 ``prometheus_client`` is not a dependency: install it into the venv to run this
-(``pip install prometheus_client``); without it the script says so and exits 0.
+(``pip install prometheus_client``); without it the script says so and exits 77 (skipped).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import timeit
 from collections.abc import Callable
 
 import grpc
-from _harness import Reporter, emit, parse_args, print_header, run_main
+from _harness import Reporter, emit, parse_args, print_header, run_main, skip
 
 from kvstore.daemon.metrics import RPC_BUCKETS_S, RpcMetrics, render_metrics
 from kvstore.v1 import kvstore_pb2 as pb
@@ -39,8 +39,7 @@ def main() -> int:
     try:
         from prometheus_client import CollectorRegistry, Histogram, generate_latest
     except ImportError:
-        rep.line("prometheus_client is not installed: nothing to compare")
-        return 0
+        return skip(args, "module:prometheus_client", "pip install prometheus_client")
     ours = RpcMetrics(METHODS)
     registry = CollectorRegistry()
     hist = Histogram(
@@ -50,7 +49,7 @@ def main() -> int:
     for m in METHODS:
         hist.labels(m)
     child = hist.labels("Lookup")
-    n = 2000 if args.quick else 20000
+    n = 200 if args.smoke else 2000 if args.quick else 20000
     us = {
         "observe_ours": per_call_us(lambda: ours.observe("Lookup", 3e-4, grpc.StatusCode.OK), n),
         "observe_lib_labels": per_call_us(lambda: hist.labels("Lookup").observe(3e-4), n),
@@ -69,7 +68,7 @@ def main() -> int:
             ["render a scrape", us["render_ours"], us["render_lib"]],
         ],
     )
-    emit({"benchmark": "metrics_lib", "us": us}, args.json)
+    emit({"us": us}, args)
     return 0
 
 
