@@ -481,7 +481,7 @@ def main() -> int:
         result["capacity"] = bench_capacity(model, tok, args.quick, rep)
     if "beam" in parts:
         result["beam"] = bench_beam(model, tok, args.quick, rep)
-    emit(result, args.json)
+    emit(result, args)
     return 0
 
 

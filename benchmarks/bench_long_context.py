@@ -225,7 +225,7 @@ def main() -> int:
         ["nvme codec", "when", "VmRSS GiB", "RssShmem GiB (arena)", "RssAnon MiB", "VmHWM GiB"],
         mem_rows,
     )
-    emit({"tokens": tokens, "blocks": n, "results": results}, args.json)
+    emit({"tokens": tokens, "blocks": n, "results": results}, args)
     return 0
 
 

@@ -654,7 +654,7 @@ def main() -> int:
         if r["wrong_blocks"] or r["checksum_failures"]:
             out.line(f"{r['label']}: {r['wrong_blocks']} wrong blocks read")
             status = 1
-    emit({"args": vars(args), "runs": runs}, args.json)
+    emit({"args": vars(args), "runs": runs}, args)
     return status
 
 

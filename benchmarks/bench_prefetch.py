@@ -600,7 +600,7 @@ def main() -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rep.line(f"\n{time.perf_counter() - t_start:.0f} s total; dir {root} removed.")
-    emit(result, args.json)
+    emit(result, args)
     return 0
 
 

@@ -239,7 +239,7 @@ def main() -> int:
             [[r["quotas"], r["lookup_128_p50_us"], r["acquire_release_32_p50_us"],
               r["put_32_p50_us"]] for r in rows],
         )  # fmt: skip
-    emit(result, args.json)
+    emit(result, args)
     return 0
 
 

@@ -470,7 +470,7 @@ def main() -> int:
     finally:
         signal.alarm(0)
     summary = report(out, raw)
-    emit({"summary": summary, "raw": raw}, args.json)
+    emit({"summary": summary, "raw": raw}, args)
     return 0
 
 

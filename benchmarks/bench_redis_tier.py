@@ -263,7 +263,7 @@ def main() -> int:
             results.append(res)
     if not args.json:
         print(f"\n{time.perf_counter() - t0:.0f} s")
-    emit({"benchmark": "redis_tier", "runs": runs, "results": results}, args.json)
+    emit({"benchmark": "redis_tier", "runs": runs, "results": results}, args)
     return 0
 
 

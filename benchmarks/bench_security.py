@@ -248,7 +248,7 @@ def main() -> int:
               r["ttft_ms_p50"]] for r in rows],
         )  # fmt: skip
         print(f"TTFT with sharing / without: {rows[1]['ttft_ms_p50'] / rows[0]['ttft_ms_p50']:.2f}")
-    emit(result, args.json)
+    emit(result, args)
     return 0
 
 

@@ -602,7 +602,7 @@ def main() -> int:
             report_smol(rep, smol)
     if not args.json:
         print(f"\n{time.perf_counter() - t0:.0f} s")
-    emit({"benchmark": "shared", "llama": llama, "ttft": smol}, args.json)
+    emit({"benchmark": "shared", "llama": llama, "ttft": smol}, args)
     return 0
 
 

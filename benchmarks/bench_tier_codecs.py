@@ -385,7 +385,7 @@ def main() -> int:
     )
 
     if args.throughput_only:
-        emit({"model": desc, "tokens": tokens, "blocks": len(blocks), "codecs": rows}, args.json)
+        emit({"model": desc, "tokens": tokens, "blocks": len(blocks), "codecs": rows}, args)
         return 0
     parent = Path(args.dir)
     parent.mkdir(parents=True, exist_ok=True)

@@ -577,7 +577,7 @@ def main() -> int:
         del llama
     if not args.json:
         print(f"\n{time.perf_counter() - t0:.0f} s")
-    emit({"benchmark": "ttft", "threads": torch.get_num_threads(), "models": results}, args.json)
+    emit({"benchmark": "ttft", "threads": torch.get_num_threads(), "models": results}, args)
     return 0
 
 
