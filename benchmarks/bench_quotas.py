@@ -17,8 +17,8 @@
    ``--before TREE`` a daemon of a tree without quotas: the three run side by side and each
    iteration times each in turn.
 
-Usage: ``python benchmarks/bench_quotas.py [--quick] [--json] [--part fair|hot]
-[--before /path/to/tree]``.
+Usage: ``python benchmarks/bench_quotas.py [--quick | --smoke] [--json] [--part fair|hot]
+[--before /path/to/tree]``. ``--smoke``: 4 rounds of the flood, 5 iterations of the hot path.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import KVStoreDaemon, emit, parse_args, print_header, print_table
+from _harness import KVStoreDaemon, emit, parse_args, print_header, print_table, run_main
 
 from kvstore import KVLayout, KVStoreClient
 from kvstore.errors import KVStoreError
@@ -221,7 +221,7 @@ def main() -> int:
     print_header("bench_quotas", args)
     result: dict[str, Any] = {}
     if args.part in ("all", "fair"):
-        rounds = 16 if args.quick else 48
+        rounds = 4 if args.smoke else 16 if args.quick else 48
         rows = [fairness("no quotas", rounds), fairness("quotas", rounds)]
         result["fair"] = rows
         print_table(
@@ -231,7 +231,7 @@ def main() -> int:
               r["victim_puts"], r["hostile_refused_calls"]] for r in rows],
         )  # fmt: skip
     if args.part in ("all", "hot"):
-        rows = hot_path(100 if args.quick else 400, args.before)
+        rows = hot_path(5 if args.smoke else 100 if args.quick else 400, args.before)
         result["hot"] = rows
         print_table(
             "hot path with and without quotas (p50 us; daemons side by side, timed in turn)",
@@ -244,4 +244,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

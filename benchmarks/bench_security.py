@@ -16,9 +16,12 @@
    that the others read) there is one. Per mode: the share of prompt tokens served from the
    store, the store's time per request, and the time to first token that results, with the
    missed tokens' prefill priced at SmolLM2's prefill rate measured in this run (bf16, this
-   machine).
+   machine). Every block read back is checked against the one stored.
 
-Usage: ``python benchmarks/bench_security.py [--quick] [--json] [--part open|hot|shared]``.
+Usage: ``python benchmarks/bench_security.py [--quick | --smoke] [--json] [--part PART]``
+(``open``, ``hot`` or ``shared``; default all three).
+``--smoke``: one 1 GiB tier, 4 blocks on the hot path, one round of the workload, its prefill
+rate from the tiny random model (``_harness.SMOKE_LLAMA``).
 """
 
 from __future__ import annotations
@@ -37,11 +40,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import (
     KVStoreDaemon,
     emit,
+    expect,
     fmt_size,
+    load_model,
     parse_args,
     print_header,
     print_table,
     rss_bytes,
+    run_main,
+    skip_without_model,
 )
 
 from kvstore import KVLayout, KVStoreClient
@@ -94,8 +101,7 @@ def open_time(sizes: list[int], runs: int) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------- 2. hot path
-def hot_path(runs: int) -> dict[str, float]:
-    n = 32
+def hot_path(runs: int, n: int) -> dict[str, float]:
     with KVStoreDaemon(n * 2 * BIG.block_bytes + 64 * MiB) as d:
         kv = KVStoreClient(d.address, layout=BIG, model="hot")
         keys = kv.hash_tokens(list(range(n * 16)))
@@ -120,7 +126,7 @@ def hot_path(runs: int) -> dict[str, float]:
             t0 = time.perf_counter()
             kv.get(keys, out=out)
             gets.append(time.perf_counter() - t0)
-            assert torch.equal(out.view(torch.uint8), blocks.view(torch.uint8)), r
+            expect(torch.equal(out.view(torch.uint8), blocks.view(torch.uint8)), f"round {r}")
         kv.close()
     nbytes = n * BIG.block_bytes
     memcpy = nbytes / median(copies) / 1e9
@@ -136,12 +142,10 @@ def hot_path(runs: int) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------- 3. shared prompt
-def prefill_rate() -> float:
+def prefill_rate(args: Any) -> float:
     """SmolLM2 bf16 prefill, tokens per second, for a 1,024-token prompt on this machine."""
-    from kvstore.models import load_smollm2
-
-    model, _ = load_smollm2(torch.bfloat16)
-    ids = torch.arange(1024).remainder(49_000).unsqueeze(0)
+    model, _, _ = load_model(args, torch.bfloat16)
+    ids = torch.arange(1024).remainder(model.config.vocab_size).unsqueeze(0)
     with torch.no_grad():
         model(ids[:, :64])  # warm-up
         t0 = time.perf_counter()
@@ -163,6 +167,7 @@ def shared_workload(shared: bool, rounds: int, rate: float) -> dict[str, Any]:
             else None
         )
         g = torch.Generator().manual_seed(0)
+        stored: dict[tuple[int, bytes], torch.Tensor] = {}  # (client, key) -> block put
         hit_tokens = total_tokens = 0
         store_s: list[float] = []
         ttft: list[float] = []
@@ -174,17 +179,22 @@ def shared_workload(shared: bool, rounds: int, rate: float) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 pkeys = pkv.hash_tokens(prompt)
                 found = pkv.lookup(pkeys)
-                if found:
-                    pkv.get(pkeys[:found])
+                got = pkv.get(pkeys[:found]) if found else None
                 missing = pkeys[found:]
+                fresh = torch.randn(len(missing), *SMOL.block_shape, generator=g).to(SMOL.dtype)
                 if missing:  # computed by the engine, then stored for the next request
-                    fresh = torch.randn(len(missing), *SMOL.block_shape, generator=g)
-                    pkv.put(missing, fresh.to(SMOL.dtype))
+                    pkv.put(missing, fresh)
                 qkeys = kv.hash_tokens(prompt + question)[len(pkeys) :]
-                kv.put(
-                    qkeys, torch.randn(len(qkeys), *SMOL.block_shape, generator=g).to(SMOL.dtype)
-                )
+                asked = torch.randn(len(qkeys), *SMOL.block_shape, generator=g).to(SMOL.dtype)
+                kv.put(qkeys, asked)
                 elapsed = time.perf_counter() - t0
+                # Untimed: what was read is what was stored under those keys.
+                for j in range(len(got) if got is not None else 0):
+                    want = stored[(id(pkv), pkeys[j])]
+                    expect(torch.equal(got[j].view(torch.uint8), want.view(torch.uint8)),
+                           f"prompt block {j} read back differs")  # fmt: skip
+                for key, block in zip(missing, fresh, strict=True):
+                    stored[(id(pkv), key)] = block
                 store_s.append(elapsed)
                 hit_tokens += found * 16
                 total_tokens += len(prompt)
@@ -212,13 +222,23 @@ def main() -> int:
     )
     print_header("bench_security", args)
     result: dict[str, Any] = {}
+    if args.part in ("all", "shared"):
+        skipped = skip_without_model(args)
+        if skipped is not None:
+            return skipped
     if args.part in ("all", "open"):
-        sizes = [1 * GiB, 8 * GiB] if args.quick else [1 * GiB, 8 * GiB, 64 * GiB]
+        sizes = (
+            [1 * GiB]
+            if args.smoke
+            else [1 * GiB, 8 * GiB]
+            if args.quick
+            else [1 * GiB, 8 * GiB, 64 * GiB]
+        )
         if args.sizes:
             from kvstore.units import parse_size
 
             sizes = [parse_size(x) for x in args.sizes.split(",")]
-        rows = open_time(sizes, 3 if args.quick else 7)
+        rows = open_time(sizes, 1 if args.smoke else 3 if args.quick else 7)
         result["open"] = rows
         print_table(
             "client open time against the CPU tier's size (medians)",
@@ -226,7 +246,7 @@ def main() -> int:
             [[r["tier"], r["open_ms"], r["first_put_get_ms"], r["client_rss_mib"]] for r in rows],
         )
     if args.part in ("all", "hot"):
-        hot = hot_path(3 if args.quick else 9)
+        hot = hot_path(1 if args.smoke else 3 if args.quick else 9, 4 if args.smoke else 32)
         result["hot"] = hot
         print_table(
             "hot path (medians; compare with the same script on the tree before)",
@@ -236,8 +256,8 @@ def main() -> int:
               hot["put_over_memcpy"], hot["get_over_memcpy"]]],
         )  # fmt: skip
     if args.part in ("all", "shared"):
-        rate = prefill_rate()
-        rounds = 3 if args.quick else 8
+        rate = prefill_rate(args)
+        rounds = 1 if args.smoke else 3 if args.quick else 8
         rows = [shared_workload(False, rounds, rate), shared_workload(True, rounds, rate)]
         result["shared"] = {"prefill_tokens_per_s": rate, "modes": rows}
         print_table(
@@ -253,4 +273,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)
