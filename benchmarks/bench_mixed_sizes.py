@@ -31,7 +31,7 @@ every ``--sample-every`` operations:
 * per put: evictions (``store.cpu.evictions``), blocks moved by slab drains (a ``BlockStore``
   subclass counts successful ``relocate_cpu`` calls), slabs drained (calls of
   ``allocator.begin_drain``), evicted bytes per byte put;
-* CapacityErrors (must be 0: nothing is leased between operations);
+* CapacityErrors (must be 0: nothing is leased between operations; any is exit status 1);
 * put throughput (puts/s and GB/s over the time spent in puts: reserve, copy, checksum,
   commit) and gets' hit rate.
 
@@ -40,6 +40,7 @@ every ``--sample-every`` operations:
 with its traceback (exit status 1).
 
     .venv/bin/python benchmarks/bench_mixed_sizes.py [--quick] [--json]    # ~1-2 min
+    .venv/bin/python benchmarks/bench_mixed_sizes.py --smoke   # a 160 MiB tier, 100 ops a phase
 """
 
 from __future__ import annotations
@@ -201,10 +202,10 @@ def counting_store_class() -> type:
     return CountingStore
 
 
-def store_config() -> Any:
+def store_config(capacity: int) -> Any:
     from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig
 
-    cpu = CpuTierConfig(capacity_bytes=CAPACITY, slab_bytes=SLAB_SETTING, prefault=False)
+    cpu = CpuTierConfig(capacity_bytes=capacity, slab_bytes=SLAB_SETTING, prefault=False)
     return DaemonConfig(gpu=GpuTierConfig(enabled="off"), cpu=cpu)
 
 
@@ -261,7 +262,7 @@ async def run_stream(
     sizes = [ns.layout.block_bytes for ns in namespaces]
     fps = [ns.fingerprint for ns in namespaces]
     cls = counting_store_class()
-    config = store_config()
+    config = store_config(args.capacity)
 
     # Per-namespace carry of bytes the single-size replay still owes (whole blocks only).
     carry = [0] * len(namespaces)
@@ -492,7 +493,7 @@ def report(out: Reporter, runs: list[dict[str, Any]], args: Any) -> None:
     ]
     rows = [(name, *(f(r[k]) for r in runs)) for name, k, f in spec]
     out.table(
-        f"CPU tier {fmt_size(CAPACITY)}, slabs {fmt_size(args.slab_bytes)}; samples every "
+        f"CPU tier {fmt_size(args.capacity)}, slabs {fmt_size(args.slab_bytes)}; samples every "
         f"{args.sample_every} ops from {args.warmup_ops} ops after the first eviction "
         f"({runs[0]['samples']} for mixed)",
         ["", *(r["label"] for r in runs)],
@@ -589,7 +590,7 @@ def describe_stream(out: Reporter, args: argparse.Namespace) -> None:
                 len(puts),
                 "/".join(str(by_size[k]) for k in SIZE_KIB),
                 "/".join(f"{100 * nbytes[k] / total:.0f}" for k in SIZE_KIB),
-                f"{total / CAPACITY:.1f}x",
+                f"{total / args.capacity:.1f}x",
             )
         )
     out.table(
@@ -616,14 +617,16 @@ def extra_args(p: argparse.ArgumentParser) -> None:
 
 def main() -> int:
     args = parse_args(__doc__.split("\n\n")[0], extra_args)
-    args.phase_ops = args.phase_ops or (300 if args.quick else 2500)
-    args.warmup_ops = args.warmup_ops or (50 if args.quick else 200)
+    args.phase_ops = args.phase_ops or (100 if args.smoke else 300 if args.quick else 2500)
+    args.warmup_ops = args.warmup_ops or (10 if args.smoke else 50 if args.quick else 200)
+    # Room for a put of 32 x 2 MiB within a handle's pinned bound (half the tier).
+    args.capacity = 160 * MIB if args.smoke else CAPACITY
     args.singles = [
         int(k) for k in (args.singles or ("256" if args.quick else "64,256,512,2048")).split(",")
     ]
     if any(k not in SIZE_KIB for k in args.singles):
         raise SystemExit(f"--singles: sizes in KiB among {SIZE_KIB}")
-    args.slab_bytes = min(SLAB_SETTING, CAPACITY // 16)
+    args.slab_bytes = min(SLAB_SETTING, args.capacity // 16)
     out = Reporter(args.json)
     if not args.json:
         print_header("bench_mixed_sizes", args)
@@ -648,6 +651,8 @@ def main() -> int:
             status = 1
         for m in r["capacity_messages"]:
             out.line(f"{r['label']}: CapacityError {m}")
+        if r["capacity_errors"]:
+            status = 1
         if r["broken"]:
             out.line(f"{r['label']}: BROKEN INVARIANT\n{r['broken']}")
             status = 1

@@ -1,11 +1,12 @@
 """Time from a client's death to its slots being reusable.
 
 A real daemon (``kvstore serve``, CPU tier of 192 MiB: 96 slots of 2 MiB) runs with lease and
-reservation TTLs of 600 s, so nothing but the closed connection can explain a reclaim within
-the run. Setup: the parent's client puts 16 blocks (2 MiB, Llama-3-8B-shaped) that the children
-will lease, and fills the other 80 slots once and deletes them, so that every slot is already
-mapped in the parent (a first touch of shared-memory pages costs minor faults that would
-otherwise be charged to the reclaim).
+reservation TTLs of 600 s, so nothing but the closed connection can explain a reclaim within the
+run, and with ``limits.max_pinned_share = 1``, so that one client may pin most of the tier (by
+default a handle may pin half of it while other handles are open). Setup: the parent's client
+puts 16 blocks (2 MiB, Llama-3-8B-shaped) that the children will lease, and fills the other 80
+slots once and deletes them, so that every slot is already mapped in the parent (a first touch
+of shared-memory pages costs minor faults that would otherwise be charged to the reclaim).
 
 Each run starts a child process (this script with ``--child``) that imports kvstore, opens a
 ``KVStoreClient`` (same namespace) and waits for "go". Then it reserves 64 new blocks with
@@ -41,6 +42,7 @@ misbehaves is killed), polling gives up after ``--give-up-s``, a SIGALRM past th
 unwinds the script, and the daemon is stopped on every exit.
 
     .venv/bin/python benchmarks/bench_reclaim.py [--quick] [--json] [--runs 20]   # ~1-2 min
+    .venv/bin/python benchmarks/bench_reclaim.py --smoke   # one run of each mode
 """
 
 from __future__ import annotations
@@ -254,7 +256,7 @@ def measure(args: argparse.Namespace, out: Reporter) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("w", suffix=".toml", prefix="kvbench-reclaim-") as cfg:
         cfg.write(
             f"[daemon]\nlease_ttl_s = {TTL_S}\nreservation_ttl_s = {TTL_S}\n"
-            f"reaper_interval_s = {REAPER_S}\n"
+            f"reaper_interval_s = {REAPER_S}\n\n[limits]\nmax_pinned_share = 1.0\n"
         )
         cfg.flush()
         daemon_args = ["--config", cfg.name, "--gpu", "off"]
@@ -284,9 +286,10 @@ def measure(args: argparse.Namespace, out: Reporter) -> dict[str, Any]:
                     before = held(stub.Stats(pb.StatsRequest(), timeout=RPC_TIMEOUT_S))
                     result["before"] = before
                     check = health_pb2.HealthCheckRequest()
-                    empty = timed_calls(lambda: health.Check(check, timeout=RPC_TIMEOUT_S), 300)
+                    calls = 20 if args.smoke else 300
+                    empty = timed_calls(lambda: health.Check(check, timeout=RPC_TIMEOUT_S), calls)
                     stats_call = timed_calls(
-                        lambda: stub.Stats(pb.StatsRequest(), timeout=RPC_TIMEOUT_S), 300
+                        lambda: stub.Stats(pb.StatsRequest(), timeout=RPC_TIMEOUT_S), calls
                     )
                     result["empty_call"] = empty
                     result["stats_call"] = stats_call
@@ -443,7 +446,9 @@ def report(out: Reporter, r: dict[str, Any]) -> dict[str, Any]:
 
 
 def extra_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--runs", type=int, default=0, help="runs per measure (default 20, quick 3)")
+    p.add_argument(
+        "--runs", type=int, default=0, help="runs per measure (default 20, quick 3, smoke 1)"
+    )
     p.add_argument("--give-up-s", type=float, default=20.0, help="per reclaim wait")
     p.add_argument(
         "--max-seconds",
@@ -459,7 +464,7 @@ def _alarm(signum: int, frame: object) -> None:
 
 def main() -> int:
     args = parse_args(__doc__.split("\n\n")[0], extra_args)
-    args.runs = args.runs or (3 if args.quick else 20)
+    args.runs = args.runs or (1 if args.smoke else 3 if args.quick else 20)
     out = Reporter(args.json)
     if not args.json:
         print_header("bench_reclaim", args)
