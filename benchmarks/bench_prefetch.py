@@ -32,6 +32,10 @@ use), never /dev/shm, and is removed at the end, on Ctrl-C and on SIGTERM. Defau
 
     .venv/bin/python benchmarks/bench_prefetch.py [--quick] [--json] [--rounds 5]
         [--dir DIR] [--restart | --no-restart] [--restart-blocks 100000] [--restarts 3]
+
+``--smoke``: 8-block prefixes (16 MiB) in tiers sized to match, one round, and the restart part
+at 2,000 blocks, one restart. After every restart the first blocks are read back and compared
+with what was put.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from _harness import (
     Reporter,
     dd,
     emit,
+    expect,
     fmt_size,
     parse_args,
     percentile,
@@ -87,6 +92,18 @@ SMALL_CPU = 256 * MiB
 SMALL_NVME = 2560 * MiB
 SMALL_BATCH = 1024
 SMALL_MODEL = "bench-prefetch/restart"
+
+
+def use_smoke_sizes() -> None:
+    """Shrink the sizes above for ``--smoke``: the same runs, seconds long."""
+    global PREFIX_BLOCKS, PREFIX_BYTES, PUT_BATCH, CPU_CAPACITY, NVME_CAPACITY
+    global SMALL_CPU, SMALL_NVME
+    PREFIX_BLOCKS = PUT_BATCH = 8
+    PREFIX_BYTES = PREFIX_BLOCKS * LAYOUT.block_bytes
+    CPU_CAPACITY = 3 * PREFIX_BYTES + 64 * MiB
+    NVME_CAPACITY = 256 * MiB
+    SMALL_CPU = 64 * MiB
+    SMALL_NVME = 128 * MiB
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -165,9 +182,24 @@ def tier(kv: KVStoreClient, name: str) -> Any:
     raise RuntimeError(f"the daemon reports no {name} tier")
 
 
+def calling_client(address: str) -> KVStoreClient:
+    """A client that asks the daemon every lookup (``KVSTORE_PRESENCE_TABLES=0``): one that
+    answers from its presence table tells the daemon's hit counters only now and then."""
+    saved = os.environ.get("KVSTORE_PRESENCE_TABLES")
+    os.environ["KVSTORE_PRESENCE_TABLES"] = "0"
+    try:
+        return KVStoreClient(address, layout=LAYOUT, model=MODEL)
+    finally:
+        if saved is None:
+            del os.environ["KVSTORE_PRESENCE_TABLES"]
+        else:
+            os.environ["KVSTORE_PRESENCE_TABLES"] = saved
+
+
 def in_cpu(kv: KVStoreClient, keys: Sequence[bytes]) -> tuple[int, int]:
     """(blocks of ``keys``'s leading run found in any tier, of those in the CPU tier): a lookup
-    counts a CPU-tier hit per block of the run the CPU tier holds, and promotes nothing."""
+    counts a CPU-tier hit per block of the run the CPU tier holds, and promotes nothing. ``kv``
+    must call for every lookup (``calling_client``)."""
     before = tier(kv, "cpu").hits
     found = kv.lookup(keys)
     return found, tier(kv, "cpu").hits - before
@@ -205,7 +237,8 @@ class Prefixes:
         self.kv = kv
         self.next = 0
 
-    def new(self, blocks: int = PREFIX_BLOCKS) -> list[bytes]:
+    def new(self, blocks: int | None = None) -> list[bytes]:
+        blocks = PREFIX_BLOCKS if blocks is None else blocks
         base = self.next * 10_000_000
         self.next += 1
         tokens = torch.arange(base, base + blocks * LAYOUT.block_size, dtype=torch.int64)
@@ -213,7 +246,10 @@ class Prefixes:
 
 
 # ------------------------------------------------------------------------------ prefetch
-def prefetch_rounds(kv: KVStoreClient, directory: Path, rounds: int, rep: Reporter) -> dict:
+def prefetch_rounds(
+    kv: KVStoreClient, probe: KVStoreClient, directory: Path, rounds: int, rep: Reporter
+) -> dict:
+    """``kv`` puts and gets; ``probe`` (a ``calling_client``) checks where blocks are."""
     # Random bf16 bit patterns: nothing for a codec to find, every block different.
     src = torch.empty((PREFIX_BLOCKS, *LAYOUT.block_shape), dtype=LAYOUT.dtype)
     src.view(torch.int16).random_(-(1 << 15), 1 << 15)
@@ -234,7 +270,7 @@ def prefetch_rounds(kv: KVStoreClient, directory: Path, rounds: int, rep: Report
     ratio_cold_par: list[float] = []
 
     def timed_get(keys: list[bytes], case: str, lead: Callable[[], None] | None = None) -> None:
-        found, cpu = in_cpu(kv, keys)
+        found, cpu = in_cpu(probe, keys)
         want_cpu = PREFIX_BLOCKS if case == "resident" else 0
         if found != PREFIX_BLOCKS or cpu != want_cpu:
             raise RuntimeError(
@@ -271,7 +307,7 @@ def prefetch_rounds(kv: KVStoreClient, directory: Path, rounds: int, rep: Report
         put_all(kv, fillers, src, PUT_BATCH)
         settle(kv)
         for _ in range(32):
-            if in_cpu(kv, cold)[1] == 0 and in_cpu(kv, pref)[1] == 0:
+            if in_cpu(probe, cold)[1] == 0 and in_cpu(probe, pref)[1] == 0:
                 break
             more = prefixes.new(PUT_BATCH)
             put_all(kv, more, src, PUT_BATCH)
@@ -357,7 +393,12 @@ def report_prefetch(res: dict, rep: Reporter) -> dict:
             f"vs dd read; the prefetch promoted {promoted:.0f} of {PREFIX_BLOCKS} blocks",
         ),
         row("(c) resident in CPU tier", s["resident"], memcpy / resident, "vs memcpy"),
-        disk_row("dd read O_DIRECT, 2 MiB", res["dd_read_gbps"], 1.0, "256 MiB file, each round"),
+        disk_row(
+            "dd read O_DIRECT, 2 MiB",
+            res["dd_read_gbps"],
+            1.0,
+            f"{fmt_size(PREFIX_BYTES)} file, each round",
+        ),
         disk_row(
             f"O_DIRECT preadv 2 MiB, {IO_THREADS} threads",
             res["parallel_read_gbps"],
@@ -365,7 +406,12 @@ def report_prefetch(res: dict, rep: Reporter) -> dict:
             "same file, after dd read; the tier reads with as many threads",
         ),
         disk_row("dd write O_DIRECT, 2 MiB", res["dd_write_gbps"], None, ""),
-        row("memcpy np.copyto, 1 thread", res["memcpy_s"], 1.0, "256 MiB, pre-faulted"),
+        row(
+            "memcpy np.copyto, 1 thread",
+            res["memcpy_s"],
+            1.0,
+            f"{fmt_size(PREFIX_BYTES)}, pre-faulted",
+        ),
     ]
     rep.table(
         f"get(out=...) of a {PREFIX_BLOCKS}-block prefix ({fmt_size(PREFIX_BYTES)}, "
@@ -382,7 +428,8 @@ def report_prefetch(res: dict, rep: Reporter) -> dict:
     )
     rep.line(
         "p90: nearest rank (with under 10 samples, the slowest). Cold and prefetched gets find "
-        "free CPU slots\n(no victim to write down). Disk rows: time and GB/s for 256 MiB."
+        "free CPU slots\n(no victim to write down). Disk rows: time and GB/s for "
+        f"{fmt_size(PREFIX_BYTES)}."
     )
     return {
         "median_ms": {"cold": cold * 1e3, "prefetched": pref * 1e3, "resident": resident * 1e3},
@@ -444,6 +491,16 @@ class TimedDaemon(KVStoreDaemon):
 
 def small_keys(n: int) -> list[bytes]:
     return [hashlib.sha256(b"bench-prefetch restart %d" % i).digest() for i in range(n)]
+
+
+def check_read_back(daemon: KVStoreDaemon, keys: list[bytes], src: torch.Tensor) -> None:
+    """The first blocks put (``put_all``: key i holds ``src[i]``) read back unchanged."""
+    n = min(64, len(keys), len(src))
+    with KVStoreClient(daemon.address, layout=SMALL_LAYOUT, model=SMALL_MODEL) as kv:
+        got = kv.get(keys[:n])
+    expect(got.shape[0] == n, f"after a restart get returned {got.shape[0]} of {n} blocks")
+    same = torch.equal(got.view(torch.int16), src[:n].view(torch.int16))
+    expect(same, "a block read back after a restart differs from the one put")
 
 
 def timed_start(args: list[str], keys: list[bytes]) -> tuple[TimedDaemon, dict[str, Any]]:
@@ -513,6 +570,7 @@ def restart_run(root: Path, blocks: int, restarts: int, rep: Reporter) -> dict[s
             )
             if timing["found"] != blocks:
                 raise RuntimeError(f"after restart lookup found {timing['found']} of {blocks}")
+            check_read_back(daemon, keys, src)
     finally:
         daemon.stop()
     return {
@@ -564,8 +622,12 @@ def report_restart(res: dict[str, Any], rep: Reporter) -> None:
 # ------------------------------------------------------------------------------ main
 def main() -> int:
     args = parse_args(__doc__.split("\n\n")[0], add_args)
-    rounds = args.rounds or (3 if args.quick else 7)
-    restart = (not args.quick) if args.restart is None else args.restart
+    if args.smoke:
+        use_smoke_sizes()
+        args.restart_blocks, args.restarts = 2000, 1
+    rounds = args.rounds or (1 if args.smoke else 3 if args.quick else 7)
+    on = args.smoke or not args.quick
+    restart = on if args.restart is None else args.restart
     rep = Reporter(args.json)
     if not args.json:
         print_header("bench_prefetch", args)
@@ -587,10 +649,11 @@ def main() -> int:
         with (
             KVStoreDaemon(CPU_CAPACITY, extra_args=extra) as daemon,
             KVStoreClient(daemon.address, layout=LAYOUT, model=MODEL) as kv,
+            calling_client(daemon.address) as probe,
         ):
             if not kv.uses_shared_memory:
                 raise RuntimeError("the client could not map the daemon's arena")
-            res = prefetch_rounds(kv, root, rounds, rep)
+            res = prefetch_rounds(kv, probe, root, rounds, rep)
         result["prefetch"] = report_prefetch(res, rep)
         shutil.rmtree(nvme_dir, ignore_errors=True)
         if restart:
