@@ -343,7 +343,7 @@ def main() -> int:
             "fp8_rel_rms_error": fp8_err,
             "rows": result_rows,
         },
-        args.json,
+        args,
     )
     return 0
 

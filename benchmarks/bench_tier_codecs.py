@@ -447,7 +447,7 @@ def main() -> int:
             "capacity": cap_rows,
             "fp8_quality": {"kv_rel": elem_rel, **q},
         },
-        args.json,
+        args,
     )
     return 0
 
