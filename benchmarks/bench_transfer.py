@@ -28,6 +28,9 @@ runs first, untimed for the put rows, and is reported on its own: ``shm put, fir
 beyond the steady-state put's, divided by the slab bytes newly mapped) and against the same
 run's memcpy of a MiB.
 
+``--smoke``: one batch of 32 blocks per size, one round; every get checked, a fresh tensor's
+too, and a missing ``redis-server`` is an error (the peer is part of what it checks).
+
 Targets (issue #14), batches of 32: shm put and get of 2 MiB blocks each >= 0.8x memcpy (and
 >= 5x Redis), of 64 KiB blocks >= 0.3x memcpy.
 """
@@ -176,7 +179,11 @@ def run_memcpy(case: Case) -> None:
         case.add("memcpy_new_torch", timed(copy_new_torch))
 
 
-def run_kvstore(case: Case, kv: KVStoreClient, prefix: str, fresh_get: bool) -> None:
+def run_kvstore(
+    case: Case, kv: KVStoreClient, prefix: str, fresh_get: bool, check_fresh: bool = False
+) -> None:
+    """Put, get into ``out`` (checked), and with ``fresh_get`` get into new tensors (checked
+    too with ``check_fresh``, untimed), then delete."""
     keys = new_keys(case.src.shape[0])
     batches = [keys[b * BATCH : (b + 1) * BATCH] for b in range(case.n_batches)]
     for b, kb in enumerate(batches):
@@ -208,6 +215,11 @@ def run_kvstore(case: Case, kv: KVStoreClient, prefix: str, fresh_get: bool) -> 
             case.add(f"{prefix}_get_new", time.perf_counter() - t0)
             if got.shape[0] != BATCH:
                 raise RuntimeError(f"{prefix} get found {got.shape[0]} of {BATCH} blocks")
+            if check_fresh:
+                b = batches.index(kb)
+                want = case.batch(case.src, b).view(torch.uint8).numpy()
+                if not np.array_equal(got.view(torch.uint8).numpy(), want):
+                    raise RuntimeError(f"{prefix} get into a new tensor returned other bytes")
             del got
     deleted = kv.delete(keys)
     if deleted != len(keys):
@@ -332,6 +344,8 @@ def run_redis(case: Case, r: Any, round_no: int) -> None:
         for i in range(lo, lo + BATCH):
             dst[i] = np.frombuffer(r.get(keys[i]), dtype=np.uint8)
         case.add("redis_get_out", time.perf_counter() - t0)
+    if not np.array_equal(dst, src):
+        raise RuntimeError("redis GETs into the tensor returned other bytes than were SET")
     r.flushall()
 
 
@@ -364,11 +378,11 @@ def measure_size(
         KVStoreClient(daemon.address, layout=case.layout, model=model, transport="shm") as shm,
         KVStoreClient(daemon.address, layout=case.layout, model=model, transport="grpc") as kvg,
     ):
-        empty = empty_call_timing(shm, 50 if args.quick else 300)
+        empty = empty_call_timing(shm, 20 if args.smoke else 50 if args.quick else 300)
         first_write(case, shm)
         for rnd in range(args.rounds):
             run_memcpy(case)
-            run_kvstore(case, shm, "shm", fresh_get=True)
+            run_kvstore(case, shm, "shm", fresh_get=True, check_fresh=args.smoke)
             run_kvstore_one_thread(case, shm)
             run_kvstore(case, kvg, "grpc", fresh_get=False)
             if redis is not None:
@@ -407,14 +421,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main() -> int:
     args = parse_args(__doc__.split("\n\n")[0], add_args)
     if args.working_set_mib is None:
-        args.working_set_mib = 128 if args.quick else 512
+        args.working_set_mib = 1 if args.smoke else 128 if args.quick else 512
     if args.rounds is None:
-        args.rounds = 2 if args.quick else 3
+        args.rounds = 1 if args.smoke else 2 if args.quick else 3
     rep = Reporter(args.json)
     if not args.json:
         print_header("bench_transfer", args)
 
     use_redis = not args.no_redis and redis_server_path() is not None
+    if args.smoke and not args.no_redis and not use_redis:
+        raise RuntimeError("redis-server not found: --smoke runs the Redis peer (or --no-redis)")
     if not use_redis:
         rep.line(
             "  redis: skipped (" + ("--no-redis" if args.no_redis else "no redis-server") + ")"
@@ -568,7 +584,7 @@ def main() -> int:
             },
             "elapsed_s": elapsed,
         },
-        args.json,
+        args,
     )
     return 0
 
