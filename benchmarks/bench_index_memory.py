@@ -11,12 +11,13 @@ Three measurements of N committed blocks:
   ``commit`` with checksums. Its CPU arena is sized for N 4 KiB slots but not pre-faulted: the
   store never touches slot bytes on this path, so the sparse file costs no memory and only the
   store's own structures are counted (slab allocator included).
-* ``daemon``: a real ``kvstore serve`` process filled by a real client (``KVStoreClient.put``
-  of 128 blocks of 4 KiB a call, random keys), measured from outside: the growth of its
-  resident memory (``/proc/PID/smaps``) but for the arena's slabs (block bytes, not index),
-  split into private memory (the Python heap), presence tables (shared memory same-host
-  clients map) and files. The first and last batches are then looked up and read back byte
-  for byte, and the CPU tier must count every block.
+* ``daemon``: a real ``kvstore serve`` process filled by a real client (``KVStoreClient.put`` of
+  128 blocks of 4 KiB a call, random keys), measured from outside: the growth of its resident
+  memory (``/proc/PID/smaps``) but for the arena's slabs (block bytes, not index), split into
+  private memory (the Python heap) and files, plus the presence tables (memfds same-host clients
+  map; their pages do not show in the daemon's resident set, so they are counted whole, by
+  their allocated pages). The first and last batches are then looked up and
+  read back byte for byte, and the CPU tier must count every block.
 
 The first two run each in a fresh child process (so one does not inherit the other's heap),
 each twice: by ``tracemalloc`` (bytes Python allocated and still holds; its allocation sites
@@ -254,9 +255,10 @@ RSS_KINDS = ("private", "presence", "arena", "files")
 
 
 def rss_by_kind(pid: int) -> dict[str, int]:
-    """Resident bytes of a process by kind of mapping (``/proc/PID/smaps``): ``arena`` (the
-    CPU tier's slabs: block bytes, not index), ``presence`` (the presence tables same-host
-    clients map), ``private`` (heap and anonymous memory), ``files`` (code and other files)."""
+    """Memory of a process by kind (``/proc/PID/smaps``): ``arena`` (resident pages of the CPU
+    tier's slabs: block bytes, not index), ``presence`` (the presence tables' memfds, whole:
+    ``presence_bytes``), ``private`` (heap and anonymous memory), ``files`` (code and other
+    files)."""
     out = dict.fromkeys(RSS_KINDS, 0)
     kind = "private"
     with open(f"/proc/{pid}/smaps") as f:
@@ -272,9 +274,32 @@ def rss_by_kind(pid: int) -> dict[str, int]:
                     kind = "private"
                 else:
                     kind = "files"
-            elif fields and fields[0] == "Rss:":
+            elif fields and fields[0] == "Rss:" and kind != "presence":
                 out[kind] += int(fields[1]) * 1024
+    out["presence"] = presence_bytes(pid)
     return out
+
+
+def presence_bytes(pid: int) -> int:
+    """Bytes of shared memory held by the presence tables (memfds) a process maps or holds
+    open, by their allocated pages: they do not show in the daemon's resident set, yet they
+    are memory all the same (mapped by every same-host client)."""
+    seen: dict[tuple[int, int], int] = {}
+    for folder in (f"/proc/{pid}/map_files", f"/proc/{pid}/fd"):
+        try:
+            names = os.listdir(folder)
+        except OSError:  # map_files needs CAP_SYS_ADMIN
+            continue
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                if "kvstore-presence" not in os.readlink(path):
+                    continue
+                st = os.stat(path)
+            except OSError:
+                continue
+            seen[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    return sum(seen.values())
 
 
 def daemon_fill(n: int) -> dict[str, Any]:
@@ -376,7 +401,7 @@ def main() -> int:
     )
     grown = outside["grown"]
     rep.table(
-        "The daemon's resident growth by kind of mapping (/proc/PID/smaps; arena not counted)",
+        "The daemon's growth by kind of memory (smaps, presence memfds; arena not counted)",
         ["mapping", "B/block", "MiB"],
         [[kind, grown[kind] / m, grown[kind] / 2**20] for kind in RSS_KINDS],
     )
