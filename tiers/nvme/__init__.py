@@ -2,9 +2,13 @@
 
 ``tier`` holds ``NvmeTier`` (the daemon's interface and its contract), ``ondisk`` the on-disk
 format, ``slabfile`` opening (and formatting) the file, ``recovery`` what open reads of it,
-``recordio`` the record IO on the open file, ``alloc`` the slot allocator, ``records`` the
-values handed out and the per-slot tables, ``diskio`` the thread-side IO helpers. Imports only the
-core types (``kvstore.errors``, ``kvstore.keys``).
+``scan`` open's scan of the record headers, ``recordio`` the record IO on the open file,
+``reads`` the read path, ``meta`` the metadata and slab descriptors the open tier writes,
+``tombstones`` the invalidation of freed records, ``check`` the scrub, ``alloc`` the slot
+allocator, ``records`` the values handed out and the per-slot tables, ``occupancy`` the totals of
+the live records, ``diskio`` the thread-side IO helpers. ``tier`` imports the others; none of
+them imports ``tier`` or this package's ``__init__``. Imports only the core types
+(``kvstore.errors``, ``kvstore.keys``).
 """
 
 from kvstore.tiers.nvme.ondisk import FILE_NAME, PAGE

@@ -1,5 +1,6 @@
-"""Records of the NVMe tier: the values it hands out (``NvmeRecord``, ``CheckReport``) and the
-per-slot state and record identity it keeps, in flat arrays (``RecordTable``)."""
+"""Records of the NVMe tier: the values it hands out (``NvmeRecord``, ``CheckReport``), the
+per-slot state and record identity it keeps, in flat arrays (``RecordTable``), and the sequence
+numbers its pages take (``SeqCounter``)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,20 @@ class Ident(NamedTuple):
     codec: int
     checksum: int
     seq: int
+
+
+class SeqCounter:
+    """The tier's sequence numbers: every record header, tombstone and slab descriptor it writes
+    takes the next one; the metadata records ``next``, and recovery resumes past the highest
+    found on disk. One per tier, shared by the parts that write pages; loop-only."""
+
+    def __init__(self) -> None:
+        self.next = 1
+
+    def take(self) -> int:
+        seq = self.next
+        self.next += 1
+        return seq
 
 
 class NamespaceIds:

@@ -12,24 +12,17 @@ from typing import Any, TypeVar
 
 from kvstore.errors import KVStoreError
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
-from kvstore.ratelog import RateLimitedLog
 from kvstore.tiers import codecs
 from kvstore.tiers.codecs import BlockFormat
 from kvstore.tiers.nvme import ondisk as fmt
 from kvstore.tiers.nvme import recovery
 from kvstore.tiers.nvme.alloc import SlotAllocator
+from kvstore.tiers.nvme.check import scrub, tombstone_orphans
 from kvstore.tiers.nvme.diskio import FlushBarrier
-from kvstore.tiers.nvme.ondisk import (
-    CODEC_NONE,
-    FILE_NAME,
-    HEADER_BYTES,
-    KIND_RECORD,
-    KIND_TOMBSTONE,
-    PAGE,
-    Geometry,
-    Header,
-    round_up,
-)
+from kvstore.tiers.nvme.meta import MetadataWriter
+from kvstore.tiers.nvme.occupancy import Occupancy
+from kvstore.tiers.nvme.ondisk import FILE_NAME, KIND_RECORD, PAGE, Geometry, Header, round_up
+from kvstore.tiers.nvme.reads import MISS_COUNTER, RecordReader
 from kvstore.tiers.nvme.recordio import RecordIO
 from kvstore.tiers.nvme.records import (
     ALLOCATED,
@@ -43,29 +36,16 @@ from kvstore.tiers.nvme.records import (
     NamespaceIds,
     NvmeRecord,
     RecordTable,
+    SeqCounter,
 )
+from kvstore.tiers.nvme.scan import scan_records
 from kvstore.tiers.nvme.slabfile import SlabFile, open_slab_file
+from kvstore.tiers.nvme.tombstones import Tombstones
 
 log = logging.getLogger(__name__)
-_io_log = RateLimitedLog(log)  # a failing disk fails every read
 
 DEFAULT_SLAB_BYTES = 256 << 20
 """Large slabs waste less at their tails (a 2 MiB block's slot is 2 MiB + 4 KiB)."""
-SCAN_BATCH = 256
-"""Headers read per executor call at recovery: batches keep the per-call overhead small."""
-SCAN_THREADS = 16
-"""Threads that read headers at recovery. The scan is bound by IO latency (~50 us a 4 KiB read
-on the dev VM: 100k reads took 2.4 s with 4 threads, 1.5 s with 16), and nothing else runs
-during open. The threads only copy each header's prefix out; parsing 100k of them on the loop
-takes ~0.1 s, while parsing in 16 threads contending for the GIL doubled the scan's time."""
-
-_MISS_COUNTER = {
-    "torn": "checksum_failures",
-    "corrupt": "checksum_failures",
-    "mismatch": "header_mismatches",
-    "short": "short_reads",
-    "io_error": "io_errors",
-}
 
 T = TypeVar("T")
 
@@ -193,22 +173,14 @@ class NvmeTier:
         self._namespaces = NamespaceIds()
         self._tables: list[RecordTable | None] = [None] * len(self.geometry.slab_sizes)
         self._reserved = 0  # slots allocated and not (yet) committed
-        self._tombstones: dict[int, asyncio.Task[None]] = {}
-        # Free slots whose header may still be valid (a tombstone failed), with the slot size
-        # in pages of the carving they belong to.
-        self._tomb_failed: dict[int, int] = {}
-        # Slabs uncarved while tombstones of their old carving were in flight or had failed:
-        # those slots, settled before any payload of the new carving is written.
-        self._unsettled: dict[int, set[int]] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
         self._file: SlabFile | None = None
         self._io = RecordIO(-1, False)  # the open file's, once open
         self._format_id = 0
-        self._meta_gen = 0
-        self._meta_copy = 0  # the copy (0: A, 1: B) that holds generation _meta_gen
-        self._meta_version = -1  # the allocator version the metadata on disk reflects
-        self._descriptors: list[int] = []  # slot bytes each slab's descriptor on disk says
-        self._next_seq = 1
+        self._seq = SeqCounter()
+        # Made by open, from what it finds in the file:
+        self._meta: MetadataWriter  # the metadata copies and slab descriptors
+        self._tombs: Tombstones  # the tombstones in flight, failed, and to settle
         self._state = "new"
         self._read_only = False
         self._damage: list[tuple[int, str]] = []  # what a read-only open found and left
@@ -217,11 +189,9 @@ class NvmeTier:
         self._write_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="nvme-write")
         self._flush = FlushBarrier(ThreadPoolExecutor(1, thread_name_prefix="nvme-flush"))
         counters = ("reads", "writes", "durable_writes", "syncs", "read_bytes", "write_bytes")
-        self._counters = dict.fromkeys((*counters, "misses", *_MISS_COUNTER.values()), 0)
-        self._live_blocks = self._used_bytes = self._raw_bytes = self._stored_bytes = 0
-        # Per namespace id (NamespaceIds): [blocks, raw bytes, slot bytes] of live records.
-        self._by_ns: dict[int, list[int]] = {}
-        self._by_codec = [0] * len(codecs.NAME_OF)  # live records by the codec that wrote them
+        self._counters = dict.fromkeys((*counters, "misses", *MISS_COUNTER.values()), 0)
+        self._occupancy = Occupancy()
+        self._reader = RecordReader(self._record_table, self._read_pool, self._counters)
 
     @staticmethod
     def slot_bytes_for(payload_bytes: int) -> int:
@@ -262,20 +232,25 @@ class NvmeTier:
             raise RuntimeError(f"open of a tier that is {self._state}")
         self._state = "opening"
         self._read_only = read_only
-        self._meta_lock = asyncio.Lock()
         try:
             file = await self._run(self._write_pool, self._io_open, create and not read_only)
             self._io = io = file.io
             self.direct_io, self.preallocated = io.direct_io, file.preallocated
             found = file.found
-            self._format_id, self._next_seq = found.format_id, found.next_seq
-            self._meta_gen, self._descriptors = found.generation, list(found.descriptors)
+            self._format_id, self._seq.next = found.format_id, found.next_seq
+            geo, seq, write, flush = self.geometry, self._seq, self._write_page, self._flush
+            self._meta = MetadataWriter(
+                geo, found.format_id, found.generation, found.descriptors, seq, write, flush
+            )
+            self._tombs = Tombstones(
+                geo, found.format_id, seq, write, flush, self._track, self._counters
+            )
             self._flush.fd = io.fd
             records = await self._recover(found)
             if read_only:
                 self._damage = list(found.damage)
             else:
-                await self._repair_metadata(found)
+                await self._meta.repair(self._alloc, found.meta_ok)
             clean = found.clean
         except BaseException:
             await self._shutdown()
@@ -320,12 +295,8 @@ class NvmeTier:
             return
         try:
             await self.drain()
-            for slot, pages in sorted(self._tomb_failed.items()):
-                try:
-                    await self._write_tombstone(slot, pages)
-                except OSError as exc:
-                    log.warning("tombstone of slot %d failed at close: %s", slot, exc)
-            await self._write_meta(clean=True)
+            await self._tombs.retry_failed()
+            await self._meta.write(self._alloc, clean=True)
             await self._flush.barrier()
         except OSError as exc:
             # Nothing is lost: the next open scans every header whatever the flag says.
@@ -391,7 +362,7 @@ class NvmeTier:
             table.state[i] = WRITING | FREE_AFTER_WRITE
             return
         if state == LIVE:
-            self._account(slot, table, i, -1)
+            self._occupancy.add(self._alloc.slot_bytes_at(slot), table, i, -1)
         else:
             self._reserved -= 1
         self._release(slot, table, i, tombstone=state == LIVE)
@@ -421,20 +392,6 @@ class NvmeTier:
         assert table is not None, f"carved slab {slab} has no record table"
         return table, i
 
-    def _account(self, slot: int, table: RecordTable, i: int, sign: int) -> None:
-        slot_bytes = self._alloc.slot_bytes_at(slot)
-        self._live_blocks += sign
-        self._used_bytes += sign * slot_bytes
-        self._raw_bytes += sign * table.length[i]
-        self._stored_bytes += sign * round_up(table.stored_length[i])
-        self._by_codec[table.codec[i]] += sign
-        per = self._by_ns.setdefault(table.ns[i], [0, 0, 0])
-        per[0] += sign
-        per[1] += sign * table.length[i]
-        per[2] += sign * slot_bytes
-        if not per[0]:
-            del self._by_ns[table.ns[i]]
-
     def _release(self, slot: int, table: RecordTable, i: int, *, tombstone: bool) -> None:
         table.state[i] = FREE
         if tombstone:
@@ -446,20 +403,16 @@ class NvmeTier:
         """Uncarve an empty slab. Nothing is written: its descriptor keeps the old carving
         until a new one is persisted, and recovery releases a slab with no record again. The
         old carving's tombstones still in flight or failed are settled before any payload of
-        the next carving goes into the slab (``_settle_slab``): a late tombstone must never land
-        in the new carving's bytes, and an old header must never survive to describe them."""
-        geo = self.geometry
-        old = {s for s in (*self._tombstones, *self._tomb_failed) if geo.slab_of(s) == slab}
-        if old:
-            self._unsettled.setdefault(slab, set()).update(old)
+        the next carving goes into the slab (``Tombstones.settle_slab``): a late tombstone must
+        never land in the new carving's bytes, and an old header must never survive to describe
+        them."""
+        self._tombs.uncarving(slab)
         self._alloc.uncarve(slab)
         self._tables[slab] = None
 
     def _start_tombstone(self, slot: int) -> None:
         pages = self._alloc.slot_bytes_at(slot) // PAGE  # of this carving, whatever comes next
-        task = asyncio.ensure_future(self._tombstone(slot, pages, self._tombstones.get(slot)))
-        self._tombstones[slot] = task
-        self._track(task)
+        self._tombs.start(slot, pages)
 
     def _track(self, fut: asyncio.Future[Any]) -> None:
         self._tasks.add(fut)
@@ -469,11 +422,6 @@ class NvmeTier:
         self._tasks.discard(fut)
         if not fut.cancelled():
             fut.exception()  # marks it retrieved; an awaiting caller still gets it raised
-
-    def _take_seq(self) -> int:
-        seq = self._next_seq
-        self._next_seq += 1
-        return seq
 
     # ------------------------------------------------------------------ write
     async def write(
@@ -564,43 +512,26 @@ class NvmeTier:
     ) -> bool:
         """The write itself; True if a ``free`` that arrived during it has been applied.
         ``length`` is the block's (more than ``view``'s when ``view`` is its fp8 payload)."""
-        seq = self._take_seq()
+        seq = self._seq.take()
         header_tried = False
         try:
-            await self._settle_slab(self.geometry.slab_of(slot))
-            await self._settle_tombstone(slot)
-            if length != view.nbytes:
-                stored, codec, decoded, stored_sum = await self._run(
-                    self._write_pool,
-                    self._io.write_encoded,
-                    slot,
-                    key,
-                    namespace,
-                    view,
-                    checksum,
-                    coding[0],
-                    length,
-                )
+            await self._tombs.settle_slab(self.geometry.slab_of(slot))
+            await self._tombs.settle(slot)
+            io, block = self._io, (slot, key, namespace, view, checksum)
+            if length != view.nbytes:  # an fp8 payload: stored as it is
+                payload = self._run(self._write_pool, io.write_encoded, *block, coding[0], length)
             else:
-                stored, codec, decoded, stored_sum = await self._run(
-                    self._write_pool,
-                    self._io.write_payload,
-                    slot,
-                    key,
-                    namespace,
-                    view,
-                    checksum,
-                    *coding,
-                )
+                payload = self._run(self._write_pool, io.write_payload, *block, *coding)
+            stored, codec, decoded, stored_sum = await payload
             # Recovery looks for headers only where the slab map on disk says slots are.
-            await self._persist_carving(self.geometry.slab_of(slot))
+            await self._meta.persist_carving(self._alloc, self.geometry.slab_of(slot))
             if durable:
                 await self._flush.barrier()
             pages = self._alloc.slot_bytes_at(slot) // PAGE
             fields = (pages, slot, seq, self._format_id, key, namespace, length, stored)
             header = fmt.pack_header(Header(KIND_RECORD, codec, *fields, decoded, stored_sum))
             header_tried = True
-            await self._run(self._write_pool, self._io.write_at, slot, header)
+            await self._write_page(slot, header)
             if durable:
                 await self._flush.barrier()
         except BaseException as exc:
@@ -619,7 +550,7 @@ class NvmeTier:
         table.set_record(i, ident, committed=checksum)
         table.state[i] = LIVE
         self._reserved -= 1
-        self._account(slot, table, i, +1)
+        self._occupancy.add(self._alloc.slot_bytes_at(slot), table, i, +1)
         self._counters["writes"] += 1
         self._counters["durable_writes"] += durable
         self._counters["write_bytes"] += 2 * PAGE + round_up(stored)
@@ -636,99 +567,10 @@ class NvmeTier:
         await self._flush.barrier()
         self._counters["syncs"] += 1
 
-    async def _settle_slab(self, slab: int) -> None:
-        """Before the first payload of a new carving: every tombstone of the slab's previous
-        carving has landed (retried here if it failed; an OSError fails the caller's write and
-        the next write retries). See ``_return_slab``."""
-        old = self._unsettled.get(slab)
-        while old:
-            slot = next(iter(old))
-            await self._settle_tombstone(slot)
-            old.discard(slot)
-        self._unsettled.pop(slab, None)
-
-    async def _settle_tombstone(self, slot: int) -> None:
-        """Make sure no valid old header is left in ``slot`` before new bytes go into it."""
-        task = self._tombstones.get(slot)
-        if task is not None:
-            await asyncio.shield(task)
-        pages = self._tomb_failed.get(slot)
-        if pages is not None:
-            await self._write_tombstone(slot, pages)
-
-    async def _tombstone(self, slot: int, pages: int, previous: asyncio.Task[None] | None) -> None:
-        if previous is not None:
-            await asyncio.shield(previous)
-        try:
-            await self._write_tombstone(slot, pages)
-        except OSError as exc:
-            self._counters["io_errors"] += 1
-            log.warning("tombstone of slot %d failed; retried before reuse: %s", slot, exc)
-        finally:
-            if self._tombstones.get(slot) is asyncio.current_task():
-                del self._tombstones[slot]
-
-    async def _write_tombstone(self, slot: int, pages: int) -> None:
-        self._tomb_failed[slot] = pages  # until the flush below returns
-        page = self._tombstone_page(slot, pages)
-        await self._run(self._write_pool, self._io.write_at, slot, page)
-        await self._flush.barrier()
-        self._tomb_failed.pop(slot, None)
-
-    def _tombstone_page(self, slot: int, pages: int) -> bytearray:
-        tomb = (KIND_TOMBSTONE, CODEC_NONE, pages, slot, self._take_seq(), self._format_id)
-        return fmt.pack_header(Header(*tomb, bytes(KEY_BYTES), bytes(FINGERPRINT_BYTES), 0, 0, 0))
-
-    async def _persist_carving(self, slab: int) -> None:
-        """Make the slab's descriptor, and the metadata's slab map, say how the slab is carved
-        now (before a record in it commits; the caller's barrier makes it durable)."""
-        slot_bytes = self._alloc.slab_slot_bytes[slab]
-        if self._descriptors[slab] == slot_bytes and self._meta_version >= self._alloc.version:
-            return
-        async with self._meta_lock:
-            slot_bytes = self._alloc.slab_slot_bytes[slab]
-            if self._descriptors[slab] != slot_bytes:
-                await self._write_descriptor(slab, slot_bytes)
-            if self._meta_version < self._alloc.version:
-                await self._write_meta_locked(clean=False)
-
-    async def _write_descriptor(self, slab: int, slot_bytes: int) -> None:
-        page = fmt.pack_slab_descriptor(
-            self.geometry, self._format_id, slab, slot_bytes, self._take_seq()
-        )
-        await self._run(self._write_pool, self._io.write_at, self.geometry.slab_start(slab), page)
-        self._descriptors[slab] = slot_bytes
-
-    async def _write_meta(self, *, clean: bool) -> None:
-        async with self._meta_lock:
-            await self._write_meta_locked(clean=clean)
-
-    async def _write_meta_locked(self, *, clean: bool) -> None:
-        """The next generation of the metadata, into the copy that does not hold the current
-        one, so a torn write leaves the current copy in force."""
-        version = self._alloc.version
-        gen, copy = self._meta_gen + 1, 1 - self._meta_copy
-        page = fmt.pack_meta(
-            self.geometry, self._format_id, gen, self._next_seq, clean, self._alloc.slab_slot_bytes
-        )
-        await self._run(self._write_pool, self._io.write_at, self.geometry.meta_offset(copy), page)
-        self._meta_gen, self._meta_copy = gen, copy
-        self._meta_version = max(self._meta_version, version)
-
-    async def _repair_metadata(self, found: recovery.Found) -> None:
-        """After recovery: rewrite every damaged descriptor of a carved slab, then both
-        metadata copies, a damaged (or older) one first, each behind a barrier, so that at every
-        moment one valid copy is on disk."""
-        async with self._meta_lock:
-            for slab in self._alloc.carved():
-                slot_bytes = self._alloc.slab_slot_bytes[slab]
-                if self._descriptors[slab] != slot_bytes:
-                    await self._write_descriptor(slab, slot_bytes)
-            # The first write goes to the copy that does not hold the current generation.
-            self._meta_copy = 0 if found.meta_ok[0] else 1
-            for _ in range(2):
-                await self._write_meta_locked(clean=False)
-                await self._flush.barrier()
+    async def _write_page(self, offset: int, page: bytes | bytearray) -> None:
+        """Write whole pages (a header, a descriptor, metadata) at ``offset``, on a write
+        thread."""
+        await self._run(self._write_pool, self._io.write_at, offset, page)
 
     # ------------------------------------------------------------------ read
     async def read_into(
@@ -747,72 +589,15 @@ class NvmeTier:
         only for a record a lossy codec wrote, whose read yields its decoded form, verified
         against (and returning) the checksum of that form taken when it was encoded. Test ``is
         None``: a checksum may be 0."""
-        table, i = self._committed(slot)
-        view = memoryview(out).cast("B")
-        if view.readonly:
-            raise TypeError("out must be a writable buffer")
-        c = self._counters
-        want = self._asked(table, i, key, namespace, checksum, view.nbytes)
-        if want is None:
-            return None
-        try:
-            reason = await self._run(self._read_pool, self._io.read_record, slot, want, view)
-        except OSError as exc:
-            _io_log.warning("read", f"read of slot {slot} failed: {exc}")
-            reason = "io_error"
-        if reason is None:
-            c["read_bytes"] += PAGE + round_up(want.stored_length)
-            return want.checksum
-        c["misses"] += 1
-        c[_MISS_COUNTER[reason]] += 1
-        return None
-
-    def _committed(self, slot: int) -> tuple[Any, int]:
-        """(record table, index) of the committed record in ``slot``; ValueError if none."""
-        try:
-            table, i = self._record_table(slot)
-        except ValueError:
-            table, i = None, -1
-        if table is None or table.state[i] != LIVE:
-            raise ValueError(f"read of slot {slot}, which holds no committed record")
-        return table, i
-
-    def _asked(
-        self,
-        table: Any,
-        i: int,
-        key: bytes,
-        namespace: bytes,
-        checksum: int,
-        length: int | None,
-    ) -> Ident | None:
-        """A read counted, and the record's identity (a snapshot: the slot may be freed while
-        the IO runs) when it is the block asked for (key, namespace, ``length`` unless None,
-        committed or record checksum); None, a header mismatch counted as a miss, if not."""
-        c = self._counters
-        c["reads"] += 1
-        want = table.ident(i)
-        if (
-            (key, namespace) != (want.key, want.namespace)
-            or (length is not None and length != want.length)
-            or checksum not in (want.checksum, table.committed[i])
-        ):
-            c["misses"] += 1
-            c["header_mismatches"] += 1
-            return None
-        return want
+        return await self._reader.read_into_checked(self._io, slot, key, namespace, checksum, out)
 
     def holds_lossy(self) -> bool:
         """Whether any live record was written by a lossy codec."""
-        return any(self._by_codec[c] for c in codecs.LOSSY)
+        return self._occupancy.holds_lossy()
 
     def codec_of(self, slot: int) -> int | None:
         """The codec id of the committed record in ``slot``; None when it holds none."""
-        try:
-            table, i = self._record_table(slot)
-        except ValueError:
-            return None
-        return table.ident(i).codec if table.state[i] == LIVE else None
+        return self._reader.codec_of(slot)
 
     async def read_payload_into(
         self, slot: int, key: bytes, namespace: bytes, checksum: int, out: Any
@@ -821,23 +606,7 @@ class NvmeTier:
         into ``out`` (exactly the payload's length): (the record's decoded-form checksum, the
         payload's checksum), or None, a miss: not this block's intact fp8 record (a lossless
         record too: its block is not a payload). For a CPU tier of payloads."""
-        table, i = self._committed(slot)
-        view = memoryview(out).cast("B")
-        c = self._counters
-        want = self._asked(table, i, key, namespace, checksum, None)
-        if want is None:
-            return None
-        try:
-            got = await self._run(self._read_pool, self._io.read_payload, slot, want, view)
-        except OSError as exc:
-            _io_log.warning("read", f"read of slot {slot} failed: {exc}")
-            got = "io_error"
-        if isinstance(got, str):
-            c["misses"] += 1
-            c[_MISS_COUNTER[got]] += 1
-            return None
-        c["read_bytes"] += PAGE + round_up(want.stored_length)
-        return want.checksum, got
+        return await self._reader.read_payload_into(self._io, slot, key, namespace, checksum, out)
 
     async def _run(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -846,62 +615,27 @@ class NvmeTier:
     async def _recover(self, found: recovery.Found) -> list[NvmeRecord]:
         """Scan the headers of every carved slab; the newest record of each key that lies
         wholly inside the file (a truncated file keeps what it still holds) is recovered."""
-        slab_map, size = found.slab_map, found.size
+        slab_map = found.slab_map
         self._alloc = SlotAllocator.restore(self.geometry, slab_map, set())
-        slots = [s for slab in self._alloc.carved() for s in self._alloc.slots(slab)]
-        # A header page the file's end cuts: what is left of it may still read as a valid
-        # header once the file grows back to its capacity (zeros after it), and bring back a
-        # record whose payload is gone: tombstoned like a record cut short.
-        stale: list[int] = [s for s in slots if s < size < s + PAGE]
-        slots = [s for s in slots if s + PAGE <= size]
-        batches = [slots[i : i + SCAN_BATCH] for i in range(0, len(slots), SCAN_BATCH)]
-        newest: dict[tuple[bytes, bytes], Header] = {}
-        max_seq = self._next_seq - 1
-
-        async def scan(batch: list[int]) -> tuple[list[int], bytearray]:
-            return batch, await self._run(pool, recovery.scan_headers, self._io.fd, batch)
-
-        with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="nvme-scan") as pool:
-            # Parsed as each batch arrives, so the loop's share overlaps the other batches' IO.
-            for next_batch in asyncio.as_completed([scan(b) for b in batches]):
-                batch, raw = await next_batch
-                view = memoryview(raw)
-                for j, slot in enumerate(batch):
-                    h = fmt.parse_header(view[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
-                    if h is None:
-                        continue
-                    max_seq = max(max_seq, h.seq)
-                    slot_bytes = self._alloc.slot_bytes_at(slot)
-                    if not fmt.header_fits(h, slot, slot_bytes, self._format_id):
-                        continue
-                    if slot + PAGE + round_up(h.stored_length) > size:
-                        stale.append(slot)  # cut short: tombstoned before the slot's reuse
-                        continue
-                    old = newest.get((h.namespace, h.key))
-                    if old is not None and old.seq > h.seq:
-                        stale.append(slot)
-                        continue
-                    if old is not None:
-                        stale.append(old.slot)
-                    newest[h.namespace, h.key] = h
-        self._next_seq = max_seq + 1
-        self._alloc = SlotAllocator.restore(
-            self.geometry, slab_map, {h.slot for h in newest.values()}
+        scanned = await scan_records(
+            self._io.fd, self._alloc, found.size, self._format_id, self._seq.next - 1
         )
-        self._meta_version = -1  # rewritten after recovery
+        self._seq.next = scanned.max_seq + 1
+        live = {h.slot for h in scanned.newest}
+        self._alloc = SlotAllocator.restore(self.geometry, slab_map, live)
         for slab in self._alloc.carved():
             self._tables[slab] = RecordTable(self._alloc.slot_count(slab), self._namespaces)
         records = []
-        for h in sorted(newest.values(), key=lambda h: h.seq):
+        for h in scanned.newest:
             table, i = self._record_table(h.slot)
             ident = Ident(h.key, h.namespace, h.length, h.stored_length, h.codec, h.checksum, h.seq)
             table.set_record(i, ident)
             table.state[i] = LIVE
-            self._account(h.slot, table, i, +1)
+            self._occupancy.add(self._alloc.slot_bytes_at(h.slot), table, i, +1)
             records.append(NvmeRecord(h.slot, *ident[:4], h.checksum, h.seq))
-        for slot in stale:  # older copies of a key: free already, invalidated before reuse
+        for slot in scanned.stale:  # older copies of a key: free, invalidated before reuse
             if self._read_only:  # left as they are: the next read-write open's job
-                self._tomb_failed[slot] = self._alloc.slot_bytes_at(slot) // PAGE
+                self._tombs.failed[slot] = self._alloc.slot_bytes_at(slot) // PAGE
             else:
                 self._start_tombstone(slot)
         if not self._read_only:  # slabs without a record go back to the pool
@@ -922,56 +656,18 @@ class NvmeTier:
         if fix and self._read_only:
             raise ValueError("check(fix=True) of a tier opened read-only")
         problems = [CheckProblem(at, "metadata", None, what) for at, what in self._damage]
-        checked = ok = 0
-        buffers: dict[int, memoryview] = {}
-        for slab in self._alloc.carved():
-            table = self._tables[slab]
-            assert table is not None
-            for i, slot in enumerate(self._alloc.slots(slab)):
-                state = table.state[i]
-                if slot in self._tombstones or state & ~FREE_AFTER_WRITE == WRITING:
-                    continue
-                checked += 1
-                if state == LIVE:
-                    want = table.ident(i)
-                    out = buffers.get(want.length)
-                    if out is None:
-                        out = buffers[want.length] = memoryview(bytearray(want.length))
-                    try:
-                        reason, detail = self._io.read_record(slot, want, out), ""
-                    except OSError as exc:
-                        reason, detail = "io_error", str(exc)
-                    if reason is None:
-                        ok += 1
-                    else:
-                        kind = "torn" if reason == "short" else reason
-                        problems.append(CheckProblem(slot, kind, want.key, detail or reason))
-                    continue
-                try:
-                    h = self._io.read_header(slot)
-                except OSError as exc:
-                    problems.append(CheckProblem(slot, "io_error", None, str(exc)))
-                    continue
-                fits = h is not None and fmt.header_fits(
-                    h, slot, self._alloc.slot_bytes_at(slot), self._format_id
-                )
-                if h is not None and fits and slot not in self._tomb_failed:
-                    problems.append(CheckProblem(slot, "orphan", h.key, f"seq {h.seq}"))
+        tombs = self._tombs
+        checked, ok, found = scrub(
+            self._io, self._alloc, self._tables, tombs.in_flight, tombs.failed, self._format_id
+        )
+        problems += found
         if fix and problems:
             self._fix(problems)
         return CheckReport(checked, ok, problems, fix)
 
     def _fix(self, problems: list[CheckProblem]) -> None:
         # Orphans first: freeing a damaged record may return its slab to the pool.
-        for p in problems:
-            if p.kind == "orphan":
-                pages = self._alloc.slot_bytes_at(p.slot) // PAGE
-                try:
-                    self._io.write_at(p.slot, self._tombstone_page(p.slot, pages))
-                except OSError as exc:
-                    self._tomb_failed[p.slot] = pages
-                    log.warning("tombstone of orphan slot %d failed: %s", p.slot, exc)
-        os.fdatasync(self._io.fd)
+        tombstone_orphans(self._io, self._alloc, self._tombs, problems)
         for p in problems:
             if p.kind not in ("orphan", "metadata"):  # metadata: reported by read-only opens
                 table, i = self._record_table(p.slot)
@@ -980,8 +676,7 @@ class NvmeTier:
 
     def namespace_bytes(self) -> dict[bytes, tuple[int, int, int]]:
         """(blocks, logical bytes, slot bytes) of the live records, by namespace fingerprint."""
-        names = self._namespaces.names
-        return {names[ns]: (b, raw, used) for ns, (b, raw, used) in self._by_ns.items()}
+        return self._occupancy.by_namespace(self._namespaces.names)
 
     def stats(self) -> dict[str, int | float | bool]:
         """Occupancy and counters. ``used_bytes``: slot bytes of the committed records (a record
@@ -989,20 +684,16 @@ class NvmeTier:
         hold; ``stored_bytes``: the pages they fill; ``compression_ratio``: raw bytes / stored
         payload pages over the live records; ``records_<codec>``: live records by the codec that
         wrote them."""
-        stored = self._stored_bytes
-        by_codec = {
-            f"records_{codecs.NAME_OF[c].replace('+', '_')}": n
-            for c, n in enumerate(self._by_codec)
-        }
+        occupancy = self._occupancy
         return {
             "capacity_bytes": self.capacity_bytes,
-            "used_bytes": self._used_bytes,
-            "logical_bytes": self._raw_bytes,
-            **by_codec,
-            "stored_bytes": stored + PAGE * self._live_blocks,
-            "blocks": self._live_blocks,
+            "used_bytes": occupancy.used_bytes,
+            "logical_bytes": occupancy.raw_bytes,
+            **occupancy.by_codec(),
+            "stored_bytes": occupancy.stored_with_headers,
+            "blocks": occupancy.blocks,
             "reserved_slots": self._reserved,
-            "compression_ratio": self._raw_bytes / stored if stored else 1.0,
+            "compression_ratio": occupancy.compression_ratio,
             "direct_io": self.direct_io,
             "preallocated": self.preallocated,
             "flushes": self._flush.flushes,
