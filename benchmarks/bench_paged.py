@@ -3,6 +3,7 @@ machine's own copy speed.
 
     python benchmarks/bench_paged.py          # CPU: memory waste, sharing, gather/scatter vs memcpy
     python benchmarks/bench_paged.py --cuda   # also: kernels vs device copies, paged attention
+    python benchmarks/bench_paged.py --smoke  # every part at tiny sizes, (d) on CUDA if present
 
 (a) Waste of contiguous max-length allocation vs paging, on lognormal prompt and output lengths
     capped at the model's 4096 tokens, measured by running the requests through PagedKVCache.
@@ -12,6 +13,10 @@ machine's own copy speed.
     last-level cache, so neither side is cache-hot. Medians of several runs.
 (d) --cuda: kernels against a device-to-device copy; gather into pinned host memory (zero-copy)
     against a pinned cudaMemcpy; paged attention against dense SDPA on the same K/V.
+
+Every run also checks what the kernels wrote (untimed, on random blocks): gather, scatter and
+copy_blocks against indexing, and paged attention against SDPA within bf16/fp16 rounding. The
+result goes to ``--json`` / ``--json-out`` as well as the tables.
 """
 
 from __future__ import annotations
@@ -22,12 +27,16 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import add_run_args, emit, expect, finish_args, fmt_size, print_header, run_main
 
 from kvstore import kernels
 from kvstore.layout import KVLayout
@@ -35,9 +44,13 @@ from kvstore.paged import PagedKVCache
 
 MAX_MODEL_LEN = 4096
 MIB = 1 << 20
+ATTENTION_TOLERANCE = 0.05  # max |paged - dense| in bf16/fp16 outputs of unit-scale inputs
+QUIET = False  # --json: the tables are not printed
 
 
 def table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    if QUIET:
+        return
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     print(f"\n{title}")
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
@@ -62,7 +75,7 @@ def tiny_cache(num_blocks: int, block_size: int = 16) -> PagedKVCache:
     return PagedKVCache(layout, num_blocks)
 
 
-def bench_memory_waste(num_requests: int, batch: int, max_tokens: int) -> None:
+def bench_memory_waste(num_requests: int, batch: int, max_tokens: int) -> list[list[str]]:
     prompt, output = request_lengths(num_requests, seed=0)
     used = int((prompt + output).sum())
     rows = []
@@ -91,9 +104,10 @@ def bench_memory_waste(num_requests: int, batch: int, max_tokens: int) -> None:
         ["allocation", "token slots", "waste"],
         rows,
     )
+    return rows
 
 
-def bench_parallel_sampling(num_requests: int, n: int, batch: int) -> None:
+def bench_parallel_sampling(num_requests: int, n: int, batch: int) -> dict[str, int]:
     prompt, _ = request_lengths(num_requests, seed=1)
     rng = np.random.default_rng(2)
     bs = 16
@@ -126,6 +140,7 @@ def bench_parallel_sampling(num_requests: int, n: int, batch: int) -> None:
             ],
         ],
     )
+    return {"separate_blocks": separate, "shared_blocks": shared}
 
 
 def interleaved_medians(fns: list[Callable[[int], None]], runs: int) -> list[float]:
@@ -142,7 +157,36 @@ def interleaved_medians(fns: list[Callable[[int], None]], runs: int) -> list[flo
     return [statistics.median(ts) for ts in times]
 
 
-def bench_cpu_copies(layers: int, num_blocks: int, n: int, runs: int) -> None:
+def check_kernels(device: torch.device, num_blocks: int, n: int) -> None:
+    """gather_blocks, scatter_blocks and copy_blocks write what indexing says they should, on
+    random blocks of a small paged cache on ``device`` (untimed)."""
+    layers = 3
+    layout = KVLayout(num_layers=layers, num_kv_heads=2, head_dim=16, block_size=16)
+    g = torch.Generator().manual_seed(5)
+    shape = (2, num_blocks, 16, 2, 16)
+    caches = [torch.randn(shape, generator=g).to(layout.dtype).to(device) for _ in range(layers)]
+    perm = torch.randperm(num_blocks, generator=g)
+    ids, others = perm[:n].to(device), perm[n : 2 * n].to(device)
+
+    def block(cs: list[torch.Tensor], b: int) -> torch.Tensor:
+        return torch.stack([c[:, b] for c in cs])
+
+    out = torch.empty((n, *layout.block_shape), dtype=layout.dtype, device=device)
+    kernels.gather_blocks(caches, ids, out)
+    for j in range(n):
+        expect(torch.equal(out[j], block(caches, int(ids[j]))), f"gather_blocks: block {j}")
+    dst = [torch.zeros_like(c) for c in caches]
+    kernels.scatter_blocks(out, dst, others)
+    for j in range(n):
+        expect(torch.equal(block(dst, int(others[j])), out[j]), f"scatter_blocks: block {j}")
+    before = [c.clone() for c in caches]
+    kernels.copy_blocks(caches, ids, others)
+    for j in range(n):
+        same = torch.equal(block(caches, int(others[j])), block(before, int(ids[j])))
+        expect(same, f"copy_blocks: block {j}")
+
+
+def bench_cpu_copies(layers: int, num_blocks: int, n: int, runs: int) -> list[list[str]]:
     layout = KVLayout(num_layers=layers, num_kv_heads=8, head_dim=128, block_size=16)
     dtype, bshape = layout.dtype, layout.block_shape
     caches = [torch.empty(2, num_blocks, 16, 8, 128, dtype=dtype) for _ in range(layers)]
@@ -188,12 +232,13 @@ def bench_cpu_copies(layers: int, num_blocks: int, n: int, runs: int) -> None:
         gbps = nbytes / t / 1e9
         rows.append([name, f"{t * 1e3:.2f}", f"{gbps:.2f}", f"{gbps / base:.2f}"])
     table(
-        f"(c) CPU, {n} blocks of {layout.block_bytes // MIB} MiB ({layers} layers x 8 heads x 128 "
+        f"(c) CPU, {n} blocks of {fmt_size(layout.block_bytes)} ({layers} layers x 8 heads x 128 "
         f"x 16 tokens, bf16) per call, cache {cache_bytes // MIB} MiB, "
         f"{torch.get_num_threads()} thread(s), median of {runs} interleaved runs",
         ["operation", "ms", "GB/s", "vs memcpy"],
         rows,
     )
+    return rows
 
 
 class DeviceTimer:
@@ -223,7 +268,9 @@ class DeviceTimer:
         return statistics.median(times)
 
 
-def bench_device_copies(device: torch.device, scale: int, runs: int, pin: bool) -> float:
+def bench_device_copies(
+    device: torch.device, scale: int, runs: int, pin: bool
+) -> tuple[float, list[list[str]]]:
     """Kernels against the device's own copies; returns the D2D copy bandwidth (GB/s).
     ``scale`` shrinks sizes for a CPU smoke run, which also cannot pin memory. Kernel calls
     skip the id checks (check=False): on device ids they sync the host, and the idle gap would
@@ -306,7 +353,7 @@ def bench_device_copies(device: torch.device, scale: int, runs: int, pin: bool) 
         ["operation", "ms", "GB/s", "vs memcpy"],
         rows,
     )
-    return d2d
+    return d2d, rows
 
 
 def attention_case(
@@ -336,6 +383,7 @@ def attention_case(
         return out[:, :, 0]
 
     err = (paged().float() - dense().float()).abs().max().item()
+    expect(err < ATTENTION_TOLERANCE, f"paged attention ({dtype}) differs from SDPA by {err}")
     t_paged, t_dense = timer(paged, runs), timer(dense, runs)
     kv_gbps = 2 * k.numel() * k.element_size() / t_paged / 1e9
     return [
@@ -350,8 +398,9 @@ def attention_case(
     ]
 
 
-def bench_device(device: torch.device, scale: int, runs: int, pin: bool) -> None:
-    d2d = bench_device_copies(device, scale, runs, pin)
+def bench_device(device: torch.device, scale: int, runs: int, pin: bool) -> dict[str, Any]:
+    check_kernels(device, 64, 8)
+    d2d, copies = bench_device_copies(device, scale, runs, pin)
     rows = [attention_case(device, dt, scale, runs, d2d) for dt in (torch.bfloat16, torch.float16)]
     table(
         "(d) paged attention (32 q heads, 8 kv heads, head_dim 128, block_size 16) vs dense SDPA "
@@ -368,37 +417,61 @@ def bench_device(device: torch.device, scale: int, runs: int, pin: bool) -> None
         ],
         rows,
     )
+    return {"device": str(device), "scale": scale, "copies": copies, "attention": rows}
 
 
-def main() -> None:
+def main() -> int:
+    global QUIET
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_run_args(parser)
     parser.add_argument("--cuda", action="store_true", help="also run the GPU measurements")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument("--runs", type=int, default=9, help="timed runs per case (median)")
+    parser.add_argument("--runs", type=int, default=None, help="timed runs per case (median)")
     parser.add_argument("--layers", type=int, default=16, help="layers of the CPU copy benchmark")
-    parser.add_argument("--cache-mib", type=int, default=512, help="CPU cache size, >> L3")
+    parser.add_argument("--cache-mib", type=int, default=None, help="CPU cache size, >> L3")
     parser.add_argument("--blocks-per-call", type=int, default=32)
     parser.add_argument(
         "--device-smoke",
         action="store_true",
         help="run the --cuda measurements on CPU at 1/16 size, to check the script itself",
     )
-    args = parser.parse_args()
+    args = finish_args(parser.parse_args())
+    QUIET = args.json
+    runs = args.runs or (2 if args.smoke else 3 if args.quick else 9)
+    cache_mib = args.cache_mib or (16 if args.smoke else 128 if args.quick else 512)
+    layers, per_call = (2, 8) if args.smoke else (args.layers, args.blocks_per_call)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if not args.json:
+        print_header("bench_paged", args)
     t0 = time.perf_counter()
-    bench_memory_waste(num_requests=20000, batch=256, max_tokens=2048)
-    bench_parallel_sampling(num_requests=2000, n=4, batch=128)
-    block_mib = args.layers * 2 * 16 * 8 * 128 * 2 / MIB
-    bench_cpu_copies(args.layers, int(args.cache_mib / block_mib), args.blocks_per_call, args.runs)
+    result: dict[str, Any] = {}
+    requests = 500 if args.smoke else 20000
+    result["memory_waste"] = bench_memory_waste(requests, batch=64 if args.smoke else 256,
+                                                max_tokens=2048)  # fmt: skip
+    result["parallel_sampling"] = bench_parallel_sampling(
+        num_requests=100 if args.smoke else 2000, n=4, batch=32 if args.smoke else 128
+    )
+    check_kernels(torch.device("cpu"), 64, 8)
+    block_mib = layers * 2 * 16 * 8 * 128 * 2 / MIB
+    result["cpu_copies"] = bench_cpu_copies(layers, int(cache_mib / block_mib), per_call, runs)
+    cuda = torch.cuda.is_available()
+    if args.cuda and not cuda:
+        sys.exit("--cuda: no CUDA device")
+    devices = []
     if args.cuda:
-        if not torch.cuda.is_available():
-            sys.exit("--cuda: no CUDA device")
-        bench_device(torch.device("cuda"), scale=1, runs=args.runs, pin=True)
-    if args.device_smoke:
-        bench_device(torch.device("cpu"), scale=16, runs=3, pin=False)
-    print(f"\ntotal {time.perf_counter() - t0:.1f} s")
+        devices.append(bench_device(torch.device("cuda"), scale=1, runs=runs, pin=True))
+    elif args.smoke and cuda:  # the device part at a tiny size, where there is a device
+        devices.append(bench_device(torch.device("cuda"), scale=64, runs=runs, pin=True))
+    if args.device_smoke or (args.smoke and not cuda):
+        scale = 64 if args.smoke else 16
+        devices.append(bench_device(torch.device("cpu"), scale=scale, runs=runs, pin=False))
+    result["device"] = devices
+    if not args.json:
+        print(f"\ntotal {time.perf_counter() - t0:.1f} s")
+    emit(result, args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
