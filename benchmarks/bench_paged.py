@@ -454,7 +454,10 @@ def main() -> int:
     )
     check_kernels(torch.device("cpu"), 64, 8)
     block_mib = layers * 2 * 16 * 8 * 128 * 2 / MIB
-    result["cpu_copies"] = bench_cpu_copies(layers, int(cache_mib / block_mib), per_call, runs)
+    cache_blocks = int(cache_mib / block_mib)
+    if cache_blocks < 2 * per_call:  # copy_blocks pairs per_call sources with as many targets
+        sys.exit(f"--cache-mib {cache_mib} holds {cache_blocks} blocks; (c) needs {2 * per_call}")
+    result["cpu_copies"] = bench_cpu_copies(layers, cache_blocks, per_call, runs)
     cuda = torch.cuda.is_available()
     if args.cuda and not cuda:
         sys.exit("--cuda: no CUDA device")
