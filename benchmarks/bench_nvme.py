@@ -12,7 +12,10 @@ Every IO bypasses the page cache (O_DIRECT); the files live under ``--dir`` (def
 ``var/bench-nvme`` in the repo, the same filesystem the daemon would use) and are removed at the
 end. Default run: about 70 seconds and at most ~2.2 GB of disk at a time.
 
-    .venv/bin/python benchmarks/bench_nvme.py [--dir DIR] [--runs 3] [--quick]
+    .venv/bin/python benchmarks/bench_nvme.py [--dir DIR] [--runs 3] [--quick | --smoke] [--json]
+
+Every read is verified by the tier (header and xxh3 of the payload); ``--smoke`` (a few
+blocks of each kind) also compares each block read with the one written, byte for byte.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _harness import dd
+from _harness import add_run_args, dd, emit, expect, finish_args, print_header
 
 from kvstore.checksum import block_checksum
 from kvstore.tiers.nvme import NvmeTier
@@ -90,9 +93,11 @@ async def tier_run(
     in_flight: int,
     io_threads: int,
     codec: str | None = None,
+    compare: bool = False,
 ) -> tuple[float, float]:
     """Write then read ``blocks`` blocks through a fresh tier: (write GB/s, read GB/s) of raw
-    block bytes."""
+    block bytes. ``compare``: each block read is also compared with its source (in the timed
+    loop: smoke runs only)."""
     sums = [block_checksum(src[i % len(src)], NS, key(i)) for i in range(blocks)]
     capacity = blocks * NvmeTier.slot_bytes_for(block_bytes) + 64 * MiB
     tdir = directory / "tier"
@@ -109,11 +114,13 @@ async def tier_run(
 
     async def read(i: int, w: int) -> None:
         ok = await tier.read_into(slots[i], key(i), NS, sums[i], outs[w])  # type: ignore[arg-type]
-        assert ok, f"read of block {i} missed"
+        expect(ok, f"read of block {i} missed")
+        if compare:
+            expect(outs[w] == src[i % len(src)], f"block {i} read differs from the one written")
 
     wt = await pump(blocks, in_flight, write)
     rt = await pump(blocks, in_flight, read)
-    assert tier.stats()["misses"] == 0
+    expect(tier.stats()["misses"] == 0, f"{tier.stats()['misses']} misses")
     await tier.close()
     shutil.rmtree(tdir)
     total = blocks * block_bytes / 1e9
@@ -145,7 +152,7 @@ async def restart_run(
         t0 = time.perf_counter()
         records = await tier.open()
         open_s.append(time.perf_counter() - t0)
-        assert len(records) == blocks, f"recovered {len(records)} of {blocks}"
+        expect(len(records) == blocks, f"recovered {len(records)} of {blocks}")
         del records
         await tier.close()
     # Memory the tier keeps per block (its slot map and record identities), measured apart.
@@ -236,10 +243,15 @@ async def main() -> int:
     p.add_argument("--io-threads", type=int, default=4)
     p.add_argument("--restart-blocks", type=int, default=100_000)
     p.add_argument("--restart-block-bytes", type=int, default=16 * 1024)
-    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
-    a = p.parse_args()
-    if a.quick:
+    add_run_args(p)
+    a = finish_args(p.parse_args())
+    small_blocks = 4096
+    if a.smoke:
+        a.runs, a.blocks, a.restart_blocks, small_blocks = 1, 8, 500, 256
+    elif a.quick:
         a.runs, a.blocks, a.restart_blocks = 1, 64, 5000
+    if not a.json:
+        print_header("bench_nvme", a)
     directory = Path(a.dir)
     directory.mkdir(parents=True, exist_ok=True)
     if directory.resolve().is_relative_to("/dev/shm"):
@@ -260,15 +272,17 @@ async def main() -> int:
                     dd_r.append(r)
                 else:
                     w, r = await tier_run(
-                        directory, a.blocks, block, src, a.in_flight, a.io_threads
+                        directory, a.blocks, block, src, a.in_flight, a.io_threads, None, a.smoke
                     )
                     t_w.append(w)
                     t_r.append(r)
         lz_w, lz_r = await tier_run(
-            directory, a.blocks // 2, block, kv_src, a.in_flight, a.io_threads, codec="lz4"
+            directory, a.blocks // 2, block, kv_src, a.in_flight, a.io_threads, "lz4", a.smoke
         )
         small_src = arena(64, 16384, lambda i: os.urandom(16384))
-        small = await tier_run(directory, 4096, 16384, small_src, a.in_flight * 4, a.io_threads)
+        small = await tier_run(
+            directory, small_blocks, 16384, small_src, a.in_flight * 4, a.io_threads, None, a.smoke
+        )
         rs = await restart_run(
             directory,
             a.restart_blocks,
@@ -277,7 +291,7 @@ async def main() -> int:
             a.io_threads,
             a.runs,
         )
-        lz = lz4_rows(8 if a.quick else 32)
+        lz = lz4_rows(2 if a.smoke else 8 if a.quick else 32)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -332,15 +346,29 @@ async def main() -> int:
         (f"lz4 ratio: {name}", f"{ratio:.3f}", "", f"compress {gbs:.2f} GB/s, 1 thread")
         for name, ratio, gbs in lz
     ]
-    w0 = max(len(r[0]) for r in rows)
-    print(f"\n{'measure':<{w0}}  {'value':>14}  {'vs dd':>6}  notes")
-    print("-" * (w0 + 40))
-    for name, value, ratio, note in rows:
-        print(f"{name:<{w0}}  {value:>14}  {ratio:>6}  {note}")
-    print(
-        f"\n{a.runs} runs, medians; dir {directory}; {time.perf_counter() - t_start:.0f} s total."
-        "\nlz4 ratios are on synthetic tensors (no model is installed); a model's real KV will be"
-        "\nmeasured when the model integration lands."
+    if not a.json:
+        w0 = max(len(r[0]) for r in rows)
+        print(f"\n{'measure':<{w0}}  {'value':>14}  {'vs dd':>6}  notes")
+        print("-" * (w0 + 40))
+        for name, value, ratio, note in rows:
+            print(f"{name:<{w0}}  {value:>14}  {ratio:>6}  {note}")
+        print(
+            f"\n{a.runs} runs, medians; dir {directory}; {time.perf_counter() - t_start:.0f} s "
+            "total.\nlz4 ratios are on synthetic tensors with the structure of KV caches."
+        )
+    emit(
+        {
+            "runs": a.runs,
+            "blocks": a.blocks,
+            "dd_gbps": {"write": dd_w, "read": dd_r},
+            "tier_gbps": {"write": t_w, "read": t_r},
+            "tier_over_dd": {"write": ratio_w, "read": ratio_r},
+            "lz4_tier_gbps": {"write": lz_w, "read": lz_r},
+            "small_16k_gbps": {"write": small[0], "read": small[1]},
+            "restart": rs,
+            "lz4_ratios": {name: {"ratio": r, "compress_gbps": g} for name, r, g in lz},
+        },
+        a,
     )
     return 0
 
