@@ -21,6 +21,10 @@ The blocks' values are synthetic (``torch.randn`` in bf16, 64 distinct blocks cy
 values for these codecs; codec ratios and quality on real KV are in ``bench_tier_codecs.py``.
 
     .venv/bin/python benchmarks/bench_long_context.py [--tokens 131072] [--quick] [--json]
+
+A block read back that is not what was written, a key the lookup does not find or a checksum
+failure is exit status 1. ``--smoke``: a 1,024-token prefix (64 blocks) through a 64 MiB CPU
+tier, every block read back checked.
 """
 
 from __future__ import annotations
@@ -34,7 +38,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _harness import KVStoreDaemon, Reporter, dd, emit, parse_args, print_header, run_main
+from _harness import (
+    KVStoreDaemon,
+    Reporter,
+    dd,
+    emit,
+    expect,
+    parse_args,
+    print_header,
+    run_main,
+)
 
 from kvstore import KVLayout, KVStoreClient
 from kvstore.tiers import codecs
@@ -49,8 +62,8 @@ DISTINCT = 64
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=None, help="prefix length (default 131072)")
-    p.add_argument("--cpu-gib", type=float, default=4.0, help="CPU tier size")
-    p.add_argument("--batch", type=int, default=64, help="blocks per put / get")
+    p.add_argument("--cpu-gib", type=float, default=None, help="CPU tier size (default 4)")
+    p.add_argument("--batch", type=int, default=None, help="blocks per put / get (default 64)")
     p.add_argument("--dir", default=str(REPO / "var"), help="parent of the NVMe tier's dir")
     p.add_argument("--codecs", default="none,fp8", help="NVMe codecs to run, in order")
 
@@ -130,12 +143,12 @@ def run_codec(
                 got = kv.get(keys[i : i + batch], out=staging)
                 if got.shape[0] != min(batch, n - i):
                     raise RuntimeError(f"{codec}: only {got.shape[0]} blocks at {i}")
-                k = (i // batch) % got.shape[
-                    0
-                ]  # one block of each batch, a different one each time
-                back = bytes(got[k].view(torch.uint8).numpy().reshape(-1))
-                if back != expected[(i + k) % DISTINCT]:
-                    mismatches += 1
+                # One block of each batch, a different one each time (every one with --smoke).
+                checked = range(got.shape[0]) if args.smoke else [(i // batch) % got.shape[0]]
+                for k in checked:
+                    back = bytes(got[k].view(torch.uint8).numpy().reshape(-1))
+                    if back != expected[(i + k) % DISTINCT]:
+                        mismatches += 1
             res["read_s"] = time.perf_counter() - t0
             res["mismatches"] = mismatches
             res["mem_after_read"] = memory(d.pid)
@@ -152,7 +165,11 @@ def run_codec(
 
 def main() -> int:
     args = parse_args(__doc__.split("\n\n")[0], add_args)
-    tokens = args.tokens or (8192 if args.quick else 131072)
+    tokens = args.tokens or (1024 if args.smoke else 8192 if args.quick else 131072)
+    if args.cpu_gib is None:
+        args.cpu_gib = 1 / 16 if args.smoke else 4.0
+    if args.batch is None:
+        args.batch = 8 if args.smoke else 64
     rep = Reporter(args.json)
     if not args.json:
         print_header("bench_long_context", args)
@@ -226,6 +243,10 @@ def main() -> int:
         mem_rows,
     )
     emit({"tokens": tokens, "blocks": n, "results": results}, args)
+    for r in results:
+        expect(r["mismatches"] == 0, f"{r['codec']}: {r['mismatches']} blocks read back differ")
+        expect(r["lookup_found"] == n, f"{r['codec']}: lookup found {r['lookup_found']} of {n}")
+        expect(r["checksum_failures"] == 0, f"{r['codec']}: {r['checksum_failures']} failures")
     return 0
 
 
