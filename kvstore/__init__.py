@@ -11,12 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.keys import BlockKey, Namespace, block_hashes
 from kvstore.layout import KVLayout
+from kvstore.version import __version__
 
 if TYPE_CHECKING:
     from kvstore.client import AsyncKVStoreClient, KVStoreClient
     from kvstore.paged import PagedKVCache
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AsyncKVStoreClient",

@@ -707,7 +707,7 @@ def test_the_tables_places_are_where_the_daemon_keeps_each_block(ops) -> None:
                 view = view_of(store.presence(handle))
                 for key in all_keys:
                     places, sums = view.places(key)
-                    eid = store._committed(handle.ns_id, key)
+                    eid = store.ledger.committed(handle.ns_id, key)
                     if eid is None:
                         assert len(places) == 0
                         continue

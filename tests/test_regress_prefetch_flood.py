@@ -56,7 +56,7 @@ async def disk_only_store(tmp_path, n: int, quota: Quota | None = None):  # type
     await put(s, h, ks)
     await until(lambda: s.mover.idle, "write-through")
     for k in ks:  # on disk only now
-        s.drop_cpu_copy(s.index.get(h.ns_id, k))
+        s.ledger.drop_cpu_copy(s.index.get(h.ns_id, k))
     return s, h, ks
 
 
@@ -88,7 +88,7 @@ async def test_repeated_prefetches_of_one_run_queue_each_block_once(tmp_path) ->
         assert all(s.index.tier[s.index.get(h.ns_id, k)] & IN_CPU for k in ks)
         # Done: the run may be queued again (nothing is left out for good).
         for k in ks:
-            s.drop_cpu_copy(s.index.get(h.ns_id, k))
+            s.ledger.drop_cpu_copy(s.index.get(h.ns_id, k))
         assert s.mover.prefetch(h.ns_id, ks) == 32
         await until(lambda: s.mover.idle, "the second prefetch")
         s.check()

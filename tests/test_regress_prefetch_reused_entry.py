@@ -76,7 +76,7 @@ async def test_a_prefetch_never_promotes_another_tenants_block_into_its_memory(
         await put(s, ha, ka, fill=0xAA)
         await until(lambda: s.mover.idle, "write-through")
         for k in ka:  # on disk only now
-            s.drop_cpu_copy(s.index.get(ha.ns_id, k))
+            s.ledger.drop_cpu_copy(s.index.get(ha.ns_id, k))
         # A slow disk: the prefetch's first window (io_threads=1: two blocks) waits for the
         # one read thread while the rest of its run changes hands.
         assert s.nvme is not None
@@ -89,7 +89,7 @@ async def test_a_prefetch_never_promotes_another_tenants_block_into_its_memory(
         b_eids = [s.index.get(hb.ns_id, k) for k in kb]
         await until(lambda: all(s.index.tier[e] & IN_NVME for e in b_eids), "b's write-back")
         for e in b_eids:  # evicted from memory: on disk only
-            s.drop_cpu_copy(e)
+            s.ledger.drop_cpu_copy(e)
         gate.set()
         blocker.result()
         await until(lambda: s.mover.idle, "the prefetch")

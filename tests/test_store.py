@@ -434,7 +434,7 @@ async def test_a_delete_during_a_promotion_neither_fails_it_nor_leaks(tmp_path) 
         await put(s, h, ks)
         await wait_idle(s)
         for k in ks:  # disk only now
-            s.drop_cpu_copy(s.index.get(h.ns_id, k))
+            s.ledger.drop_cpu_copy(s.index.get(h.ns_id, k))
         s.check()
         task = asyncio.create_task(s.acquire(h, ks))
         for _ in range(1000):

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -45,8 +45,8 @@ from kvstore.tiers.gpu import DevicePool, cuda_usable
 
 if TYPE_CHECKING:
     from kvstore.config import GpuTierConfig
+    from kvstore.daemon.ledger import Ledger
     from kvstore.daemon.quotas import Usage
-    from kvstore.daemon.store import BlockStore
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +70,44 @@ def make_device_pool(config: GpuTierConfig) -> DevicePool | None:
     return DevicePool(config.capacity_bytes + HEADER_BYTES, torch.device("cuda", config.device))
 
 
-class DeviceTier:
-    """See the module docstring. ``pool`` None: the tier is off and every method is a no-op."""
+class HostTier(Protocol):
+    """The CPU tier as the GPU tier reaches it (``Mover``): room for blocks copied down,
+    promotion of blocks below the CPU tier, write-back of blocks new there."""
 
-    def __init__(self, store: BlockStore, pool: DevicePool | None) -> None:
-        self.store = store
-        self.config = store.config.gpu
+    async def alloc_cpu(
+        self,
+        block_bytes: int,
+        n: int,
+        partial: bool = False,
+        keep_gpu_copies: bool = False,
+        domain: int = 0,
+    ) -> list[int]: ...
+
+    async def bring_to_cpu(self, eids: list[int]) -> int: ...
+
+    def note_committed(self, eids: list[int]) -> None: ...
+
+
+class SharedBelow(Protocol):
+    """The shared Redis tier as the GPU tier reaches it: write-through of blocks copied down."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    def note_committed(self, eids: list[int]) -> None: ...
+
+
+class DeviceTier:
+    """See the module docstring. ``pool`` None: the tier is off and every method is a no-op.
+    ``host``: the CPU tier below (``Mover``); ``shared``: the Redis tier (write-through)."""
+
+    def __init__(
+        self, ledger: Ledger, pool: DevicePool | None, host: HostTier, shared: SharedBelow
+    ) -> None:
+        self.ledger = ledger
+        self.host = host
+        self.shared = shared
+        self.config = ledger.config.gpu
         self.pool = pool
         self.allocator = (
             SlabAllocator(pool.size_bytes, self.config.slab_bytes) if pool is not None else None
@@ -107,7 +139,7 @@ class DeviceTier:
     async def start(self) -> None:
         if self.pool is None:
             return
-        self._host = torch.frombuffer(self.store.arena.buffer, dtype=torch.uint8)
+        self._host = torch.frombuffer(self.ledger.arena.buffer, dtype=torch.uint8)
         if self.pool.device.type == "cuda":
             # Pinned, the arena is reached by DMA at PCIe speed, with no staging copy.
             cudart = torch.cuda.cudart()
@@ -129,14 +161,14 @@ class DeviceTier:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self._copies_done()
-        if not self.store.config.nvme.enabled:
+        if not self.ledger.config.nvme.enabled:
             return  # nothing outlives the daemon but the disk
         # Dirty GPU blocks go down so the drain to NVMe that follows finds them.
-        dirty = [e for e in self.policy.order() if not self.store.index.tier[e] & BELOW_GPU]
+        dirty = [e for e in self.policy.order() if not self.ledger.index.tier[e] & BELOW_GPU]
         if dirty:
             try:
                 await asyncio.wait_for(
-                    self.to_cpu(dirty, partial=True), self.store.config.drain_timeout_s
+                    self.to_cpu(dirty, partial=True), self.ledger.config.drain_timeout_s
                 )
             except TimeoutError:
                 log.warning("gpu drain timed out")
@@ -189,21 +221,21 @@ class DeviceTier:
         """Record that a (reserved or committed) entry's GPU copy is in slot ``offset``."""
         self.offset[eid] = offset
         self._owner[offset] = eid
-        self.store.mark_in_gpu(eid)
+        self.ledger.mark_in_gpu(eid)
 
     def mark(self, eid: int, dsum: int) -> None:
         """The entry's GPU copy is complete and has device checksum ``dsum``."""
         self.dsum[eid] = dsum
-        self.policy.insert(eid, self.store.index.priority[eid])
+        self.policy.insert(eid, self.ledger.index.priority[eid])
 
     def free_slot(self, eid: int) -> None:
         """Free an entry's GPU slot (does not touch the policy)."""
-        bb = self.store.block_bytes_of(eid)
+        bb = self.ledger.block_bytes_of(eid)
         offset = self.offset.pop(eid)
         del self._owner[offset]
         self.unalloc(offset, bb)
         self.dsum.pop(eid, None)
-        self.store.unmark_in_gpu(eid)
+        self.ledger.unmark_in_gpu(eid)
 
     def take_slot_away(self, eid: int) -> int:
         """Detach an entry's pool slot without freeing it (a quarantine); returns it."""
@@ -214,13 +246,13 @@ class DeviceTier:
 
     def drop_copy(self, eid: int) -> None:
         """Drop a GPU copy that has a copy below (the block stays stored there)."""
-        if not self.store.index.tier[eid] & BELOW_GPU:
+        if not self.ledger.index.tier[eid] & BELOW_GPU:
             raise AssertionError(f"dropping the only copy of entry {eid}")
         self.policy.remove(eid)
         self.free_slot(eid)
 
     def forget_hook(self, eid: int) -> None:
-        """The store is forgetting ``eid``: stop tracking it (its slot goes with the entry)."""
+        """The ledger is forgetting ``eid``: stop tracking it (its slot goes with the entry)."""
         if eid in self.dsum:
             self.policy.remove(eid)
 
@@ -229,7 +261,7 @@ class DeviceTier:
         with no copy below is copied down first. All or nothing (CapacityError) unless
         ``partial``. One caller makes room at a time."""
         assert self.allocator is not None
-        store, index, allocator = self.store, self.store.index, self.allocator
+        ledger, index, allocator = self.ledger, self.ledger.index, self.allocator
         allocator.check_fits(block_bytes)
 
         def protected(eid: int) -> bool:
@@ -242,7 +274,7 @@ class DeviceTier:
             give_back=self.unalloc,
             slot_of=lambda eid: self.offset[eid],
             owner_of=self._owner.get,
-            slot_bytes_of=lambda eid: allocator.slot_bytes_for(store.block_bytes_of(eid)),
+            slot_bytes_of=lambda eid: allocator.slot_bytes_for(ledger.block_bytes_of(eid)),
         )
         async with self._room:
             return await make_room(
@@ -258,7 +290,7 @@ class DeviceTier:
 
     async def _evict(self, victims: list[int]) -> None:
         """Drop victims' GPU copies, copying the ones with no copy below down first."""
-        store, index = self.store, self.store.index
+        ledger, index = self.ledger, self.ledger.index
         dirty = [v for v in victims if not index.tier[v] & BELOW_GPU]
         if dirty:
             await self.to_cpu(dirty, partial=True)
@@ -274,26 +306,26 @@ class DeviceTier:
             if index.tier[v] & BELOW_GPU:
                 self.drop_copy(v)
             elif v in tried:
-                store.forget(v)  # the copy down failed (CPU full of leases, corrupt)
+                ledger.forget(v)  # the copy down failed (CPU full of leases, corrupt)
             else:
                 continue  # was clean, lost its copy below meanwhile: next round
             self.counters.evictions += 1
 
-    # ----------------------------------------------------------------- hooks from the store
+    # ----------------------------------------------------------------- hooks from the ledger
     def note_committed(self, eids: list[int]) -> None:
         """Blocks a worker wrote into the pool were committed."""
-        cfg = self.store.config
-        if cfg.nvme.write_through or (self.store.shared.enabled and cfg.redis.write_through):
+        cfg = self.ledger.config
+        if cfg.nvme.write_through or (self.shared.enabled and cfg.redis.write_through):
             self._eager.extend(eids)  # the tiers below want every block at once
         self._wake.set()
 
     def note_read(self, eids: list[int]) -> None:
-        index = self.store.index
+        index = self.ledger.index
         self.policy.touch([e for e in eids if e in self.dsum and index.state[e] == State.COMMITTED])
 
     def _seed(self, eid: int) -> int:
         """The checksum seed of an entry: its namespace fingerprint and key."""
-        return checksum_seed(self.store.fingerprint_of(eid), self.store.index.key(eid))
+        return checksum_seed(self.ledger.fingerprint_of(eid), self.ledger.index.key(eid))
 
     # ----------------------------------------------------------------- copies (worker thread)
     def _stream_ctx(self) -> Any:
@@ -318,7 +350,7 @@ class DeviceTier:
             sums = kernels.device_checksums(srcs)  # ordered after the copies on this stream
         self._sync()
         out: list[int | None] = []
-        view = self.store.arena.view
+        view = self.ledger.arena.view
         for s, (_, c, dsum, seed) in zip(sums, moves, strict=True):
             ok = s ^ seed == dsum
             out.append(seeded_checksum(view[c : c + block_bytes], seed) if ok else None)
@@ -338,7 +370,7 @@ class DeviceTier:
                 dst.copy_(self._host[c : c + block_bytes], non_blocking=True)
             sums = kernels.device_checksums(dsts)  # ordered after the copies on this stream
         self._sync()
-        view = self.store.arena.view
+        view = self.ledger.arena.view
         return [
             s ^ seed if seeded_checksum(view[c : c + block_bytes], seed) == x else None
             for s, (c, _, x, seed) in zip(sums, moves, strict=True)
@@ -348,7 +380,7 @@ class DeviceTier:
     async def to_cpu(self, eids: list[int], partial: bool = False) -> int:
         """Give GPU-only blocks a CPU copy (keeping the GPU copy); returns how many of ``eids``
         have one afterwards. A block already moving is waited for, not copied twice."""
-        index = self.store.index
+        index = self.ledger.index
         eids = list(dict.fromkeys(eids))  # a key asked twice is one block
         waits = [self._moving[e] for e in eids if e in self._moving]
 
@@ -376,14 +408,14 @@ class DeviceTier:
         return sum(1 for e in eids if index.state[e] == State.COMMITTED and index.tier[e] & IN_CPU)
 
     async def _down_batch(self, eids: list[int], partial: bool, results: dict[int, bool]) -> None:
-        store, index = self.store, self.store.index
+        ledger, index = self.ledger, self.ledger.index
         try:
             by_class: dict[tuple[int, int], list[int]] = {}
             for e in eids:
-                by_class.setdefault((store.block_bytes_of(e), store.domain_of(e)), []).append(e)
+                by_class.setdefault((ledger.block_bytes_of(e), ledger.domain_of(e)), []).append(e)
             for (bb, domain), group in by_class.items():
                 try:
-                    slots = await store.mover.alloc_cpu(
+                    slots = await self.host.alloc_cpu(
                         bb, len(group), partial=partial, keep_gpu_copies=True, domain=domain
                     )
                 except CapacityError:
@@ -397,28 +429,28 @@ class DeviceTier:
                     sums = await asyncio.to_thread(self._copy_down, bb, moves) if moves else []
                 except BaseException:
                     for c in slots:
-                        store.cpu_unalloc(c, bb)
+                        ledger.cpu_unalloc(c, bb)
                     raise
                 landed = []
                 for e, c, xxh in zip(group, slots, sums, strict=True):
                     if index.state[e] != State.COMMITTED or index.tier[e] & IN_CPU:
-                        store.cpu_unalloc(c, bb)  # deleted, or given a copy another way
+                        ledger.cpu_unalloc(c, bb)  # deleted, or given a copy another way
                     elif xxh is None:
-                        store.cpu_unalloc(c, bb)
+                        ledger.cpu_unalloc(c, bb)
                         self.counters.checksum_failures += 1
-                        store.forget(e)
+                        ledger.forget(e)
                     else:
-                        store.set_host_checksum(e, xxh)
-                        store.mark_in_cpu(e, c)
+                        ledger.set_host_checksum(e, xxh)
+                        ledger.mark_in_cpu(e, c)
                         self.counters.demotions += 1
                         results[e] = True
                         landed.append(e)
                 for c in slots[len(group) :]:
-                    store.cpu_unalloc(c, bb)
+                    ledger.cpu_unalloc(c, bb)
                 if landed:
                     # New in the CPU tier: the tiers below take it from here (write-through).
-                    store.mover.note_committed(landed)
-                    store.shared.note_committed(landed)
+                    self.host.note_committed(landed)
+                    self.shared.note_committed(landed)
         finally:
             self._unclaim(eids, results)
 
@@ -429,13 +461,13 @@ class DeviceTier:
         loop = asyncio.get_running_loop()
         for e in eids:
             self._moving[e] = loop.create_future()
-            self.store.pin(e)
+            self.ledger.pin(e)
         return {}
 
     def _unclaim(self, eids: list[int], results: dict[int, bool]) -> None:
         for e in eids:
             self._moving.pop(e).set_result(results.get(e, False))
-            self.store.unpin(e)
+            self.ledger.unpin(e)
 
     async def _clean_loop(self) -> None:
         while True:
@@ -462,11 +494,13 @@ class DeviceTier:
             before = after
 
     def _dirty_bytes(self) -> int:
-        index = self.store.index
-        return sum(self.store.block_bytes_of(e) for e in self.dsum if not index.tier[e] & BELOW_GPU)
+        index = self.ledger.index
+        return sum(
+            self.ledger.block_bytes_of(e) for e in self.dsum if not index.tier[e] & BELOW_GPU
+        )
 
     def _next_clean_batch(self) -> list[int]:
-        index = self.store.index
+        index = self.ledger.index
         batch: list[int] = []
         while self._eager and len(batch) < _BATCH:
             e = self._eager.popleft()
@@ -485,14 +519,14 @@ class DeviceTier:
         if capacity - self.used_bytes >= target:
             return batch  # under the watermark even were every block dirty: no scan needed
         dirty = [e for e in self.policy.order() if not index.tier[e] & BELOW_GPU]
-        dirty_bytes = sum(self.store.block_bytes_of(e) for e in dirty)
+        dirty_bytes = sum(self.ledger.block_bytes_of(e) for e in dirty)
         have = capacity - dirty_bytes
         for e in dirty:  # coldest first
             if have >= target or len(batch) >= _BATCH:
                 break
             if e not in self._moving:
                 batch.append(e)
-                have += self.store.block_bytes_of(e)
+                have += self.ledger.block_bytes_of(e)
         return batch
 
     # ----------------------------------------------------------------- up
@@ -500,12 +534,12 @@ class DeviceTier:
         """Start promoting the run's blocks into the pool in prefix order; returns how many
         were queued (blocks an earlier prefetch queued and has not reached are not queued
         again). Spends the keys like a lookup (``keys_per_s``; the ``payer``'s, if any)."""
-        store = self.store
-        store.quotas.take_keys(store.names[ns_id], len(keys), payer)
+        ledger = self.ledger
+        ledger.quotas.take_keys(ledger.names[ns_id], len(keys), payer)
         if self.pool is None:
             return 0
-        index = store.index
-        run = store.leading_run(ns_id, keys)
+        index = ledger.index
+        run = ledger.leading_run(ns_id, keys)
         queued = self._queued
         todo = [
             (e, index.key(e))
@@ -532,7 +566,7 @@ class DeviceTier:
                 part = run[start : start + _BATCH]
                 self._unqueue(ns_id, part)
                 # Still the blocks queued: an entry deleted meanwhile may hold another key.
-                eids = [e for e, key in part if self.store.index.has_key(e, ns_id, key)]
+                eids = [e for e, key in part if self.ledger.index.has_key(e, ns_id, key)]
                 if not await self.to_gpu(eids):
                     return  # past a block that could not come up, the prefix is of no use
         finally:
@@ -541,7 +575,7 @@ class DeviceTier:
     async def to_gpu(self, eids: list[int]) -> bool:
         """Promote blocks into the pool (from the CPU tier, bringing disk-only ones to the CPU
         first); True when every one of them is in the pool afterwards."""
-        index = self.store.index
+        index = self.ledger.index
         eids = [
             e
             for e in dict.fromkeys(eids)  # a key asked twice is one block
@@ -552,16 +586,16 @@ class DeviceTier:
         if not eids:
             return True
         for e in eids:  # pinned now, with no await since the check (see to_cpu)
-            self.store.pin(e)
+            self.ledger.pin(e)
         return bool(await self._shielded(self._to_gpu(eids)))
 
     async def _to_gpu(self, eids: list[int]) -> bool:
         """``to_gpu``'s work, on entries it leased; drops those leases when done."""
-        store, index = self.store, self.store.index
+        ledger, index = self.ledger, self.ledger.index
         leased = list(eids)
         try:
             if any(not index.tier[e] & IN_CPU for e in eids):
-                await store.mover.bring_to_cpu(eids)
+                await self.host.bring_to_cpu(eids)
             eids = [
                 e
                 for e in eids
@@ -574,7 +608,7 @@ class DeviceTier:
             try:
                 by_size: dict[int, list[int]] = {}
                 for e in eids:
-                    by_size.setdefault(store.block_bytes_of(e), []).append(e)
+                    by_size.setdefault(ledger.block_bytes_of(e), []).append(e)
                 for bb, group in by_size.items():
                     await self._up_group(bb, group, results)
             finally:
@@ -582,10 +616,10 @@ class DeviceTier:
             return len(eids) == len(leased) and all(results.get(e, False) for e in eids)
         finally:
             for e in leased:
-                store.unpin(e)
+                ledger.unpin(e)
 
     async def _up_group(self, bb: int, group: list[int], results: dict[int, bool]) -> None:
-        store, index = self.store, self.store.index
+        ledger, index = self.ledger, self.ledger.index
         slots = await self.alloc(bb, len(group), partial=True)
         group = group[: len(slots)]
         moves = [
@@ -603,8 +637,8 @@ class DeviceTier:
                 self.unalloc(g, bb)
             elif dsum is None:
                 self.unalloc(g, bb)
-                store.cpu.checksum_failures += 1
-                store.forget(e)
+                ledger.cpu.checksum_failures += 1
+                ledger.forget(e)
             else:
                 self.place(e, g)
                 self.mark(e, dsum)
@@ -615,8 +649,8 @@ class DeviceTier:
 
     # ----------------------------------------------------------------- stats
     def clean_bytes(self) -> int:
-        index = self.store.index
-        return sum(self.store.block_bytes_of(e) for e in self.dsum if index.tier[e] & BELOW_GPU)
+        index = self.ledger.index
+        return sum(self.ledger.block_bytes_of(e) for e in self.dsum if index.tier[e] & BELOW_GPU)
 
     def capacity_bytes(self) -> int:
         return self.allocator.capacity_bytes if self.allocator is not None else 0

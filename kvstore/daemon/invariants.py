@@ -1,22 +1,34 @@
-"""The block store's checker: every invariant the store and its parts keep, asserted at once.
+"""The block store's checker: every invariant the ledger, the store and the tiers keep, at once.
 
 The tests call it after every step (``BlockStore.check``); it reads everything and changes
-nothing. What it asserts is stated where each invariant is kept: the store's module docstring
+nothing. What it asserts is stated where each invariant is kept: the ledger's module docstring
 (entries, reservations, leases, policies, byte totals), ``namespaces`` (handles and records),
 ``cpu_tier`` (slot owners and bytes) and ``kvstore.tiers.cpu.SlabAllocator.check`` (slabs).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstore.index import IN_CPU, IN_NVME, State
 
 if TYPE_CHECKING:
-    from kvstore.daemon.store import BlockStore
+    from kvstore.daemon.ledger import Ledger
 
 
-def check_store(store: BlockStore, io_idle: bool = True) -> None:
+@dataclass
+class SpareBooks:
+    """The store's books of spare slots (``BlockStore.grant_spare``), checked beside the
+    ledger's: bytes held, bytes quarantined (with their heap of (until, bytes)) and the bound."""
+
+    reserved_bytes: int
+    quarantined_bytes: int
+    quarantine: list[tuple[float, int]]
+    tier_bytes: int
+
+
+def check_store(store: Ledger, spare_books: SpareBooks, io_idle: bool = True) -> None:
     """AssertionError naming the first invariant broken. ``io_idle``: no IO is in flight."""
     index = store.index
     leased: dict[int, int] = {}
@@ -88,17 +100,17 @@ def check_store(store: BlockStore, io_idle: bool = True) -> None:
         )
         assert record.blocks == blocks.get(ns, 0), f"namespace {record.name}: blocks count"
         assert record.handles or record.entries, f"namespace {record.name} not freed"
-    assert n_reserved == store._reserved_blocks, "reserved count"
+    assert n_reserved == store.reserved_blocks, "reserved count"
     spare = sum(
         len(r.eids) * h.record.cpu_bytes
         for h in store.names.handles()
         for r in h.reservations.values()
         if r.spare
     )
-    assert spare == store.spare_reserved_bytes, "spare slot bytes"
-    quarantined = sum(nbytes for _, nbytes in store._spare_quarantine)
-    assert quarantined == store.spare_quarantined_bytes, "quarantined spare slot bytes"
-    assert spare + quarantined <= store.spare_tier_bytes, "spare slots past the tier's bound"
+    assert spare == spare_books.reserved_bytes, "spare slot bytes"
+    quarantined = sum(nbytes for _, nbytes in spare_books.quarantine)
+    assert quarantined == spare_books.quarantined_bytes, "quarantined spare slot bytes"
+    assert spare + quarantined <= spare_books.tier_bytes, "spare slots past the tier's bound"
     assert store.cpu_slots.owned() == sum(
         1 for e in range(index.capacity) if index.state[e] and index.tier[e] & IN_CPU
     ), "a CPU slot owner without its entry"
@@ -129,7 +141,7 @@ def check_store(store: BlockStore, io_idle: bool = True) -> None:
     _check_quotas(store)
 
 
-def _check_quotas(store: BlockStore) -> None:
+def _check_quotas(store: Ledger) -> None:
     """The quotas' books match the index: each namespace's and tenant's CPU and NVMe bytes
     are those of its entries (plus its quarantined slots), its pins those of its live leases,
     reservations and quarantined slots."""
@@ -148,7 +160,7 @@ def _check_quotas(store: BlockStore) -> None:
                 nvme[id(books)] = nvme.get(id(books), 0) + record.block_bytes
     pins = [r.pin for h in store.names.handles() for r in h.reservations.values()]
     pins += [lease.pin for h in store.names.handles() for lease in h.leases.values()]
-    quarantined = [q[4] for q in store._quarantine if q[4] is not None]
+    quarantined = [q[4] for q in store.quarantine if q[4] is not None]
     leased: dict[int, dict[int, int]] = {}  # books -> entry -> block bytes (a lease's)
     everyone: dict[int, int] = {}
     for pin in pins:
@@ -163,7 +175,7 @@ def _check_quotas(store: BlockStore) -> None:
     for pin in dict.fromkeys(quarantined):
         for books in pin.books:
             pinned[id(books)] = pinned.get(id(books), 0) + pin.nbytes
-    for q in store._quarantine:
+    for q in store.quarantine:
         if q[4] is not None:
             for books in q[4].books:
                 cpu[id(books)] = cpu.get(id(books), 0) + q[3]

@@ -2,8 +2,10 @@
 
 ``Mover`` owns the NVMe tier object and the work in flight between tiers: the background
 flusher, promotions (deduplicated: a second reader of a block being promoted awaits the first
-promotion), prefetch tasks and the drain at shutdown. It changes the index only through the
-store's methods. Runs on the daemon's event loop; the tier does its IO in its own threads.
+promotion), prefetch tasks and the drain at shutdown. It changes block state only through the
+ledger's methods (``kvstore.daemon.ledger``); below the CPU tier, when there is no NVMe tier,
+it spills into the tier it is handed (``spill``: the shared Redis tier). Runs on the daemon's
+event loop; the tier does its IO in its own threads.
 
 Every IO holds a lease on its entry for its duration, so the entry's slots are never freed or
 reused under it; an entry deleted meanwhile becomes an ORPHAN and its slots go with the lease.
@@ -16,7 +18,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore.checksum import block_checksum
 from kvstore.daemon.room import TierSlots, make_room
@@ -26,9 +28,9 @@ from kvstore.ratelog import RateLimitedLog
 from kvstore.tiers.codecs import LOSSY, BlockFormat, block_format_of, encode_payload
 
 if TYPE_CHECKING:
+    from kvstore.daemon.ledger import Ledger
     from kvstore.daemon.namespaces import NamespaceRecord
     from kvstore.daemon.quotas import Usage
-    from kvstore.daemon.store import BlockStore
 
 log = logging.getLogger(__name__)
 _io_log = RateLimitedLog(log)  # a failing disk fails every write
@@ -59,12 +61,44 @@ async def _refused_lossy() -> str:
     return REFUSED_LOSSY
 
 
-class Mover:
-    """See the module docstring. Created by the store; ``start``/``stop`` bracket its life."""
+class SpillTarget(Protocol):
+    """Where the CPU tier's victims go when there is no NVMe tier (the shared Redis tier)."""
 
-    def __init__(self, store: BlockStore) -> None:
-        self.store = store
-        self.config = store.config.nvme
+    @property
+    def enabled(self) -> bool: ...
+
+    @property
+    def down(self) -> bool:
+        """Configured, and unreachable now."""
+        ...
+
+    def must_reach_redis(self, eid: int) -> bool:
+        """Whether ``eid`` exists nowhere else yet (it goes last while Redis is down)."""
+        ...
+
+    async def demote(self, eids: list[int]) -> None:
+        """Write ``eids`` down before their CPU copies go."""
+
+
+class _NoSpill:
+    enabled = False
+    down = False
+
+    def must_reach_redis(self, eid: int) -> bool:
+        return False
+
+    async def demote(self, eids: list[int]) -> None:
+        return None
+
+
+class Mover:
+    """See the module docstring. Created by the store; ``start``/``stop`` bracket its life.
+    ``spill`` is set by whoever composes the tiers (the store) once the tier below exists."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.spill: SpillTarget = _NoSpill()
+        self.config = ledger.config.nvme
         self._promoting: dict[int, asyncio.Future[bool]] = {}
         self._flushing: dict[int, asyncio.Future[bool]] = {}
         self._write_through: deque[int] = deque()
@@ -84,17 +118,17 @@ class Mover:
         self._lossless_prune_at = 1024
         self._flusher: asyncio.Task[None] | None = None
         self._batches = 0  # write-back batches in flight
-        allocator = store.allocator
+        allocator = ledger.allocator
         self._slots = TierSlots(
             name="cpu",
             allocator=allocator,
-            take_slot=store.cpu_alloc,
-            give_back=store.cpu_unalloc,
-            slot_of=lambda eid: store.index.offset[eid],
-            owner_of=store.cpu_owner,
-            slot_bytes_of=lambda eid: allocator.slot_bytes_for(store.cpu_bytes_of(eid)),
-            domain_of=store.domain_of,
-            relocate=store.relocate_cpu,
+            take_slot=ledger.cpu_alloc,
+            give_back=ledger.cpu_unalloc,
+            slot_of=lambda eid: ledger.index.offset[eid],
+            owner_of=ledger.cpu_owner,
+            slot_bytes_of=lambda eid: allocator.slot_bytes_for(ledger.cpu_bytes_of(eid)),
+            domain_of=ledger.domain_of,
+            relocate=ledger.relocate_cpu,
         )
 
     @property
@@ -118,20 +152,20 @@ class Mover:
             io_threads=self.config.io_threads,
         )
         records = await tier.open()
-        self.store.disk.tier = tier
+        self.ledger.disk.tier = tier
         self._recover(records)
         self._flusher = asyncio.create_task(self._flush_loop())
 
     def _recover(self, records: list[Any]) -> None:
         """Index every block found on disk, oldest first so the LRU order approximates age."""
-        store, index = self.store, self.store.index
+        ledger, index = self.ledger, self.ledger.index
         for rec in sorted(records, key=lambda r: r.seq):
-            ns = store.recovered_namespace(rec.namespace, rec.length)
+            ns = ledger.recovered_namespace(rec.namespace, rec.length)
             old = index.get(ns.ns_id, rec.key)
             if old is not None:  # an older record of the same key: keep the newest
-                store.forget(old)
-            eid = store.add_entry(rec.key, ns.ns_id, 0, -1, 0)
-            store.commit_recovered(eid, rec.checksum, rec.slot)
+                ledger.forget(old)
+            eid = ledger.add_entry(rec.key, ns.ns_id, 0, -1, 0)
+            ledger.commit_recovered(eid, rec.checksum, rec.slot)
 
     async def stop(self) -> None:
         if self._flusher is not None:
@@ -143,13 +177,13 @@ class Mover:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        tier = self.store.nvme
+        tier = self.ledger.nvme
         if tier is None:
             return
         # Write dirty blocks down so a restart finds them: coldest first, within the budget.
-        dirty = [e for e in self.store.policy.order() if not self.store.index.tier[e] & IN_NVME]
+        dirty = [e for e in self.ledger.policy.order() if not self.ledger.index.tier[e] & IN_NVME]
         try:
-            await asyncio.wait_for(self._flush_all(dirty), self.store.config.drain_timeout_s)
+            await asyncio.wait_for(self._flush_all(dirty), self.ledger.config.drain_timeout_s)
         except TimeoutError:
             log.warning("drain timed out; %d dirty blocks may not be on disk", len(dirty))
         await tier.close()
@@ -164,9 +198,9 @@ class Mover:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # ----------------------------------------------------------------- hooks from the store
+    # ----------------------------------------------------------------- hooks from the ledger
     def note_committed(self, eids: list[int]) -> None:
-        if self.store.nvme is None:
+        if self.ledger.nvme is None:
             return
         if self.config.write_through:
             self._write_through.extend(eids)
@@ -177,7 +211,7 @@ class Mover:
         for eid in eids:
             if eid < len(flags) and flags[eid]:
                 flags[eid] = 0
-                self.store.nvme_counters.prefetch_hits += 1
+                self.ledger.nvme_counters.prefetch_hits += 1
 
     # ----------------------------------------------------------------- CPU room
     async def alloc_cpu(
@@ -205,8 +239,8 @@ class Mover:
         (the GPU tier's write-back): a CPU copy that is the only copy below a GPU block is not
         a victim, since dropping it would make that GPU block dirty again (churn, no room won).
         """
-        store, index = self.store, self.store.index
-        keep = keep_gpu_copies and store.nvme is None
+        ledger, index = self.ledger, self.ledger.index
+        keep = keep_gpu_copies and ledger.nvme is None
 
         flushing = self._flushing
 
@@ -217,16 +251,16 @@ class Mover:
             leases = index.leases[eid] - (1 if eid in flushing else 0)
             return leases > 0 or (keep and bool(index.tier[eid] & IN_GPU))
 
-        shared = store.shared
+        shared = self.spill
 
         def spare_unshared(eid: int) -> bool:
             # While Redis is down, blocks that exist nowhere else yet go last: they are what
             # the other hosts would lose.
             return protected(eid) or shared.must_reach_redis(eid)
 
-        quotas = store.quotas
+        quotas = ledger.quotas
         requester = record.owner if record is not None else None
-        guard = quotas.guard(requester, "cpu", self._owner_books, store.cpu_bytes_of)
+        guard = quotas.guard(requester, "cpu", self._owner_books, ledger.cpu_bytes_of)
         busy = "leased or being written"
         if guard is not None:
             busy += ", or within another tenant's guaranteed_cpu share"
@@ -240,7 +274,7 @@ class Mover:
                 block_bytes,
                 n,
                 partial=partial and not all_or_nothing,
-                policy=store.policy,
+                policy=ledger.policy,
                 protected=spare,
                 evict=evict,
                 busy=busy,
@@ -261,7 +295,7 @@ class Mover:
             return await room(protected, all_or_nothing=False)
 
     def _owner_books(self, eid: int) -> Usage:
-        return self.store.names[self.store.index.ns[eid]].owner  # type: ignore[no-any-return]
+        return self.ledger.names[self.ledger.index.ns[eid]].owner  # type: ignore[no-any-return]
 
     async def _quota_room(
         self,
@@ -275,7 +309,7 @@ class Mover:
         """Bring ``record``'s namespace and tenant within their ``quota_cpu`` for ``n`` more
         blocks by evicting their own coldest blocks; returns how many of the ``n`` may be
         allocated (``n``, or fewer when ``partial``; CapacityError otherwise)."""
-        store, quotas = self.store, self.store.quotas
+        ledger, quotas = self.ledger, self.ledger.quotas
         if record.owner is None:
             # Forgotten while this call waited for the room: its last handle closed, and it
             # holds no block. Nothing is allocated for it (a reserve of that handle says so).
@@ -289,12 +323,12 @@ class Mover:
                 if not excess:
                     break
                 victims, _ = self._own_coldest(
-                    store.policy.order(),
+                    ledger.policy.order(),
                     record,
                     where,
                     excess,
                     lambda eid: not protected(eid),
-                    store.cpu_bytes_of,
+                    ledger.cpu_bytes_of,
                 )
                 if not victims:
                     break
@@ -310,18 +344,18 @@ class Mover:
         """Drop victims' CPU copies, writing dirty ones down first (or dropping them when
         there is no tier below). A victim whose tenant would now fall below its guaranteed
         share (it changed while the writes ran) stays, unless it is ``requester``'s own."""
-        store, index = self.store, self.store.index
-        quotas = store.quotas
+        ledger, index = self.ledger, self.ledger.index
+        quotas = ledger.quotas
         # The blocks the writes below are for. A victim not committed yet (a slab drain names
         # every slot's entry: a spare slot a Bind may commit while the writes run) or one whose
         # entry holds another block by then got no write: it is left for the next round, never
         # dropped as if its write had failed.
         was = {v: index.key(v) for v in victims if index.state[v] == State.COMMITTED}
         dirty = [v for v in was if not index.tier[v] & IN_NVME]
-        if dirty and store.nvme is not None:
+        if dirty and ledger.nvme is not None:
             await asyncio.gather(*(self.flush(v) for v in dirty))
-        elif dirty and store.shared.enabled:
-            await store.shared.demote(dirty)  # the CPU tier is the last local one
+        elif dirty and self.spill.enabled:
+            await self.spill.demote(dirty)  # the CPU tier is the last local one
         for v in victims:
             if (
                 v not in was
@@ -332,15 +366,17 @@ class Mover:
                 or not index.tier[v] & IN_CPU
                 or (
                     quotas.guaranteed_cpu
-                    and quotas.spared(requester, "cpu", self._owner_books(v), store.cpu_bytes_of(v))
+                    and quotas.spared(
+                        requester, "cpu", self._owner_books(v), ledger.cpu_bytes_of(v)
+                    )
                 )
             ):
                 continue  # changed while the writes ran; the next round picks again
             if index.tier[v] & (IN_NVME | IN_GPU):
-                store.drop_cpu_copy(v)  # still stored on disk or in the GPU pool
+                ledger.drop_cpu_copy(v)  # still stored on disk or in the GPU pool
             else:
-                store.forget(v)  # nothing else holds it (no tier, or a failed write)
-            store.cpu.evictions += 1
+                ledger.forget(v)  # nothing else holds it (no tier, or a failed write)
+            ledger.cpu.evictions += 1
 
     # ----------------------------------------------------------------- down: write-back
     async def flush(self, eid: int, durable: bool = False) -> bool:
@@ -368,18 +404,18 @@ class Mover:
         return ok
 
     async def _flush_one(self, eid: int, durable: bool = False) -> bool:
-        store, index, tier = self.store, self.store.index, self.store.nvme
+        ledger, index, tier = self.ledger, self.ledger.index, self.ledger.nvme
         if tier is None or index.state[eid] != State.COMMITTED:
             return False
         if index.tier[eid] & IN_NVME:
             return True
         if not index.tier[eid] & IN_CPU:
             return False
-        block_bytes = store.block_bytes_of(eid)
-        record = store.namespace_record(index.ns[eid])
+        block_bytes = ledger.block_bytes_of(eid)
+        record = ledger.namespace_record(index.ns[eid])
         if not self._nvme_quota_room(record, block_bytes):
             return False  # at its quota_nvme, its own disk blocks all busy: stays in memory
-        codec, block_format = store.codec_of(record, "nvme")
+        codec, block_format = ledger.codec_of(record, "nvme")
         slot = self._disk_slot(
             tier.payload_bytes_for(block_bytes, codec, block_format),
             record.owner,
@@ -387,26 +423,26 @@ class Mover:
         )
         if slot is None:
             return False
-        key, fingerprint = index.key(eid), store.fingerprint_of(eid)
+        key, fingerprint = index.key(eid), ledger.fingerprint_of(eid)
         checksum, offset = index.checksum[eid], index.offset[eid]
         # A payload entry (``cpu = "fp8"``) is written down as it is: verified against its
         # payload checksum here, decoded once by the tier against ``checksum`` (its decoded
         # form's), never re-encoded.
         cpu_bytes = record.cpu_bytes
         encoded = block_bytes if record.cpu_codec else 0
-        slot_sum = store.payload_sums.get(eid, checksum) if encoded else checksum
-        store.pin(eid)
+        slot_sum = ledger.payload_sums.get(eid, checksum) if encoded else checksum
+        ledger.pin(eid)
         writing = (record.usage, record.owner)
         for books in writing:
             books.nvme_writing += block_bytes
         try:
-            data = store.arena.view[offset : offset + cpu_bytes]
+            data = ledger.arena.view[offset : offset + cpu_bytes]
             # Verified on the way down: a CPU copy that no longer matches its checksum (a
             # client scribbled on its slot) must not be made durable.
             if await asyncio.to_thread(block_checksum, data, fingerprint, key) != slot_sum:
                 tier.free(slot)
-                store.cpu.checksum_failures += 1
-                store.forget(eid)
+                ledger.cpu.checksum_failures += 1
+                ledger.forget(eid)
                 return False
             from kvstore.tiers.nvme import NvmeIOError
 
@@ -422,27 +458,27 @@ class Mover:
                     encoded_length=encoded,
                 )
             except NvmeIOError as exc:
-                store.nvme_counters.io_errors += 1
+                ledger.nvme_counters.io_errors += 1
                 _io_log.warning("nvme write", f"nvme write failed: {exc}")
                 return False
             except ValueError as exc:
                 # The tier re-verifies as it copies: the slot changed after the check above (a
                 # client scribbled on it). Never made durable; the CPU copy is as suspect.
-                store.cpu.checksum_failures += 1
+                ledger.cpu.checksum_failures += 1
                 _io_log.warning("scribbled", f"not written down: {exc}")
                 if index.state[eid] == State.COMMITTED:
-                    store.forget(eid)
+                    ledger.forget(eid)
                 return False
             if index.state[eid] != State.COMMITTED:  # deleted while writing
                 tier.free(slot)
                 return False
-            store.mark_on_disk(eid, slot)
-            store.nvme_counters.demotions += 1
+            ledger.mark_on_disk(eid, slot)
+            ledger.nvme_counters.demotions += 1
             return True
         finally:
             for books in writing:
                 books.nvme_writing -= block_bytes
-            store.unpin(eid)
+            ledger.unpin(eid)
 
     def _own_coldest(
         self,
@@ -456,8 +492,8 @@ class Mover:
         """The coldest evictable blocks of ``record``'s namespace (``where == "namespace"``) or
         tenant, in ``order`` (a policy's, coldest first), until they free ``excess`` bytes;
         with the bytes they free."""
-        store, index = self.store, self.store.index
-        bytes_of = bytes_of or store.block_bytes_of
+        ledger, index = self.ledger, self.ledger.index
+        bytes_of = bytes_of or ledger.block_bytes_of
         victims, freed = [], 0
         for eid in order:
             if freed >= excess:
@@ -465,7 +501,7 @@ class Mover:
             if where == "namespace":
                 mine = index.ns[eid] == record.ns_id
             else:
-                mine = store.names[index.ns[eid]].owner is record.owner
+                mine = ledger.names[index.ns[eid]].owner is record.owner
             if mine and evictable(eid):
                 victims.append(eid)
                 freed += bytes_of(eid)
@@ -474,14 +510,14 @@ class Mover:
     def _nvme_quota_room(self, record: NamespaceRecord, block_bytes: int) -> bool:
         """Bring ``record``'s namespace and tenant within their ``quota_nvme`` for one more
         block by evicting their own coldest disk blocks; False when they cannot."""
-        store, index, quotas = self.store, self.store.index, self.store.quotas
+        ledger, index, quotas = self.ledger, self.ledger.index, self.ledger.quotas
         for books, where in ((record.usage, "namespace"), (record.owner, "tenant")):
             # Writes in flight count: a batch's blocks are all checked before any lands.
             excess = quotas.over(books, "nvme", block_bytes + books.nvme_writing)
             if not excess:
                 continue
             victims, freed = self._own_coldest(
-                store.nvme_policy.order(),
+                ledger.nvme_policy.order(),
                 record,
                 where,
                 excess,
@@ -508,9 +544,9 @@ class Mover:
         too, or a size without a disk slab of its own would have every durable put refused
         while the disk's slabs all held blocks cached above (with durable puts, the recent
         ones all are)."""
-        store, index, tier = self.store, self.store.index, self.store.nvme
+        ledger, index, tier = self.ledger, self.ledger.index, self.ledger.nvme
         assert tier is not None
-        quotas = store.quotas
+        quotas = ledger.quotas
         slot_size = tier.slot_bytes_for(payload_bytes)
         block_bytes = payload_bytes
         stuck: set[int] = set()
@@ -526,13 +562,13 @@ class Mover:
                     or (
                         bool(quotas.guaranteed_nvme)
                         and quotas.spared(
-                            requester, "nvme", self._owner_books(eid), store.block_bytes_of(eid)
+                            requester, "nvme", self._owner_books(eid), ledger.block_bytes_of(eid)
                         )
                     )
                 )
 
             victim = None
-            for eid in store.nvme_policy.order():  # coldest first
+            for eid in ledger.nvme_policy.order():  # coldest first
                 if protected(eid):
                     continue
                 same = tier.slot_size(index.disk[eid]) == slot_size
@@ -545,7 +581,7 @@ class Mover:
                 self._evict_disk([victim])
                 continue
             slab = tier.slab_of(index.disk[victim])
-            owners = [store.disk_owner(s) for s in tier.live_slots(slab)]
+            owners = [ledger.disk_owner(s) for s in tier.live_slots(slab)]
             above = not take_copies_above
             if any(
                 e is None or protected(e) or (above and index.tier[e] & (IN_CPU | IN_GPU))
@@ -556,7 +592,7 @@ class Mover:
                 # slab from each other on every write-back would churn without end.
                 stuck.add(slab)
                 continue
-            guard = quotas.guard(requester, "nvme", self._owner_books, store.block_bytes_of)
+            guard = quotas.guard(requester, "nvme", self._owner_books, ledger.block_bytes_of)
             if guard is not None:
                 take = guard()  # the whole slab goes: its tenants' guarantees, together
                 if not all(take(e) for e in owners if e is not None):
@@ -566,13 +602,13 @@ class Mover:
         return tier.allocate(block_bytes)
 
     def _evict_disk(self, victims: list[int]) -> None:
-        store, index = self.store, self.store.index
+        ledger, index = self.ledger, self.ledger.index
         for v in victims:
             if index.tier[v] & (IN_CPU | IN_GPU):
-                store.drop_disk_copy(v)  # still stored above the disk
+                ledger.drop_disk_copy(v)  # still stored above the disk
             else:
-                store.forget(v)
-            store.nvme_counters.evictions += 1
+                ledger.forget(v)
+            ledger.nvme_counters.evictions += 1
 
     async def _flush_loop(self) -> None:
         while True:
@@ -597,11 +633,11 @@ class Mover:
 
     def _dirty_bytes(self) -> int:
         """Bytes of CPU blocks with no disk copy."""
-        store = self.store
-        return store.cpu_used_bytes - store.cpu_clean_bytes
+        ledger = self.ledger
+        return ledger.cpu_used_bytes - ledger.cpu_clean_bytes
 
     def _next_flush_batch(self) -> list[int]:
-        store, index = self.store, self.store.index
+        ledger, index = self.ledger, self.ledger.index
         # Large enough that the tier can group many writes under one pair of fdatasyncs.
         limit = max(2 * self.config.io_threads, 32)
         batch: list[int] = []
@@ -615,16 +651,16 @@ class Mover:
                 ):
                     batch.append(eid)
             return batch
-        capacity = store.allocator.capacity_bytes
-        target = (1.0 - store.config.cpu.high_watermark) * capacity
-        have = capacity - store.cpu_used_bytes + store.cpu_clean_bytes
+        capacity = ledger.allocator.capacity_bytes
+        target = (1.0 - ledger.config.cpu.high_watermark) * capacity
+        have = capacity - ledger.cpu_used_bytes + ledger.cpu_clean_bytes
         if have >= target:
             return batch
         want = target - have
-        for eid in store.policy.order():  # coldest first
+        for eid in ledger.policy.order():  # coldest first
             if index.tier[eid] & _LOCAL == IN_CPU and eid not in self._flushing:
                 batch.append(eid)
-                want -= store.cpu_bytes_of(eid)
+                want -= ledger.cpu_bytes_of(eid)
                 if want <= 0 or len(batch) >= limit:
                     break
         return batch
@@ -634,7 +670,7 @@ class Mover:
         """Promote the blocks of a run that are only on disk; returns how many leading blocks
         of the run are now in the CPU tier. A block already being promoted (by another reader
         or a prefetch) is waited for, not read twice."""
-        index = self.store.index
+        index = self.ledger.index
         waits: list[asyncio.Future[bool]] = []
         mine: list[int] = []
         for eid in dict.fromkeys(eids):  # a key asked twice is read once
@@ -659,14 +695,14 @@ class Mover:
         distinct and not being promoted already (``bring_to_cpu`` and ``_prefetch`` see to
         it). Each read is checked against the key it was started for: an entry deleted (and
         its id perhaps reused) while room was made or the disk was read is not touched."""
-        store, index, tier = self.store, self.store.index, self.store.nvme
+        ledger, index, tier = self.ledger, self.ledger.index, self.ledger.nvme
         if len(set(eids)) != len(eids) or any(e in self._promoting for e in eids):
             raise AssertionError("promotion of a repeated entry or of one already promoting")
         loop = asyncio.get_running_loop()
         futures = {}
         for eid in eids:
             futures[eid] = self._promoting[eid] = loop.create_future()
-            store.pin(eid)  # pins the disk copy (and the entry id) for the read
+            ledger.pin(eid)  # pins the disk copy (and the entry id) for the read
         results = [False] * len(eids)
         offsets: list[int] = []
         block_bytes = 0
@@ -677,7 +713,7 @@ class Mover:
             for i, eid in enumerate(eids):
                 del self._promoting[eid]
                 futures[eid].set_result(results[i])
-                store.unpin(eid)
+                ledger.unpin(eid)
 
         try:
             todo = [
@@ -693,7 +729,7 @@ class Mover:
                 # block of another namespace here (an entry id reused) is not this call's.
                 ns_id = index.ns[eids[todo[0]]]
                 todo = [i for i in todo if index.ns[eids[i]] == ns_id]
-                first = store.namespace_record(ns_id)
+                first = ledger.namespace_record(ns_id)
                 block_bytes = first.cpu_bytes  # the slots' (a payload's, ``cpu = "fp8"``)
                 offsets = await self.alloc_cpu(
                     block_bytes, len(todo), partial=True, domain=first.domain, record=first
@@ -708,7 +744,7 @@ class Mover:
                     and not index.tier[eids[i]] & IN_CPU
                 ]
                 idents = [
-                    (index.disk[eids[i]], index.key(eids[i]), store.fingerprint_of(eids[i]))
+                    (index.disk[eids[i]], index.key(eids[i]), ledger.fingerprint_of(eids[i]))
                     for i in todo
                 ]
                 # Each read: the checksum its bytes were verified against, or for a payload
@@ -716,11 +752,11 @@ class Mover:
                 # read, a lossy record of a namespace configured lossless here.
                 reads: list[Awaitable[int | tuple[int, int] | str | None]] = []
                 lossless: dict[int, int] = {}  # j -> checksum of the lossless record read
-                exact = not store.accepts_lossy(first)
+                exact = not ledger.accepts_lossy(first)
                 for j, ((disk, key, fp), offset, i) in enumerate(
                     zip(idents, offsets, todo, strict=False)
                 ):
-                    view = store.arena.view[offset : offset + block_bytes]
+                    view = ledger.arena.view[offset : offset + block_bytes]
                     args = (disk, key, fp, index.checksum[eids[i]], view)
                     if exact and tier.codec_of(disk) in LOSSY:
                         reads.append(_refused_lossy())  # never read: dropped in _take_read
@@ -778,7 +814,7 @@ class Mover:
         """Install the CPU copy read for entry ``e`` into ``offsets[j]`` (then -1: taken), if
         the entry is still the block read and the read verified; False otherwise (the slot goes
         back to the pool with the others)."""
-        store, index = self.store, self.store.index
+        ledger, index = self.ledger, self.ledger.index
         if not index.has_key(e, index.ns[e], key) or index.state[e] != State.COMMITTED:
             return False  # deleted while reading: the slot goes back to the pool
         if index.tier[e] & IN_CPU:
@@ -786,32 +822,32 @@ class Mover:
         if ok is REFUSED_LOSSY:
             # A lossy form of a namespace configured lossless here: not its committed bytes.
             # Dropped, so a put stores the block exactly again.
-            store.nvme_counters.lossy_refused += 1
-            store.forget(e)
+            ledger.nvme_counters.lossy_refused += 1
+            ledger.forget(e)
             return False
         if ok is None or isinstance(ok, BaseException):
             # Corrupt, torn or unreadable on disk: a miss, counted.
-            store.nvme_counters.checksum_failures += 1
-            store.forget(e)
+            ledger.nvme_counters.checksum_failures += 1
+            ledger.forget(e)
             return False
         if isinstance(ok, tuple):  # a payload: (decoded-form, payload checksum)
             ok, payload_sum = ok
-            store.payload_sums[e] = payload_sum
+            ledger.set_payload_sum(e, payload_sum)
         if j in lossless and ok != lossless[j]:
             self._keep_lossless_sum(e, index.disk[e], ns_id, key, ok, lossless[j])
         if ok != index.checksum[e]:
             # A lossy record: the CPU copy is its decoded form, verified against the checksum
             # taken of that form when it was encoded.
-            store.set_host_checksum(e, ok)
-        store.mark_in_cpu(e, offsets[j])
+            ledger.set_host_checksum(e, ok)
+        ledger.mark_in_cpu(e, offsets[j])
         offsets[j] = -1  # taken by the entry
-        store.nvme_counters.promotions += 1
+        ledger.nvme_counters.promotions += 1
         return True
 
     def _lossless_sum(self, eid: int, disk: int, ns_id: int, key: bytes) -> int:
         """The checksum to read ``eid``'s lossless disk record with: its own, kept when an
         earlier promotion gave the entry its fp8 form's (``_lossless``), else the entry's."""
-        checksum = self.store.index.checksum[eid]
+        checksum = self.ledger.index.checksum[eid]
         kept = self._lossless.get(eid)
         if kept is None:
             return checksum
@@ -824,7 +860,7 @@ class Mover:
         self, eid: int, disk: int, ns_id: int, key: bytes, entry_sum: int, record_sum: int
     ) -> None:
         if len(self._lossless) >= self._lossless_prune_at:  # drop those of gone copies
-            index = self.store.index
+            index = self.ledger.index
             self._lossless = {
                 e: v
                 for e, v in self._lossless.items()
@@ -837,7 +873,7 @@ class Mover:
     def _unalloc(self, offsets: list[int], block_bytes: int) -> None:
         for offset in offsets:
             if offset >= 0:
-                self.store.cpu_unalloc(offset, block_bytes)
+                self.ledger.cpu_unalloc(offset, block_bytes)
 
     @staticmethod
     async def _read_payload(
@@ -883,11 +919,11 @@ class Mover:
         """Start promoting the run's disk-only blocks in prefix order; returns how many were
         queued (blocks an earlier prefetch queued and has not reached are not queued again).
         Spends the keys like a lookup (``keys_per_s``; the ``payer``'s, if any)."""
-        store, index = self.store, self.store.index
-        store.quotas.take_keys(store.names[ns_id], len(keys), payer)
-        if store.nvme is None:
+        ledger, index = self.ledger, self.ledger.index
+        ledger.quotas.take_keys(ledger.names[ns_id], len(keys), payer)
+        if ledger.nvme is None:
             return 0
-        run = store.leading_run(ns_id, keys)
+        run = ledger.leading_run(ns_id, keys)
         queued = self._queued
         # Blocks in the GPU pool are not read from disk: a CPU reader gets a copy from the pool.
         todo = [
@@ -914,7 +950,7 @@ class Mover:
         i = 0
         try:
             for i in range(0, len(run), window):
-                index = self.store.index
+                index = self.ledger.index
                 part = run[i : i + window]
                 self._unqueue(ns_id, part)
                 # Each entry is re-checked against the key it was queued for: one deleted

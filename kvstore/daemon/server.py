@@ -24,7 +24,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore import __version__
 from kvstore.address import default_address, session_socket_path, unix_socket_path
 from kvstore.config import AuthConfig, DaemonConfig
 from kvstore.daemon.auth import Authenticator, Policy
@@ -36,6 +35,7 @@ from kvstore.daemon.side_streams import SideStreamGuard
 from kvstore.daemon.store import BlockStore
 from kvstore.units import format_size
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.version import __version__
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,6 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvstore import __version__
 from kvstore.daemon.auth import OWNER, Authenticator, Principal, caller_key
 from kvstore.daemon.store import BlockStore, Handle
 from kvstore.errors import (
@@ -45,6 +44,7 @@ from kvstore.presence import PresenceTable
 from kvstore.ratelog import RateLimitedLog
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.version import __version__
 
 log = logging.getLogger(__name__)
 

@@ -23,12 +23,14 @@ import logging
 import os
 import stat
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from kvstore.index import IN_CPU, IN_REDIS, State
 
 if TYPE_CHECKING:
-    from kvstore.daemon.store import BlockStore, NamespaceRecord
+    from kvstore.daemon.ledger import Ledger
+    from kvstore.daemon.namespaces import NamespaceRecord
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +45,23 @@ MAX_PENDING = 4096  # write-through blocks queued while Redis is down; the oldes
 class SharedTier:
     """See the module docstring. Created by the store; ``start``/``stop`` bracket its life."""
 
-    def __init__(self, store: BlockStore) -> None:
-        self.store = store
-        self.config = store.config.redis
+    def __init__(
+        self,
+        ledger: Ledger,
+        cpu_room: Callable[..., Awaitable[list[int]]],
+        on_fetched: Callable[[list[int]], None],
+    ) -> None:
+        """``cpu_room``: makes room in the CPU tier for fetched blocks (``Mover.alloc_cpu``);
+        ``on_fetched``: told of blocks fetched and committed (write-back queues them)."""
+        self.ledger = ledger
+        self.cpu_room = cpu_room
+        self.on_fetched = on_fetched
+        self.config = ledger.config.redis
         self.tier: Any = None  # kvstore.tiers.redis.RedisTier once started
         # Write-through queue: (entry, namespace id, key); an entry is written only if it still
         # holds that key when its turn comes (entry ids are recycled).
         self._queue: deque[tuple[int, int, bytes]] = deque()
-        cpu_bytes = store.config.cpu.capacity_bytes
+        cpu_bytes = ledger.config.cpu.capacity_bytes
         self.batch_bytes = max(1, min(BATCH_BYTES, int(cpu_bytes * BATCH_SHARE)))
         self.dropped_while_down = 0  # blocks that left the last local tier unwritten to Redis
         self._wake = asyncio.Event()
@@ -75,10 +86,10 @@ class SharedTier:
         """A block that exists in no tier below the CPU tier and not yet in Redis: evicting it
         while Redis is down would lose it for every other host. Eviction spares such blocks
         while it can (``Mover.alloc_cpu``)."""
-        index = self.store.index
+        index = self.ledger.index
         return (
             self.tier is not None
-            and self.store.nvme is None
+            and self.ledger.nvme is None
             and not index.tier[eid] & IN_REDIS
             and (self.config.write_through or self.down)
         )
@@ -128,7 +139,7 @@ class SharedTier:
         from kvstore.tiers.redis import RedisTierUnavailable
 
         try:
-            lossy = self.store.accepts_lossy(record)
+            lossy = self.ledger.accepts_lossy(record)
             return int(await self.tier.contains(record.fingerprint, keys, lossy=lossy))
         except RedisTierUnavailable:
             self.skipped += 1
@@ -141,7 +152,7 @@ class SharedTier:
             return []
         from kvstore.tiers.redis import RedisTierUnavailable  # as in contains
 
-        store, index = self.store, self.store.index
+        ledger, index = self.ledger, self.ledger.index
         ns_id = record.ns_id
         n = await self.contains(record, keys)
         claim = list(dict.fromkeys(keys[:n]))
@@ -152,19 +163,19 @@ class SharedTier:
         if not claim:
             return []
         bb = record.block_bytes
-        slots = await store.mover.alloc_cpu(
+        slots = await self.cpu_room(
             bb, len(claim), partial=True, domain=record.domain, record=record
         )
         # Claim entries (RESERVED: invisible, and a concurrent fetch of a key skips it) before
         # the next await; stop at a key someone indexed while room was being made.
         eids: list[int] = []
         for key, offset in zip(claim, slots, strict=False):
-            if index.get(ns_id, key) is not None or store.namespace_record(ns_id) is not record:
+            if index.get(ns_id, key) is not None or ledger.namespace_record(ns_id) is not record:
                 break
-            eids.append(store.add_entry(key, ns_id, IN_CPU, offset, record.priority))
+            eids.append(ledger.add_entry(key, ns_id, IN_CPU, offset, record.priority))
         for offset in slots[len(eids) :]:
-            store.cpu_unalloc(offset, bb)
-        views = [store.arena.view[index.offset[e] : index.offset[e] + bb] for e in eids]
+            ledger.cpu_unalloc(offset, bb)
+        views = [ledger.arena.view[index.offset[e] : index.offset[e] + bb] for e in eids]
         keys_of = [index.key(e) for e in eids]
         sums: list[int | None] = []
         try:
@@ -173,27 +184,28 @@ class SharedTier:
                     sums += await self.tier.get_into_checked(
                         record.fingerprint,
                         [(keys_of[i], None, views[i]) for i in part],
-                        lossy=store.accepts_lossy(record),
+                        lossy=ledger.accepts_lossy(record),
                     )
                 except RedisTierUnavailable:
                     self.skipped += 1
                     break
         except BaseException:
             for eid in eids:  # cancelled or failed: the daemon's own reservation ends here
-                store.discard_reserved(eid)
+                ledger.discard_reserved(eid)
             raise
         sums += [None] * (len(eids) - len(sums))
         run: list[int] = []
         leading = True
         for eid, checksum in zip(eids, sums, strict=True):
             if checksum is None:  # absent, or failed verification
-                store.discard_reserved(eid)
+                ledger.discard_reserved(eid)
                 leading = False
                 continue
             # The checksum the tier just verified the slot's bytes against (bound to namespace
             # and key, not hashed again): the checksum every local tier keeps from now on.
-            store.commit_fetched(eid, checksum)
-            store.mark_in_redis(eid)
+            ledger.commit_entry(eid, checksum)  # the fetch was the daemon's reservation
+            self.on_fetched([eid])
+            ledger.mark_in_redis(eid)
             self.promotions += 1
             if leading:
                 run.append(eid)
@@ -205,7 +217,7 @@ class SharedTier:
             return
         # Queued even while Redis is down: the put loop waits for it to come back, so a block
         # committed during an outage still reaches the other hosts afterwards (bounded).
-        index = self.store.index
+        index = self.ledger.index
         self._queue.extend((e, index.ns[e], index.key(e)) for e in eids)
         while len(self._queue) > MAX_PENDING:
             self._queue.popleft()
@@ -215,11 +227,11 @@ class SharedTier:
     async def demote(self, eids: list[int]) -> None:
         """Write CPU blocks that are about to leave the last local tier to Redis first; the
         ones Redis could not take (it is down) are counted in ``dropped_while_down``."""
-        index = self.store.index
+        index = self.ledger.index
         todo = [(e, index.ns[e], index.key(e)) for e in eids if not index.tier[e] & IN_REDIS]
         by_size: dict[int, list[tuple[int, int, bytes]]] = {}
         for item in todo:
-            by_size.setdefault(self.store.block_bytes_of(item[0]), []).append(item)
+            by_size.setdefault(self.ledger.block_bytes_of(item[0]), []).append(item)
         for bb, items in by_size.items():
             for part in self._batches(items, bb):  # type: ignore[arg-type]
                 if not await self._put(part):  # type: ignore[arg-type]
@@ -237,11 +249,11 @@ class SharedTier:
                     await asyncio.sleep(0.2)  # the tier reconnects by itself; keep the queue
                     continue
                 eid, ns_id, key = self._queue[0]
-                if not self.store.index.has_key(eid, ns_id, key):
+                if not self.ledger.index.has_key(eid, ns_id, key):
                     # Deleted or evicted since: its namespace may be forgotten too.
                     self._queue.popleft()
                     continue
-                bb = self.store.namespace_record(ns_id).block_bytes
+                bb = self.ledger.namespace_record(ns_id).block_bytes
                 n = max(1, min(len(self._queue), self.batch_bytes // max(1, bb)))
                 batch = [self._queue.popleft() for _ in range(n)]
                 if not await self._put(batch):
@@ -253,7 +265,7 @@ class SharedTier:
         key, or left the CPU tier, is skipped."""
         from kvstore.tiers.redis import RedisTierUnavailable
 
-        store, index = self.store, self.store.index
+        ledger, index = self.ledger, self.ledger.index
         by_ns: dict[int, list[tuple[int, bytes]]] = {}
         for e, ns_id, key in items:
             if (
@@ -267,25 +279,25 @@ class SharedTier:
             return True
         live = [e for group in by_ns.values() for e, _ in group]
         for e in live:
-            store.pin(e)  # the slots stay put while Redis reads them
+            ledger.pin(e)  # the slots stay put while Redis reads them
         try:
             # Everything Redis will read is named now, before the first await: an entry deleted
             # meanwhile keeps its slot (pinned) but loses its key.
             calls = []
             for ns_id, group in by_ns.items():
-                record = store.namespace_record(ns_id)
+                record = ledger.namespace_record(ns_id)
                 bb = record.block_bytes
                 blocks = [
                     (
                         key,
-                        store.arena.view[index.offset[e] : index.offset[e] + bb],
+                        ledger.arena.view[index.offset[e] : index.offset[e] + bb],
                         index.checksum[e],
                     )
                     for e, key in group
                 ]
                 # A tenant's per-namespace quota_redis, else the tier's own bound.
                 bound = record.usage.quota.redis_bytes if record.usage is not None else 0
-                how = store.codec_of(record, "redis")
+                how = ledger.codec_of(record, "redis")
                 calls.append((record.fingerprint, ns_id, group, blocks, how, bound or None))
             for fingerprint, ns_id, group, blocks, (codec, block_format), bound in calls:
                 try:
@@ -301,15 +313,15 @@ class SharedTier:
                     return False
                 except ValueError as exc:  # a CPU copy that no longer matches its checksum
                     log.warning("not sent to redis: %s", exc)
-                    store.cpu.checksum_failures += 1
+                    ledger.cpu.checksum_failures += 1
                     continue
                 for e, key in group:
                     if index.has_key(e, ns_id, key) and index.state[e] == State.COMMITTED:
-                        store.mark_in_redis(e)
+                        ledger.mark_in_redis(e)
                 self.demotions += len(group)
         finally:
             for e in live:
-                store.unpin(e)
+                ledger.unpin(e)
         return True
 
     def stats(self) -> dict[str, Any]:

@@ -7,15 +7,17 @@ from typing import TYPE_CHECKING
 from kvstore.daemon.tierstats import TierSnapshot
 
 if TYPE_CHECKING:
-    from kvstore.daemon.store import BlockStore
+    from kvstore.daemon.device import DeviceTier
+    from kvstore.daemon.ledger import Ledger
+    from kvstore.daemon.namespaces import NamespaceRecord
+    from kvstore.daemon.shared import SharedTier
 
 
-def tier_snapshots(store: BlockStore) -> list[TierSnapshot]:
+def tier_snapshots(store: Ledger, device: DeviceTier, shared: SharedTier) -> list[TierSnapshot]:
     """Occupancy and counters of every tier, top down."""
     cpu_blocks = len(store.policy)
     snaps = []
-    if store.device.enabled:
-        device = store.device
+    if device.enabled:
         pool = device.pool
         assert pool is not None
         snaps.append(
@@ -35,11 +37,11 @@ def tier_snapshots(store: BlockStore) -> list[TierSnapshot]:
     disk = store.disk.snapshot()
     if disk is not None:
         snaps.append(disk)
-    if store.shared.enabled:
-        stats = store.shared.stats()
+    if shared.enabled:
+        stats = shared.stats()
         c = store.redis_counters
-        c.promotions = store.shared.promotions
-        c.demotions = store.shared.demotions
+        c.promotions = shared.promotions
+        c.demotions = shared.demotions
         c.checksum_failures = int(stats.get("checksum_failures", 0))
         c.evictions = int(stats.get("evictions", 0))
         extra = {
@@ -57,8 +59,8 @@ def tier_snapshots(store: BlockStore) -> list[TierSnapshot]:
                 "lossy_refused",
             )
         }
-        extra["skipped_while_down"] = float(store.shared.skipped)
-        extra["dropped_while_down"] = float(store.shared.dropped_while_down)
+        extra["skipped_while_down"] = float(shared.skipped)
+        extra["dropped_while_down"] = float(shared.dropped_while_down)
         bound = store.config.redis.max_bytes_per_namespace
         snaps.append(
             TierSnapshot(
@@ -76,18 +78,20 @@ def tier_snapshots(store: BlockStore) -> list[TierSnapshot]:
     return snaps
 
 
-def namespace_tier_bytes(store: BlockStore) -> dict[bytes, list[tuple[str, int, int, int, str]]]:
+def namespace_tier_bytes(
+    store: Ledger, shared: SharedTier, namespaces: list[NamespaceRecord]
+) -> dict[bytes, list[tuple[str, int, int, int, str]]]:
     """By namespace fingerprint: (tier, blocks, logical bytes, stored bytes, codec of new
     records) in the tiers below the CPU tier (redis: what this host wrote)."""
     from kvstore.tiers.codecs import NAME_OF
 
     out: dict[bytes, list[tuple[str, int, int, int, str]]] = {}
-    records = {r.fingerprint: r for r in store.namespaces()}
+    records = {r.fingerprint: r for r in namespaces}
     sources = []
     if store.nvme is not None:
         sources.append(("nvme", store.nvme.namespace_bytes()))
-    if store.shared.tier is not None:
-        sources.append(("redis", store.shared.tier.namespace_bytes()))
+    if shared.tier is not None:
+        sources.append(("redis", shared.tier.namespace_bytes()))
     for tier, by_ns in sources:
         for fingerprint, (blocks, logical, stored) in by_ns.items():
             record = records.get(fingerprint)

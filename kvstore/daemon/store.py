@@ -58,17 +58,16 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import compress
-from operator import itemgetter
-from typing import TYPE_CHECKING, cast
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from kvstore.checksum import block_checksum
 from kvstore.config import DaemonConfig
 from kvstore.daemon.auth import Principal
 from kvstore.daemon.cpu_tier import CpuSlots
-from kvstore.daemon.disk_tier import DiskSlots
+from kvstore.daemon.device import DeviceTier, make_device_pool
+from kvstore.daemon.invariants import SpareBooks, check_store
+from kvstore.daemon.ledger import Ledger, gather
+from kvstore.daemon.movement import Mover
 from kvstore.daemon.namespaces import (
     Handle,
     Lease,
@@ -76,7 +75,9 @@ from kvstore.daemon.namespaces import (
     NamespaceTable,
     Reservation,
 )
-from kvstore.daemon.quotas import Pin, Quotas, Usage
+from kvstore.daemon.quotas import Quotas, Usage
+from kvstore.daemon.shared import SharedTier
+from kvstore.daemon.snapshots import namespace_tier_bytes, tier_snapshots
 from kvstore.daemon.tierstats import TierCounters, TierSnapshot
 from kvstore.errors import (
     CapacityError,
@@ -85,20 +86,14 @@ from kvstore.errors import (
     UnavailableError,
     UnknownNamespaceError,
 )
-from kvstore.index import IN_CPU, IN_GPU, IN_NVME, IN_REDIS, BlockIndex, State
+from kvstore.index import IN_CPU, IN_GPU, IN_NVME, BlockIndex, State
 from kvstore.keys import KEY_BYTES, Namespace, SplitKeys
-from kvstore.policy import EvictionPolicy, make_policy
-from kvstore.presence import PresenceTable, fingerprints
+from kvstore.policy import EvictionPolicy
+from kvstore.presence import PresenceTable
 from kvstore.tiers.codecs import (
-    CODEC_FP8,
-    CODEC_NONE,
-    LOSSY,
-    BlockFormat,
     block_format_of,
-    codec_id,
     decode,
     encode_payload,
-    plan,
 )
 from kvstore.tiers.cpu import SharedMemoryArena, SlabAllocator
 
@@ -109,18 +104,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_COMMITTED = bytes([State.COMMITTED])  # leading_run: the state byte of a committed entry
 # lookup's hit counts: tier byte -> 1 where the block is in the GPU tier / in CPU but not GPU.
-
-
-def _gather(field: bytearray, eids: list[int]) -> bytes:
-    """``field[eid]`` of each entry, in order, gathered in C (``itemgetter`` of n > 1 indices
-    gives a tuple: ~2.4x faster than ``bytes(map(field.__getitem__, eids))`` at 128)."""
-    if len(eids) > 1:
-        return bytes(itemgetter(*eids)(field))
-    return bytes([field[eids[0]]]) if eids else b""
-
-
 _IS_GPU = bytes(1 if t & IN_GPU else 0 for t in range(256))
 _IS_CPU_ONLY = bytes(1 if t & IN_CPU and not t & IN_GPU else 0 for t in range(256))
 MAX_TALLY_KEYS = 1 << 32
@@ -200,65 +184,94 @@ class BlockStore:
         self.spare_quarantined_bytes = 0
         self._spare_quarantine: list[tuple[float, int]] = []  # (until, bytes), a heap
         self._spare_granting_bytes = 0
-        self.cpu_slots = CpuSlots(config.cpu)
-        from kvstore.daemon.device import DeviceTier, make_device_pool
-
+        self.ledger = Ledger(config, clock)
         try:
             pool = gpu_pool if gpu_pool is not None else make_device_pool(config.gpu)
         except BaseException:
-            self.cpu_slots.close()
+            self.ledger.close()
             raise
-        self.index = BlockIndex()
-        self.policy: EvictionPolicy = make_policy(config.cpu.policy)
-        self.nvme_policy: EvictionPolicy = make_policy(config.nvme.policy)
-        self.redis_counters = TierCounters()
-        self.disk = DiskSlots()  # its NvmeTier is opened by the Mover's start()
-        self.names = NamespaceTable(config.limits, tenant_domains=config.auth.has_policy)
-        self.quotas = Quotas(
-            config,
-            slab_of=self.allocator.slab_of,
-            slab_bytes=self.allocator.slab_bytes,
-            clock=clock,
-            domains=config.auth.has_policy,
+        # The tiers get the ledger and their neighbours, never the store: the CPU tier's
+        # room-maker and the NVMe movement (``Mover``) spill into Redis, Redis fetches into
+        # CPU slots the Mover makes room for, and the GPU tier copies down through the Mover.
+        self.mover = Mover(self.ledger)
+        self.shared = SharedTier(
+            self.ledger, cpu_room=self.mover.alloc_cpu, on_fetched=self.mover.note_committed
         )
-        # (until, in the GPU pool, offset, block bytes, its reservation's pin) of slots of
-        # expired reservations: charged to their tenant until they are reusable. A heap by
-        # ``until`` (a shortened reservation's quarantine ends sooner than others'); no two
-        # items share a slot, so the comparison never reaches the pin.
-        self._quarantine: list[tuple[float, bool, int, int, Pin | None]] = []
-        # The payload checksum of each CPU copy that is an fp8 payload (its entry's checksum
-        # is the decoded form's, what a reader verifies after decoding).
-        self.payload_sums: dict[int, int] = {}
-        # Waiters for the commit (or the end) of RESERVED entries, by entry id.
-        self._written: dict[int, asyncio.Future[None]] = {}
-        self._reserved_blocks = 0
-        from kvstore.daemon.movement import Mover
-        from kvstore.daemon.shared import SharedTier
+        self.mover.spill = self.shared
+        self.device = DeviceTier(self.ledger, pool, host=self.mover, shared=self.shared)
+        self.ledger.gpu = self.device
 
-        self.mover = Mover(self)
-        self.shared = SharedTier(self)
-        self.device = DeviceTier(self, pool)
+    # Read access to the ledger's parts (Stats, the metrics, the tests); every change to them
+    # is a ledger method.
+    @property
+    def index(self) -> BlockIndex:
+        return self.ledger.index
+
+    @property
+    def names(self) -> NamespaceTable:
+        return self.ledger.names
+
+    @property
+    def quotas(self) -> Quotas:
+        return self.ledger.quotas
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self.ledger.policy
+
+    @property
+    def nvme_policy(self) -> EvictionPolicy:
+        return self.ledger.nvme_policy
+
+    @property
+    def cpu_slots(self) -> CpuSlots:
+        return self.ledger.cpu_slots
+
+    @property
+    def payload_sums(self) -> dict[int, int]:
+        return self.ledger.payload_sums
 
     @property
     def arena(self) -> SharedMemoryArena:
-        return self.cpu_slots.arena
+        return self.ledger.arena
 
     @property
     def allocator(self) -> SlabAllocator:
-        return self.cpu_slots.allocator
+        return self.ledger.allocator
 
     @property
     def cpu(self) -> TierCounters:
-        return self.cpu_slots.counters
+        return self.ledger.cpu
 
     @property
     def nvme(self) -> NvmeTier | None:
-        """The NVMe tier's IO object, once the Mover opened it (None without one)."""
-        return self.disk.tier
+        return self.ledger.nvme
 
     @property
     def nvme_counters(self) -> TierCounters:
-        return self.disk.counters
+        return self.ledger.nvme_counters
+
+    @property
+    def redis_counters(self) -> TierCounters:
+        return self.ledger.redis_counters
+
+    @property
+    def cpu_used_bytes(self) -> int:
+        return self.ledger.cpu_used_bytes
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self.ledger.reserved_blocks
+
+    def block_bytes_of(self, eid: int) -> int:
+        return self.ledger.block_bytes_of(eid)
+
+    def leading_run(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
+        return self.ledger.leading_run(ns_id, keys)
+
+    def presence(self, handle: Handle) -> PresenceTable:
+        """The presence table of ``handle``'s namespace (``Ledger.presence``)."""
+        return self.ledger.presence(handle.record)
 
     async def start(self) -> None:
         """Open the NVMe tier (recovering what it holds), connect the shared tier, and start
@@ -271,7 +284,7 @@ class BlockStore:
         """Write dirty blocks down (bounded by ``drain_timeout_s``), close tiers, unlink."""
         for task in list(self._spare_tasks):
             task.cancel()
-        for handle in self.names.handles():
+        for handle in self.ledger.names.handles():
             self.close_handle(handle)
         await self.device.stop()
         await self.shared.stop()
@@ -279,12 +292,8 @@ class BlockStore:
         self.close()
 
     def close(self) -> None:
-        for record in self.names.records():
-            if record.presence is not None:  # clients that map it fall back to calls
-                record.presence.close()
-                record.presence = None
-        self.device.close()
-        self.cpu_slots.close()
+        self.device.close()  # first: it unpins the arena the ledger's CPU slots unmap
+        self.ledger.close()
 
     # ----------------------------------------------------------------- namespaces and handles
     def open_namespace(
@@ -293,25 +302,25 @@ class BlockStore:
         """Register or join a namespace and hand out a new handle to it (``NamespaceTable``)
         for ``principal`` (``kvstore.daemon.auth.Principal``; None: a caller of every tenant),
         whose own budget its keys and leases are charged to (``Quotas.payer``)."""
-        self.allocator.check_fits(namespace.layout.block_bytes)
+        self.ledger.allocator.check_fits(namespace.layout.block_bytes)
         writer = principal is None or principal.may_write(namespace.tenant)
-        handle = self.names.open(namespace, priority, writer)
+        handle = self.ledger.names.open(namespace, priority, writer)
         record = handle.record
         if not record.cpu_codec_set:
             record.cpu_codec_set = True
-            record.cpu_codec, record.cpu_payload_bytes = self.cpu_codec_for(namespace)
-            self._drop_lossy_records(record)
-        handle.books = self.quotas.handle_books()
+            record.cpu_codec, record.cpu_payload_bytes = self.ledger.cpu_codec_for(namespace)
+            self.ledger.drop_lossy_records(record)
+        handle.books = self.ledger.quotas.handle_books()
         if handle.record.usage is None:
-            self.quotas.new_books(handle.record)
+            self.ledger.quotas.new_books(handle.record)
         else:
-            self.quotas.bind(handle.record)
+            self.ledger.quotas.bind(handle.record)
         handle.principal = principal
-        handle.payer = self.quotas.payer(handle.record, principal)
-        if handle.books is not None and len(self.names) == 2:
+        handle.payer = self.ledger.quotas.payer(handle.record, principal)
+        if handle.books is not None and len(self.ledger.names) == 2:
             # The bound of one handle's pins starts now (``_bound``): a handle pins past it
             # only while alone, so the other one is the only handle that may be past it.
-            for other in self.names.handles():
+            for other in self.ledger.names.handles():
                 if other is not handle:
                     self._shorten_excess(other)
         return handle
@@ -326,7 +335,7 @@ class BlockStore:
         never extends an expiry and never goes below the bound, so a caller opening and
         closing handles over and over cannot take from the first what the bound gives it."""
         books = handle.books
-        bound = self.quotas.handle_pinned
+        bound = self.ledger.quotas.handle_pinned
         if books is None or books.pinned_bytes <= bound:
             return
         until = self._clock() + self.limits.pin_grace_s
@@ -352,19 +361,9 @@ class BlockStore:
                     kept.add(eid)
             lease.shorten(cut, until)
 
-    def recovered_namespace(self, fingerprint: bytes, block_bytes: int) -> NamespaceRecord:
-        record = self.names.recovered(fingerprint, block_bytes)
-        if record.usage is None:
-            self.quotas.new_books(record)
-        return record
-
-    def namespace_record(self, ns_id: int) -> NamespaceRecord:
-        """The record of an entry's namespace (recovered ones included)."""
-        return self.names[ns_id]
-
     def handle(self, token: bytes) -> Handle:
         """The open handle ``token`` names; UnknownNamespaceError for anything else."""
-        return self.names.handle(token)
+        return self.ledger.names.handle(token)
 
     def close_handle(self, handle: Handle) -> tuple[int, int]:
         """The client is gone (or done): abort its reservations and release its leases now.
@@ -390,93 +389,17 @@ class BlockStore:
             # The writer is gone: nothing can still copy into these slots (a stalled writer
             # of a closed stream that did would fail its readers' checksums, never pass them).
             for eid in reservation.eids:
-                self._free_entry(eid)
-            self._unpin(reservation.pin)
+                self.ledger.free_entry(eid)
+            self.ledger.release_pin(reservation.pin)
         for lease in leases:
             for eid in lease.eids:
-                self._drop_one_lease(eid)
-            self._unpin(lease.pin)
-        self.names.release(handle)
-        self._maybe_forget_books(handle.record)
-        self.quotas.unpay(handle.payer)
+                self.ledger.drop_lease(eid)
+            self.ledger.release_pin(lease.pin)
+        self.ledger.names.release(handle)
+        self.ledger.maybe_forget_books(handle.record)
+        self.ledger.quotas.unpay(handle.payer)
         handle.payer = None
         return len(reservations), len(leases)
-
-    def block_bytes_of(self, eid: int) -> int:
-        return self.names[self.index.ns[eid]].block_bytes
-
-    def domain_of(self, eid: int) -> int:
-        """The memory domain (tenant) whose slabs hold this entry's CPU copy."""
-        return self.names[self.index.ns[eid]].domain
-
-    def fingerprint_of(self, eid: int) -> bytes:
-        return self.names[self.index.ns[eid]].fingerprint
-
-    def codec_of(self, record: NamespaceRecord, tier: str) -> tuple[int, BlockFormat | None]:
-        """The codec a block of ``record`` is written with in ``tier`` ("nvme" or "redis"), as
-        the configuration chooses it (``[[codecs]]``, then the tier's default), and the block
-        format a lossy codec needs (None: unknown, so only the codec's lossless part applies;
-        e.g. a namespace recovered from disk that no client has opened since)."""
-        default = self.config.nvme.codec if tier == "nvme" else self.config.redis.codec
-        ns = record.namespace
-        name = default
-        if ns is not None:
-            for rule in self.config.codecs:
-                if rule.matches(ns.model, ns.tenant):
-                    name = getattr(rule, tier) or default
-                    break
-        return codec_id(name), None if ns is None else block_format_of(ns.layout)
-
-    def _drop_lossy_records(self, record: NamespaceRecord) -> None:
-        """At a namespace's first open (its rules known at last: a namespace recovered from
-        disk has no identity before), drop its lossy NVMe records if this host keeps it
-        lossless: ``lookup`` would count them, and every read refuse them."""
-        tier = self.nvme
-        if tier is None or not record.entries or not tier.holds_lossy():
-            return  # the usual case, decided without a walk over the namespace's entries
-        if self.accepts_lossy(record):
-            return
-        index = self.index
-        lossy = [
-            eid
-            for eid in list(index.ids_of(record.ns_id).values())
-            if index.state[eid] == State.COMMITTED
-            and index.tier[eid] == IN_NVME
-            and tier.codec_of(index.disk[eid]) in LOSSY
-        ]
-        for eid in lossy:
-            self.forget(eid)
-        self.nvme_counters.lossy_refused += len(lossy)
-
-    def accepts_lossy(self, record: NamespaceRecord) -> bool:
-        """Whether a read of ``record``'s blocks may yield a lossy codec's decoded form: where
-        this host's configuration chose a lossy codec for one of the namespace's tiers. Of a
-        namespace configured lossless here, a lossy record (one an earlier rule wrote down, or
-        another host wrote to Redis) is a miss: it reads exactly its committed bytes."""
-        if record.cpu_codec:
-            return True
-        return any(self.codec_of(record, tier)[0] in LOSSY for tier in ("nvme", "redis"))
-
-    def cpu_codec_for(self, namespace: Namespace) -> tuple[int, int]:
-        """(codec, payload bytes) of a namespace's CPU-tier entries (``[[codecs]]`` cpu): fp8
-        where a rule opts in and its layout can be encoded (``codecs.plan``), else (none, 0)."""
-        for rule in self.config.codecs:
-            if rule.matches(namespace.model, namespace.tenant):
-                if rule.cpu != "fp8":
-                    return CODEC_NONE, 0
-                bb = namespace.layout.block_bytes
-                codec, payload = plan(CODEC_FP8, block_format_of(namespace.layout), bb)
-                return (codec, payload) if codec == CODEC_FP8 else (CODEC_NONE, 0)
-        return CODEC_NONE, 0
-
-    def _note_payload(self, record: NamespaceRecord, sign: int) -> None:
-        """A CPU copy of ``record``'s came (+1) or went (-1): Stats' logical CPU bytes."""
-        if record.cpu_codec:
-            self.cpu_slots.payload_savings += sign * (record.block_bytes - record.cpu_bytes)
-
-    def cpu_bytes_of(self, eid: int) -> int:
-        """Bytes of an entry's CPU-tier copy (its slot's length): its block, or its payload."""
-        return self.names[self.index.ns[eid]].cpu_bytes
 
     def check_keys(self, keys: Sequence[bytes], what: str) -> None:
         """The per-request bounds every call with keys obeys (ValueError names the bound)."""
@@ -494,112 +417,8 @@ class BlockStore:
                 raise ValueError(f"{what}: key {i} is {len(key)} bytes, not {KEY_BYTES}")
 
     # ----------------------------------------------------------------- waiting for writers
-    def _note_written(self, eid: int) -> None:
-        """A RESERVED entry was committed or freed: wake whoever waits for it."""
-        waiter = self._written.pop(eid, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def _wait_for_writers(self, ns_id: int, keys: Sequence[bytes], wait_s: float) -> int:
-        """Wait (at most ``wait_s``) until none of ``keys`` is being written; returns how many
-        still are then."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(0.0, min(wait_s, self.limits.write_wait_s))
-        state = self.index.state
-        while True:
-            pending = []
-            ids = self.index.ids_of(ns_id)  # anew after each wait: the namespace's may be new
-            if ids.keys().isdisjoint(keys):  # all new (the common case of a put)
-                return 0
-            for key in keys:
-                eid = ids.get(key)
-                if eid is not None and state[eid] == State.RESERVED:
-                    waiter = self._written.get(eid)
-                    if waiter is None:
-                        waiter = self._written[eid] = loop.create_future()
-                    pending.append(waiter)
-            remaining = deadline - loop.time()
-            if not pending or remaining <= 0:
-                return len(pending)
-            await asyncio.wait(set(pending), timeout=remaining)
 
     # ----------------------------------------------------------------- reads
-    def _committed(self, ns_id: int, key: bytes) -> int | None:
-        eid = self.index.get(ns_id, key)
-        if eid is None or self.index.state[eid] != State.COMMITTED:
-            return None
-        return eid
-
-    def presence(self, handle: Handle) -> PresenceTable:
-        """The presence table of ``handle``'s namespace (``kvstore.presence``), made from its
-        committed keys (and their CPU copies' places) when first asked for; the store keeps it
-        from then on."""
-        record = handle.record
-        if record.presence is None:
-            # In C but for the places (~50 ms per million keys, places apart): a namespace
-            # recovered from a large NVMe tier is first asked for on the event loop.
-            ids = self.index.ids_of(record.ns_id)
-            eids = list(ids.values())
-            states = np.frombuffer(_gather(self.index.state, eids), np.uint8)
-            committed = states == State.COMMITTED
-            fps = fingerprints(b"".join(ids))[committed]
-            places, sums = self._places_of(record, list(compress(eids, committed.tolist())))
-            record.presence = PresenceTable.of_fingerprints(
-                fps,
-                None if places is None else np.array(places, dtype=np.uint64),
-                None if sums is None else np.array(sums, dtype=np.uint64),
-            )
-        return cast(PresenceTable, record.presence)
-
-    def _places_of(
-        self, record: NamespaceRecord, eids: Sequence[int]
-    ) -> tuple[list[int] | None, list[int] | None]:
-        """(places, checksums) of ``record``'s entries ``eids`` in its presence table: each
-        CPU copy's address plus one and that copy's checksum, a place 0 for an entry with no
-        CPU copy; (None, None), no places at all, where a client cannot read the copies itself
-        (fp8 payloads, which only a lease's decode reads)."""
-        if record.cpu_codec:
-            return None, None
-        index = self.index
-        tier, offset, checksum = index.tier, index.offset, index.checksum
-        offsets = [offset[e] if tier[e] & IN_CPU else -1 for e in eids]
-        places = [a + 1 if a >= 0 else 0 for a in self.arena.addresses(offsets)]
-        return places, [checksum[e] for e in eids]
-
-    def _presence_locate(self, eid: int) -> None:
-        """Tell ``eid``'s presence table where its CPU copy now is (or that it has none)."""
-        record = self.names[self.index.ns[eid]]
-        if record.presence is not None and self.index.state[eid] == State.COMMITTED:
-            places, sums = self._places_of(record, (eid,))
-            place, checksum = (places[0], sums[0]) if places and sums else (0, 0)
-            record.presence.locate(self.index.key(eid), place, checksum)
-
-    def _presence_add(self, record: NamespaceRecord, eids: Sequence[int]) -> None:
-        """Note ``eids`` committed in ``record``'s presence table, if it has one. Never raises
-        into a commit: a table that cannot be kept (a rebuild out of memory or descriptors)
-        is retired, so its clients call, and made afresh when next asked for."""
-        table = record.presence
-        if table is None:
-            return
-        try:
-            places, sums = self._places_of(record, eids)
-            record.presence = table.add_many(map(self.index.key, eids), places, sums)
-        except Exception:
-            log.exception("presence table of %s dropped", record.name)
-            table.retire()
-            record.presence = None
-
-    def leading_run(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
-        # Every lookup and acquire walks its keys here: the walk runs in C (map over the dict,
-        # then one gather of the state bytes), ~4x faster than a Python loop for 128 keys.
-        found = list(map(self.index.ids_of(ns_id).get, keys))
-        try:
-            eids = cast(list[int], found[: found.index(None)])
-        except ValueError:  # every key is indexed
-            eids = cast(list[int], found)
-        states = _gather(self.index.state, eids)
-        del eids[len(states) - len(states.lstrip(_COMMITTED)) :]
-        return eids
 
     def count_table_lookups(
         self, handle: Handle, keys: int, found: int, in_cpu: int | None = None
@@ -637,23 +456,23 @@ class BlockStore:
         committed are skipped. Not charged to ``keys_per_s`` (the reads cost the daemon
         nothing; this is a dict lookup per key, within ``max_keys_per_request``)."""
         self.check_keys(keys, "table_reads")
-        ids = self.index.ids_of(handle.ns_id)
-        state = self.index.state
+        ids = self.ledger.index.ids_of(handle.ns_id)
+        state = self.ledger.index.state
         eids = [e for e in map(ids.get, keys) if e is not None and state[e] == State.COMMITTED]
         if not eids:
             return
-        tiers = self.index.tier
+        tiers = self.ledger.index.tier
         self.mover.note_read(eids)
-        self.policy.touch([e for e in eids if tiers[e] & IN_CPU])
+        self.ledger.policy.touch([e for e in eids if tiers[e] & IN_CPU])
         self.device.note_read(eids)
 
     async def lookup(self, handle: Handle, keys: Sequence[bytes]) -> int:
         self.check_keys(keys, "lookup")
         _distinct(keys, "lookup")  # a repeat would count as found (and as hits) each time
         record = handle.record
-        self.quotas.take_keys(record, len(keys), handle.payer)
+        self.ledger.quotas.take_keys(record, len(keys), handle.payer)
         ns_id = record.ns_id
-        run = self.leading_run(ns_id, keys)
+        run = self.ledger.leading_run(ns_id, keys)
         local = len(run)
         shared = 0
         if local < len(keys):
@@ -665,7 +484,7 @@ class BlockStore:
         # of the highest tier that holds it.
         record.lookup_hits += found
         record.lookup_misses += len(keys) - found
-        run_tiers = _gather(self.index.tier, run)  # counted in C, by translation tables
+        run_tiers = gather(self.ledger.index.tier, run)  # counted in C, by translation tables
         in_gpu = run_tiers.translate(_IS_GPU).count(1)
         in_cpu = run_tiers.translate(_IS_CPU_ONLY).count(1)
         self._count_tier_lookups(len(keys), in_gpu, in_cpu, local, shared)
@@ -681,14 +500,14 @@ class BlockStore:
         if self.device.enabled:
             self.device.counters.hits += in_gpu
             self.device.counters.misses += keys - in_gpu
-        self.cpu.hits += in_cpu
-        self.cpu.misses += keys - in_gpu - in_cpu
-        if self.nvme is not None:
-            self.nvme_counters.hits += local - in_gpu - in_cpu
-            self.nvme_counters.misses += keys - local
+        self.ledger.cpu.hits += in_cpu
+        self.ledger.cpu.misses += keys - in_gpu - in_cpu
+        if self.ledger.nvme is not None:
+            self.ledger.nvme_counters.hits += local - in_gpu - in_cpu
+            self.ledger.nvme_counters.misses += keys - local
         if self.shared.enabled:
-            self.redis_counters.hits += shared
-            self.redis_counters.misses += keys - found
+            self.ledger.redis_counters.hits += shared
+            self.ledger.redis_counters.misses += keys - found
 
     async def acquire(
         self,
@@ -714,28 +533,28 @@ class BlockStore:
                 "(limits.max_leases_per_handle): release some first"
             )
         record = handle.record
-        self.quotas.take_keys(record, len(keys), handle.payer)
-        self.quotas.check_pin(record, "leases", 0, payer=handle.payer)
+        self.ledger.quotas.take_keys(record, len(keys), handle.payer)
+        self.ledger.quotas.check_pin(record, "leases", 0, payer=handle.payer)
         ns_id = record.ns_id
         wait = self.limits.write_wait_s if wait_s is None else wait_s
-        eids = self.leading_run(ns_id, keys)
+        eids = self.ledger.leading_run(ns_id, keys)
         pending = False
         if len(eids) < len(keys):
-            eid = self.index.get(ns_id, keys[len(eids)])
-            if eid is not None and self.index.state[eid] == State.RESERVED:
+            eid = self.ledger.index.get(ns_id, keys[len(eids)])
+            if eid is not None and self.ledger.index.state[eid] == State.RESERVED:
                 # Read your writes: another client is committing this very block.
-                pending = await self._wait_for_writers(ns_id, [keys[len(eids)]], wait) > 0
-                eids = self.leading_run(ns_id, keys)
+                pending = await self.ledger.wait_for_writers(ns_id, [keys[len(eids)]], wait) > 0
+                eids = self.ledger.leading_run(ns_id, keys)
         # ``held`` is exactly what this call holds leases on: a call cancelled (a client's
         # deadline) or failing anywhere gives them back, since no lease id exists yet that
         # a release or close could reclaim.
         held: list[int] = []
         try:
             for eid in eids:  # pin the whole run before anything awaits
-                self.index.add_lease(eid)
+                self.ledger.add_lease(eid)
                 held.append(eid)
             local_run = len(eids)
-            tiers = self.index.tier
+            tiers = self.ledger.index.tier
             gpu = gpu and self._maps_pool(handle)
             if not gpu:
                 gpu_only = [e for e in eids if tiers[e] & IN_GPU and not tiers[e] & IN_CPU]
@@ -745,37 +564,37 @@ class BlockStore:
             ready = len(eids)
             for i, eid in enumerate(eids):
                 servable = tiers[eid] & IN_CPU or (gpu and tiers[eid] & IN_GPU)
-                if self.index.state[eid] != State.COMMITTED or not servable:
+                if self.ledger.index.state[eid] != State.COMMITTED or not servable:
                     ready = i
                     break
             for eid in held[ready:]:
-                self._drop_one_lease(eid)
+                self.ledger.drop_lease(eid)
             del held[ready:]
             eids = eids[:ready]
             if ready == local_run < len(keys) and self.shared.enabled and not pending:
                 # The local run ended at a missing block: the shared tier may hold the rest.
                 fetched = await self.shared.fetch(record, list(keys[ready:]))
                 for eid in fetched:  # committed just now, no await since: lease them at once
-                    self.index.add_lease(eid)
+                    self.ledger.add_lease(eid)
                     held.append(eid)
                 eids = eids + fetched
         except BaseException:
             for eid in held:
-                self._drop_one_lease(eid)
+                self.ledger.drop_lease(eid)
             raise
         if handle.closed:  # the client went away while this call waited
             for eid in held:
-                self._drop_one_lease(eid)
+                self.ledger.drop_lease(eid)
             raise UnknownNamespaceError("the namespace handle was closed during the call")
         if not eids:
             return AcquireResult(0, [], [], [], pending)
         on_gpu = [bool(gpu and tiers[e] & IN_GPU) for e in eids]
         arena_eids = [e for e, g in zip(eids, on_gpu, strict=True) if not g]
-        in_arena = [self.index.offset[e] for e in arena_eids]
-        slabs = self.quotas.slabs_of(in_arena)
+        in_arena = [self.ledger.index.offset[e] for e in arena_eids]
+        slabs = self.ledger.quotas.slabs_of(in_arena)
         try:
             # One tenant may pin only its share: the rest of the tier stays evictable.
-            self.quotas.check_pin(
+            self.ledger.quotas.check_pin(
                 record,
                 "leases",
                 len(in_arena) * record.cpu_bytes,
@@ -786,9 +605,9 @@ class BlockStore:
             )
         except CapacityError:
             for eid in held:
-                self._drop_one_lease(eid)
+                self.ledger.drop_lease(eid)
             raise
-        pin = self.quotas.pin(
+        pin = self.ledger.quotas.pin(
             record,
             "leases",
             len(in_arena) * record.cpu_bytes,
@@ -799,8 +618,8 @@ class BlockStore:
         )
         self.mover.note_read(eids)
         # Committed only: an entry deleted during an await above is an orphan, out of policies.
-        self.policy.touch(
-            [e for e in eids if tiers[e] & IN_CPU and self.index.state[e] == State.COMMITTED]
+        self.ledger.policy.touch(
+            [e for e in eids if tiers[e] & IN_CPU and self.ledger.index.state[e] == State.COMMITTED]
         )
         self.device.note_read(eids)
         lease_id = handle.new_id(handle.leases)
@@ -808,17 +627,17 @@ class BlockStore:
             eids, list(keys[: len(eids)]), self._clock() + self.config.lease_ttl_s, pin
         )
         offsets = [
-            self.device.offset[e] if g else self.index.offset[e]
+            self.device.offset[e] if g else self.ledger.index.offset[e]
             for e, g in zip(eids, on_gpu, strict=True)
         ]
         checksums = [
-            self.device.dsum[e] if g else self.index.checksum[e]
+            self.device.dsum[e] if g else self.ledger.index.checksum[e]
             for e, g in zip(eids, on_gpu, strict=True)
         ]
         result = AcquireResult(lease_id, offsets, checksums, on_gpu, pending)
         if record.cpu_codec:  # every block is an arena payload (such a namespace has no pool)
             result.codecs = [record.cpu_codec] * len(eids)
-            result.payload_checksums = [self.payload_sums.get(e, 0) for e in eids]
+            result.payload_checksums = [self.ledger.payload_sums.get(e, 0) for e in eids]
         return result
 
     def release(self, handle: Handle, lease_id: int) -> None:
@@ -826,27 +645,8 @@ class BlockStore:
         if lease is None:
             raise LeaseExpiredError(f"lease {lease_id} is unknown to this handle or expired")
         for eid in lease.eids:
-            self._drop_one_lease(eid)
-        self._unpin(lease.pin)
-
-    def _maybe_forget_books(self, record: NamespaceRecord) -> None:
-        if not record.handles and not record.entries:  # the table forgot the record
-            self.quotas.forget(record)
-
-    def _unpin(self, pin: Pin | None) -> None:
-        if pin is not None:
-            self.quotas.unpin(pin)
-
-    def _drop_one_lease(self, eid: int) -> None:
-        if self.index.drop_lease(eid) == 0 and self.index.state[eid] == State.ORPHAN:
-            self._free_entry(eid)
-
-    def pin(self, eid: int) -> None:
-        """Pin an entry for IO in flight (a write down, a promotion): its slots stay put."""
-        self.index.add_lease(eid)
-
-    def unpin(self, eid: int) -> None:
-        self._drop_one_lease(eid)
+            self.ledger.drop_lease(eid)
+        self.ledger.release_pin(lease.pin)
 
     def read_leased(self, handle: Handle, lease_id: int, i: int) -> tuple[bytes, bytes, int, int]:
         """Block ``i`` of a lease, copied out of the arena now (the bytes path): (key, bytes,
@@ -859,7 +659,7 @@ class BlockStore:
         if lease is None or i >= len(lease.eids):  # expired (or its block ``i`` was cut)
             raise LeaseExpiredError(f"lease {lease_id} expired while its blocks were streamed")
         eid, key = lease.eids[i], lease.keys[i]
-        index = self.index
+        index = self.ledger.index
         if (
             not index.has_key(eid, handle.ns_id, key)
             or index.state[eid] != State.COMMITTED
@@ -868,7 +668,7 @@ class BlockStore:
             raise LeaseExpiredError(f"block {i} of lease {lease_id} no longer holds its key")
         record = handle.record
         offset = index.offset[eid]
-        slot = self.arena.view[offset : offset + record.cpu_bytes]
+        slot = self.ledger.arena.view[offset : offset + record.cpu_bytes]
         return key, bytes(slot), index.checksum[eid], record.cpu_codec
 
     @staticmethod
@@ -915,13 +715,13 @@ class BlockStore:
                 "(limits.max_reservations_per_handle): commit or abort some first"
             )
         if not spare:  # spare slots' keys are placeholders: their Bind spends the keys
-            self.quotas.take_keys(record, len(keys), handle.payer)
-        self.quotas.check_pin(record, "reservations", 0)
+            self.ledger.quotas.take_keys(record, len(keys), handle.payer)
+        self.ledger.quotas.check_pin(record, "reservations", 0)
         if not record.entries and record.namespace is not None:
             # Its first block: past its tenant's share of namespaces holding blocks, refused.
-            self.names.check_share(record.namespace.tenant, handle.principal, record)
+            self.ledger.names.check_share(record.namespace.tenant, handle.principal, record)
         wait = self.limits.write_wait_s if wait_s is None else wait_s
-        pending = 0 if spare else await self._wait_for_writers(record.ns_id, keys, wait)
+        pending = 0 if spare else await self.ledger.wait_for_writers(record.ns_id, keys, wait)
         if not spare:
             await self._persist_present(record.ns_id, keys)
         if handle.closed:
@@ -939,7 +739,7 @@ class BlockStore:
                 if len(slots) >= len(todo):
                     break
                 # Refused before any room is made for it: past its pinned share.
-                self.quotas.check_pin(
+                self.ledger.quotas.check_pin(
                     record, "reservations", len(todo) * bb, [], self._bound(handle)
                 )
                 # Making room may wait for dirty victims to reach the disk; other calls run
@@ -957,23 +757,23 @@ class BlockStore:
                 raise UnknownNamespaceError("the namespace handle was closed during the call")
         except BaseException:
             for offset in slots:
-                self.cpu_unalloc(offset, bb)
+                self.ledger.cpu_unalloc(offset, bb)
             raise
         # No await from here on.
         for offset in slots[len(todo) :]:
-            self.cpu_unalloc(offset, bb)
+            self.ledger.cpu_unalloc(offset, bb)
         del slots[len(todo) :]
         if not todo:
             return ReserveResult(0, offsets, False, pending)
         try:
             # Now the slabs are known: with memory domains a pin counts whole slabs.
-            slabs = self.quotas.slabs_of(slots)
-            self.quotas.check_pin(
+            slabs = self.ledger.quotas.slabs_of(slots)
+            self.ledger.quotas.check_pin(
                 record, "reservations", len(todo) * bb, slabs, self._bound(handle)
             )
         except CapacityError:
             for offset in slots:
-                self.cpu_unalloc(offset, bb)
+                self.ledger.cpu_unalloc(offset, bb)
             raise
         rid = self._add_reservation(handle, keys, todo, slots, priority, offsets)
         if spare:
@@ -1063,7 +863,7 @@ class BlockStore:
             self._spare_granting_bytes -= nbytes
         rid = result.reservation_id
         reservation = handle.reservations[rid]  # no await since it was made
-        reservation.addresses = self.arena.addresses(result.offsets)
+        reservation.addresses = self.ledger.arena.addresses(result.offsets)
         handle.spare_slots.update(
             (address, (rid, eid))
             for address, eid in zip(reservation.addresses, reservation.eids, strict=True)
@@ -1152,16 +952,15 @@ class BlockStore:
             raise ValueError(f"priority must be in [0, 255], got {priority}")
         spare = handle.spare_slots
         self._check_spare(spare, slots)  # before the keys are spent: a refusal costs none
-        self.quotas.take_keys(record, n, handle.payer)
+        self.ledger.quotas.take_keys(record, n, handle.payer)
         wait = self.limits.write_wait_s if wait_s is None else wait_s
-        pending = await self._wait_for_writers(record.ns_id, keys, wait)
+        pending = await self.ledger.wait_for_writers(record.ns_id, keys, wait)
         if handle.closed:
             raise UnknownNamespaceError("the namespace handle was closed during the call")
         # No await from here on: the slots are checked (again: they may have expired during
         # the wait) and bound together.
         self._check_spare(spare, slots)
         todo = self._new_positions(record.ns_id, keys)
-        index = self.index
         if len(todo) == n:  # every key new (a put's usual case): no index lists to build
             bound = [spare.pop(address) for address in slots]
             new_keys, sums = keys, checksums
@@ -1169,13 +968,10 @@ class BlockStore:
             bound = [spare.pop(slots[i]) for i in todo]
             new_keys, sums = [keys[i] for i in todo], [checksums[i] for i in todo]
         eids = [eid for _, eid in bound]  # (reservation id, entry)
-        index.rekey_many(eids, new_keys)
-        prio = index.priority
-        for eid in eids:
-            prio[eid] = priority
+        self.ledger.key_spare_entries(eids, new_keys, priority)
         for rid in {rid for rid, _ in bound}:
             self._take_spare_entries(handle, rid, {eid for r, eid in bound if r == rid})
-        self._commit_cpu_entries(eids, sums)
+        self.ledger.commit_cpu_entries(eids, sums)
         self.mover.note_committed(eids)
         self.shared.note_committed(eids)
         unbound = []
@@ -1202,7 +998,7 @@ class BlockStore:
         self.spare_reserved_bytes -= len(gone) * handle.record.cpu_bytes
         if len(gone) == len(reservation.eids):  # all of it (the usual case)
             del handle.reservations[rid]
-            self._unpin(reservation.pin)
+            self.ledger.release_pin(reservation.pin)
             return
         kept = [
             (e, a)
@@ -1212,14 +1008,16 @@ class BlockStore:
         reservation.eids = [e for e, _ in kept]
         reservation.addresses = [a for _, a in kept]
         if reservation.pin is not None:
-            offsets = [self.index.offset[e] for e in gone]
+            offsets = [self.ledger.index.offset[e] for e in gone]
             nbytes = len(gone) * handle.record.cpu_bytes
-            self.quotas.unpin_part(reservation.pin, nbytes, self.quotas.slabs_of(offsets))
+            self.ledger.quotas.unpin_part(
+                reservation.pin, nbytes, self.ledger.quotas.slabs_of(offsets)
+            )
 
     def _bound(self, handle: Handle) -> Usage | None:
         """The books to bound ``handle``'s pins by (``Quotas.check_pin``): while it is the only
         open handle nobody else can be wedged, so it may pin what its tenant may."""
-        return handle.books if len(self.names) > 1 else None
+        return handle.books if len(self.ledger.names) > 1 else None
 
     def prefetch(self, handle: Handle, keys: list[bytes], gpu: bool = False) -> int:
         """Start promoting the run of ``keys`` (into the GPU pool with ``gpu``, for a caller
@@ -1256,54 +1054,28 @@ class BlockStore:
         if gpu:
             eids = []
             for i, offset in zip(todo, slots, strict=False):
-                eid = self.add_entry(keys[i], ns_id, 0, -1, priority)
+                eid = self.ledger.add_entry(keys[i], ns_id, 0, -1, priority)
                 self.device.place(eid, offset)
                 eids.append(eid)
         else:
-            eids = self._add_cpu_entries(
+            eids = self.ledger.add_cpu_entries(
                 [keys[i] for i in todo], ns_id, slots[: len(todo)], priority
             )
         for i, offset in zip(todo, slots, strict=False):
             offsets[i] = offset
         reservation_id = handle.new_id(handle.reservations)
         arena_slots = [] if gpu else list(slots[: len(eids)])
-        pin = self.quotas.pin(
+        pin = self.ledger.quotas.pin(
             handle.record,
             "reservations",
             len(arena_slots) * handle.record.cpu_bytes,
-            self.quotas.slabs_of(arena_slots),
+            self.ledger.quotas.slabs_of(arena_slots),
             handle.books,
         )
         handle.reservations[reservation_id] = Reservation(
             eids, self._clock() + self.config.reservation_ttl_s, gpu=gpu, pin=pin
         )
         return reservation_id
-
-    def add_entry(self, key: bytes, ns_id: int, tier: int, offset: int, priority: int) -> int:
-        """A new RESERVED entry (counted as reserved and as one of its namespace's entries)."""
-        eid = self.index.add(key, ns_id, tier, offset, priority)
-        if tier & IN_CPU:
-            self.cpu_slots.place(eid, offset, self.names[ns_id].cpu_bytes, clean=False)
-            self.quotas.charge_cpu(self.names[ns_id], self.names[ns_id].cpu_bytes)
-            self._note_payload(self.names[ns_id], +1)
-        self.names[ns_id].entries += 1
-        self._reserved_blocks += 1
-        return eid
-
-    def _add_cpu_entries(
-        self, keys: list[bytes], ns_id: int, slots: list[int], priority: int
-    ) -> list[int]:
-        """``add_entry`` of each ``keys[j]`` in CPU slot ``slots[j]``, as one batch."""
-        record = self.names[ns_id]
-        eids = self.index.add_many(keys, ns_id, IN_CPU, slots, priority)
-        self.cpu_slots.place_dirty(eids, slots)
-        n = len(eids)
-        self.quotas.charge_cpu(record, n * record.cpu_bytes)
-        if record.cpu_codec:
-            self.cpu_slots.payload_savings += n * (record.block_bytes - record.cpu_bytes)
-        record.entries += n
-        self._reserved_blocks += n
-        return eids
 
     async def _reserve_gpu(
         self, handle: Handle, keys: Sequence[bytes], priority: int, offsets: list[int]
@@ -1330,7 +1102,7 @@ class BlockStore:
 
     def _new_positions(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
         """Positions of the keys to write: not indexed, first occurrence in the call."""
-        ids = self.index.ids_of(ns_id)
+        ids = self.ledger.index.ids_of(ns_id)
         if len(set(keys)) == len(keys):  # no repeats (the common case): one test a key
             return [i for i, key in enumerate(keys) if key not in ids]
         todo: list[int] = []
@@ -1391,18 +1163,18 @@ class BlockStore:
                 "per block and none of the other"
             )
         del handle.reservations[reservation_id]
-        self._unpin(reservation.pin)
+        self.ledger.release_pin(reservation.pin)
         eids = reservation.eids
         for eid, payload_sum in zip(eids, payload_checksums, strict=False):
-            self.payload_sums[eid] = payload_sum
+            self.ledger.set_payload_sum(eid, payload_sum)
         if reservation.gpu:
             for eid, checksum in zip(eids, given, strict=True):
-                self._commit_entry(eid, 0)
+                self.ledger.commit_entry(eid, 0)
                 self.device.mark(eid, checksum)  # the host checksum is made with a CPU copy
             self.device.policy.touch(eids)
             self.device.note_committed(eids)
         else:
-            self._commit_cpu_entries(eids, given)
+            self.ledger.commit_cpu_entries(eids, given)
             self.mover.note_committed(eids)
             self.shared.note_committed(eids)
         return len(eids)
@@ -1420,10 +1192,10 @@ class BlockStore:
         """``commit``, acknowledged as ``nvme.durable_puts`` asks: with it, only once every
         block of the reservation is on disk and fdatasync'd (UnavailableError otherwise: the
         blocks are then readable but not durable, and the caller may retry the put)."""
-        durable = self.config.nvme.durable_puts and self.nvme is not None
+        durable = self.config.nvme.durable_puts and self.ledger.nvme is not None
         reservation = handle.reservations.get(reservation_id) if durable else None
         eids = list(reservation.eids) if reservation is not None else []
-        keys = [self.index.key(e) for e in eids]
+        keys = [self.ledger.index.key(e) for e in eids]
         committed = self.commit(
             handle,
             reservation_id,
@@ -1444,9 +1216,13 @@ class BlockStore:
         those it found stored already included: a put that failed to persist, retried, found
         its blocks in memory and was acknowledged with none of them on disk; and a put racing
         another writer's durable put of a key was acknowledged before that write ended."""
-        if not self.config.nvme.durable_puts or self.nvme is None:
+        if not self.config.nvme.durable_puts or self.ledger.nvme is None:
             return
-        ids, state, tier = self.index.ids_of(ns_id), self.index.state, self.index.tier
+        ids, state, tier = (
+            self.ledger.index.ids_of(ns_id),
+            self.ledger.index.state,
+            self.ledger.index.tier,
+        )
         eids, found = [], []
         for key in keys:
             eid = ids.get(key)
@@ -1462,15 +1238,20 @@ class BlockStore:
         durable, or is gone by the end without its write having succeeded: the daemon cannot
         tell a client's delete from an eviction (a failed write-back evicts), and a put is
         acknowledged only with its blocks on disk."""
-        live = [(e, k) for e, k in zip(eids, keys, strict=True) if self.index.has_key(e, ns_id, k)]
-        gpu_only = [e for e, _ in live if not self.index.tier[e] & (IN_CPU | IN_NVME)]
+        live = [
+            (e, k)
+            for e, k in zip(eids, keys, strict=True)
+            if self.ledger.index.has_key(e, ns_id, k)
+        ]
+        gpu_only = [e for e, _ in live if not self.ledger.index.tier[e] & (IN_CPU | IN_NVME)]
         if gpu_only:
             await self.device.to_cpu(gpu_only)
         results = await asyncio.gather(*(self.mover.flush(e, durable=True) for e, _ in live))
         lost = [
             k
             for (e, k), ok in zip(live, results, strict=True)
-            if not ok and not (self.index.has_key(e, ns_id, k) and self.index.tier[e] & IN_NVME)
+            if not ok
+            and not (self.ledger.index.has_key(e, ns_id, k) and self.ledger.index.tier[e] & IN_NVME)
         ]
         if lost:
             raise UnavailableError(
@@ -1478,57 +1259,6 @@ class BlockStore:
                 "full of leased blocks, or failing: see kvstore stat); those still stored are "
                 "in memory, and a retry of the put writes them down"
             )
-
-    def _commit_entry(self, eid: int, checksum: int) -> None:
-        """RESERVED -> COMMITTED: the one place an entry becomes visible."""
-        self.index.commit(eid, checksum)
-        if self.index.tier[eid] & IN_CPU:
-            self.policy.insert(eid, self.index.priority[eid])
-        self._reserved_blocks -= 1
-        record = self.names[self.index.ns[eid]]
-        record.blocks += 1
-        self._presence_add(record, (eid,))
-        self._note_written(eid)
-
-    def _commit_cpu_entries(self, eids: list[int], checksums: Sequence[int]) -> None:
-        """``_commit_entry`` of a CPU reservation's entries (one namespace), then the policy's
-        ``touch`` of them, as one batch."""
-        index = self.index
-        if not eids:
-            return
-        state, checksum_of = index.state, index.checksum
-        for eid in eids:
-            if state[eid] != State.RESERVED or not index.tier[eid] & IN_CPU:
-                raise AssertionError(
-                    f"commit of entry {eid} in state {State(state[eid]).name}, tier "
-                    f"{index.tier[eid]}: a CPU reservation's entries are RESERVED in the CPU tier"
-                )
-        for eid, checksum in zip(eids, checksums, strict=True):
-            state[eid] = State.COMMITTED
-            checksum_of[eid] = checksum
-        priority = index.priority
-        self.policy.insert_touched(eids, [priority[e] for e in eids])
-        self._reserved_blocks -= len(eids)
-        record = self.names[index.ns[eids[0]]]
-        record.blocks += len(eids)
-        self._presence_add(record, eids)
-        if self._written:  # someone waits for a block being written
-            for eid in eids:
-                self._note_written(eid)
-
-    def commit_fetched(self, eid: int, checksum: int) -> None:
-        """Make a block fetched from the shared tier into a RESERVED entry visible (the same
-        transition as ``commit``; the fetch is a reservation the daemon itself holds)."""
-        self._commit_entry(eid, checksum)
-        self.mover.note_committed([eid])
-
-    def commit_recovered(self, eid: int, checksum: int, disk_slot: int) -> None:
-        """Make a block found on disk at start-up (a RESERVED entry just added) visible."""
-        self._commit_entry(eid, checksum)
-        self.mark_on_disk(eid, disk_slot)
-
-    def discard_reserved(self, eid: int) -> None:
-        self._free_entry(eid)
 
     def abort(self, handle: Handle, reservation_id: int) -> None:
         reservation = handle.reservations.get(reservation_id)
@@ -1538,8 +1268,8 @@ class BlockStore:
             )
         del handle.reservations[reservation_id]
         for eid in reservation.eids:
-            self._free_entry(eid)
-        self._unpin(reservation.pin)
+            self.ledger.free_entry(eid)
+        self.ledger.release_pin(reservation.pin)
 
     async def put_block(
         self,
@@ -1565,7 +1295,7 @@ class BlockStore:
         if not reserved.reservation_id:
             return False
         offset = reserved.offsets[0]
-        view = self.arena.view
+        view = self.ledger.arena.view
         for chunk in chunks:
             view[offset : offset + len(chunk)] = chunk
             offset += len(chunk)
@@ -1594,7 +1324,7 @@ class BlockStore:
         if not reserved.reservation_id:
             return False
         offset = reserved.offsets[0]
-        slot = self.arena.view[offset : offset + record.cpu_bytes]
+        slot = self.ledger.arena.view[offset : offset + record.cpu_bytes]
         fmt = block_format_of(record.namespace.layout) if record.namespace else None
         # Encoded and hashed in private memory: the checksums vouch for this block whatever
         # writes into the shared slot, and the thread never touches the slot, so a put given
@@ -1622,194 +1352,16 @@ class BlockStore:
         return True
 
     # ----------------------------------------------------------------- slots and removal
-    def cpu_alloc(self, block_bytes: int, domain: int = 0) -> int | None:
-        """A CPU slot in memory ``domain``, counted as used; None when none is free (or its
-        slab could not be backed)."""
-        return self.cpu_slots.alloc(block_bytes, domain)
-
-    def cpu_unalloc(self, offset: int, block_bytes: int) -> None:
-        """Give back a slot from ``cpu_alloc`` that no entry took."""
-        self.cpu_slots.unalloc(offset, block_bytes)
-
-    def drop_cpu_copy(self, eid: int) -> None:
-        """Free an entry's CPU slot; it must have a disk or GPU copy (it stays findable there)."""
-        if not self.index.tier[eid] & (IN_NVME | IN_GPU):
-            raise AssertionError(f"dropping the only copy of entry {eid}")
-        self._free_cpu_slot(eid)
-        self.policy.remove(eid)
-
-    def drop_disk_copy(self, eid: int) -> None:
-        """Free an entry's disk slot; it must have a CPU or GPU copy (it becomes dirty again)."""
-        if not self.index.tier[eid] & (IN_CPU | IN_GPU):
-            raise AssertionError(f"dropping the only copy of entry {eid}")
-        self._free_disk_slot(eid)
-        self.nvme_policy.remove(eid)
-
-    def _free_cpu_slot(self, eid: int) -> None:
-        clean = bool(self.index.tier[eid] & IN_NVME)
-        record = self.names[self.index.ns[eid]]
-        if (
-            record.presence is not None
-            and self.index.state[eid] == State.COMMITTED  # an orphan's key left with forget
-        ):
-            # Before the slot can go to another block: readers of the table ask from now on.
-            places, _ = self._places_of(record, (eid,))
-            if places:
-                record.presence.unlocate(self.index.key(eid), places[0])
-        self.cpu_slots.vacate(self.index.offset[eid], record.cpu_bytes, clean)
-        self.quotas.charge_cpu(record, -record.cpu_bytes)
-        self._note_payload(record, -1)
-        self.payload_sums.pop(eid, None)
-        self.index.offset[eid] = -1
-        self.index.tier[eid] &= ~IN_CPU
-
-    def disk_owner(self, slot: int) -> int | None:
-        """The entry whose disk copy is in ``slot`` (None: a slot being written)."""
-        return self.disk.owner(slot)
-
-    def _free_disk_slot(self, eid: int) -> None:
-        self.disk.vacate(self.index.disk[eid])
-        record = self.names[self.index.ns[eid]]
-        self.quotas.charge_nvme(record, -record.block_bytes)
-        if self.index.tier[eid] & IN_CPU:
-            self.cpu_slots.note_clean(self.cpu_bytes_of(eid), clean=False)
-        self.index.disk[eid] = -1
-        self.index.tier[eid] &= ~IN_NVME
-
-    def mark_on_disk(self, eid: int, slot: int) -> None:
-        self.disk.place(eid, slot)
-        record = self.names[self.index.ns[eid]]
-        self.quotas.charge_nvme(record, record.block_bytes)
-        self.index.disk[eid] = slot
-        self.index.tier[eid] |= IN_NVME
-        if self.index.tier[eid] & IN_CPU:
-            self.cpu_slots.note_clean(self.cpu_bytes_of(eid), clean=True)
-        self.nvme_policy.insert(eid, self.index.priority[eid])
-
-    def mark_in_redis(self, eid: int) -> None:
-        """This host wrote the block to the shared tier."""
-        self.index.tier[eid] |= IN_REDIS
-
-    def mark_in_gpu(self, eid: int) -> None:
-        self.index.tier[eid] |= IN_GPU
-
-    def unmark_in_gpu(self, eid: int) -> None:
-        self.index.tier[eid] &= ~IN_GPU
-
-    def set_host_checksum(self, eid: int, checksum: int) -> None:
-        """The checksum of a block's first host copy (a GPU block copied down)."""
-        self.index.checksum[eid] = checksum
-
-    def cpu_owner(self, offset: int) -> int | None:
-        """The entry whose CPU copy is in slot ``offset`` (None: a quarantined slot)."""
-        return self.cpu_slots.owner(offset)
-
-    def relocate_cpu(self, eid: int, avoid_slab: int) -> bool:
-        """Move a committed, unleased block to a free slot of its class outside ``avoid_slab``
-        (a slab being drained), verified against its checksum. False when its class has no
-        such free slot; a block that fails verification is dropped (a miss, counted)."""
-        index = self.index
-        if index.state[eid] != State.COMMITTED or index.leases[eid]:
-            return False
-        new = self.cpu_slots.relocate(
-            eid,
-            index.offset[eid],
-            self.cpu_bytes_of(eid),
-            avoid_slab,
-            self.fingerprint_of(eid),
-            index.key(eid),
-            self.payload_sums.get(eid, 0)
-            if self.names[index.ns[eid]].cpu_codec
-            else index.checksum[eid],
-        )
-        if new is None:
-            return False
-        if new < 0:  # the block was damaged where it was
-            self.cpu.checksum_failures += 1
-            self.forget(eid)  # its slot is free all the same
-            return True
-        index.offset[eid] = new
-        self._presence_locate(eid)
-        return True
-
-    def mark_in_cpu(self, eid: int, offset: int) -> None:
-        clean = bool(self.index.tier[eid] & IN_NVME)
-        record = self.names[self.index.ns[eid]]
-        self.cpu_slots.place(eid, offset, record.cpu_bytes, clean)
-        self.quotas.charge_cpu(record, record.cpu_bytes)
-        self._note_payload(record, +1)
-        self.index.offset[eid] = offset
-        self.index.tier[eid] |= IN_CPU
-        self.policy.insert(eid, self.index.priority[eid])
-        self._presence_locate(eid)
-
-    def forget(self, eid: int) -> None:
-        """Remove a committed entry from every tier (evicted from the last tier holding it, or
-        found corrupt). A leased entry keeps its slots until its last lease goes."""
-        if self.index.state[eid] != State.COMMITTED:
-            raise AssertionError(
-                f"forget of entry {eid} in state {State(self.index.state[eid]).name}"
-            )
-        if self.index.tier[eid] & IN_CPU:
-            self.policy.remove(eid)
-        if self.index.tier[eid] & IN_NVME:
-            self.nvme_policy.remove(eid)
-        if self.index.tier[eid] & IN_GPU:
-            self.device.forget_hook(eid)
-        record = self.names[self.index.ns[eid]]
-        record.blocks -= 1
-        if record.presence is not None:
-            record.presence.remove(self.index.key(eid))
-        if self.index.leases[eid]:
-            self.index.orphan(eid)
-        else:
-            self._free_entry(eid)
 
     def delete(self, handle: Handle, keys: Sequence[bytes]) -> int:
         self.check_keys(keys, "delete")
         deleted = 0
         for key in dict.fromkeys(keys):  # a repeated key is deleted once
-            eid = self._committed(handle.ns_id, key)
+            eid = self.ledger.committed(handle.ns_id, key)
             if eid is not None:
-                self.forget(eid)
+                self.ledger.forget(eid)
                 deleted += 1
         return deleted
-
-    def _quarantine_slots(self, eid: int, until: float, pin: Pin | None) -> None:
-        """Take a reserved entry's slots away from it without freeing them (see ``reap``); they
-        stay counted as used, and as pinned by its tenant (``pin``), until ``until``."""
-        # A namespace whose CPU entries are payloads never uses the GPU pool: one size serves.
-        index, bb = self.index, self.cpu_bytes_of(eid)
-        if index.tier[eid] & IN_CPU:
-            heapq.heappush(self._quarantine, (until, False, index.offset[eid], bb, pin))
-            self.cpu_slots.quarantine(index.offset[eid], bb)
-            self._note_payload(self.names[index.ns[eid]], -1)
-            self.payload_sums.pop(eid, None)
-            index.offset[eid] = -1
-            index.tier[eid] &= ~IN_CPU
-        if index.tier[eid] & IN_GPU:
-            slot = self.device.take_slot_away(eid)
-            heapq.heappush(self._quarantine, (until, True, slot, bb, None))
-            index.tier[eid] &= ~IN_GPU
-
-    def _free_entry(self, eid: int) -> None:
-        """Free every slot an entry holds and forget it. Does not touch the policies."""
-        state = self.index.state[eid]
-        if self.index.tier[eid] & IN_CPU:
-            self._free_cpu_slot(eid)
-        if self.index.tier[eid] & IN_NVME:
-            self._free_disk_slot(eid)
-        if self.index.tier[eid] & IN_GPU:
-            self.device.free_slot(eid)
-        if state == State.RESERVED:
-            self._reserved_blocks -= 1
-        record = self.names[self.index.ns[eid]]
-        self.index.drop(eid)
-        if state == State.RESERVED:
-            self._note_written(eid)  # waiters see the key free and may write it themselves
-        record.entries -= 1
-        self.names.maybe_free(record)
-        self._maybe_forget_books(record)
 
     def _expire_reservation(self, reservation: Reservation, now: float) -> float:
         """A reservation (taken out of its handle) ends unused at ``now``: its entries go, and
@@ -1817,15 +1369,15 @@ class BlockStore:
         shortened or spare one's: ``pin_grace_s``, if less), in case its writer copies late.
         Returns when the quarantine ends."""
         if reservation.pin is not None:
-            self.quotas.uncount(reservation.pin)  # its slots stay pinned, quarantined
+            self.ledger.quotas.uncount(reservation.pin)  # its slots stay pinned, quarantined
         # A shortened one (``_shorten_excess``) frees its room for a newcomer sooner.
         quarantine_s = self.config.reservation_ttl_s
         if reservation.shortened:
             quarantine_s = min(quarantine_s, self.limits.pin_grace_s)
         until = now + quarantine_s
         for eid in reservation.eids:
-            self._quarantine_slots(eid, until, reservation.pin)
-            self._free_entry(eid)
+            self.ledger.quarantine_slots(eid, until, reservation.pin)
+            self.ledger.free_entry(eid)
         return until
 
     def reap(self) -> tuple[int, int]:
@@ -1840,18 +1392,9 @@ class BlockStore:
         spare_quarantine = self._spare_quarantine  # released with their slots, just below
         while spare_quarantine and spare_quarantine[0][0] <= now:
             self.spare_quarantined_bytes -= heapq.heappop(spare_quarantine)[1]
-        while self._quarantine and self._quarantine[0][0] <= now:
-            _, gpu, offset, block_bytes, pin = heapq.heappop(self._quarantine)
-            if gpu:
-                self.device.unalloc(offset, block_bytes)
-            else:
-                self.cpu_slots.release_quarantined(offset, block_bytes)
-                if pin is not None:
-                    self.quotas.unpin(pin, block_bytes, self.quotas.slabs_of([offset]))
-                    for books in pin.books:
-                        books.cpu_bytes -= block_bytes
+        self.ledger.release_quarantine(now)
         reservations = leases = 0
-        for handle in self.names.handles():
+        for handle in self.ledger.names.handles():
             for rid in [r for r, v in handle.reservations.items() if v.expires_at <= now]:
                 reservation = handle.reservations.pop(rid)
                 until = self._expire_reservation(reservation, now)
@@ -1861,8 +1404,8 @@ class BlockStore:
             for lid in [lid for lid, v in handle.leases.items() if v.expires_at <= now]:
                 lease = handle.leases.pop(lid)
                 for eid in lease.eids:
-                    self._drop_one_lease(eid)
-                self._unpin(lease.pin)
+                    self.ledger.drop_lease(eid)
+                self.ledger.release_pin(lease.pin)
                 leases += 1
             for lease in handle.leases.values():
                 if lease.cut is not None and lease.cut_expires_at <= now:
@@ -1877,56 +1420,44 @@ class BlockStore:
         del lease.eids[lease.cut :], lease.keys[lease.cut :]
         lease.cut = None
         if lease.pin is not None:
-            self.quotas.unpin_leased(lease.pin, gone)
+            self.ledger.quotas.unpin_leased(lease.pin, gone)
         for eid in gone:
-            self._drop_one_lease(eid)
+            self.ledger.drop_lease(eid)
 
     # ----------------------------------------------------------------- the checker
     def check(self, io_idle: bool = True) -> None:
-        """Assert the invariants of the module docstring and of every part's books;
+        """Assert the invariants of the ledger's module docstring and of every part's books;
         AssertionError names the first one broken. ``io_idle``: no IO is in flight (lease
         counts and byte totals must then be exact)."""
-        from kvstore.daemon.invariants import check_store
-
-        check_store(self, io_idle)
+        spare = SpareBooks(
+            self.spare_reserved_bytes,
+            self.spare_quarantined_bytes,
+            self._spare_quarantine,
+            self.spare_tier_bytes,
+        )
+        check_store(self.ledger, spare, io_idle)
 
     # ----------------------------------------------------------------- stats
     @property
     def active_leases(self) -> int:
-        return sum(len(h.leases) for h in self.names.handles())
+        return sum(len(h.leases) for h in self.ledger.names.handles())
 
     @property
     def active_reservations(self) -> int:
-        return sum(len(h.reservations) for h in self.names.handles())
-
-    @property
-    def reserved_blocks(self) -> int:
-        return self._reserved_blocks
+        return sum(len(h.reservations) for h in self.ledger.names.handles())
 
     @property
     def open_handles(self) -> int:
-        return len(self.names)
-
-    @property
-    def cpu_used_bytes(self) -> int:
-        return self.cpu_slots.used_bytes
-
-    @property
-    def cpu_clean_bytes(self) -> int:
-        return self.cpu_slots.clean_bytes
+        return len(self.ledger.names)
 
     def tier_snapshots(self) -> list[TierSnapshot]:
         """Occupancy and counters of every tier, top down (``Stats``, the metrics)."""
-        from kvstore.daemon.snapshots import tier_snapshots
-
-        return tier_snapshots(self)
+        return tier_snapshots(self.ledger, self.device, self.shared)
 
     def namespace_tier_bytes(self) -> dict[bytes, list[tuple[str, int, int, int, str]]]:
         """By namespace fingerprint: (tier, blocks, logical, stored bytes, codec) in the tiers
         below the CPU tier (``Stats``, the metrics)."""
-        from kvstore.daemon.snapshots import namespace_tier_bytes
-
-        return namespace_tier_bytes(self)
+        return namespace_tier_bytes(self.ledger, self.shared, self.namespaces())
 
     def namespaces(self) -> list[NamespaceRecord]:
-        return [r for r in self.names.records() if r.namespace is not None or r.blocks]
+        return [r for r in self.ledger.names.records() if r.namespace is not None or r.blocks]

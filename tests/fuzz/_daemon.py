@@ -13,7 +13,7 @@ slots hold. Then the contract, after every call:
 - a refused call leaves the store's state as it was (entries, tiers, leases, reservations,
   blocks per namespace), except the leases it asked to release first (``release_leases``);
 - after the whole input, with its handle closed and the loop idle, the store passes its
-  whole-state invariant checker (``kvstore.daemon.invariants.check_store``).
+  whole-state invariant checker (``BlockStore.check``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ with atheris.instrument_imports(include=["kvstore"]):
     from kvstore.checksum import block_checksum
     from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig
     from kvstore.daemon import service
-    from kvstore.daemon.invariants import check_store
     from kvstore.daemon.local_calls import LocalAbort, LocalCalls, LocalContext
     from kvstore.daemon.service import KVStoreServicer
     from kvstore.daemon.store import BlockStore
@@ -143,7 +142,7 @@ class Daemon:
         pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         if pending:
             await asyncio.wait(pending, timeout=5)
-        check_store(self.store)
+        self.store.check()
 
     def _open_request(self) -> pb.OpenNamespaceRequest:
         lay = pb.Layout(

@@ -1,0 +1,672 @@
+"""The ledger: the one writer of block state.
+
+Block state is the index (key -> entry: namespace, tier bits, slots, checksum, priority, lease
+count), each tier's policy membership (CPU, NVMe), the owners of CPU and disk slots, the slots
+quarantined after an expired reservation, the payload checksums of fp8 CPU copies, the
+presence books (``kvstore.presence`` tables) and the waiters for entries being written. Every
+change to it is one of this class's methods; the tiers own slots and bytes and report here what
+landed (``mark_on_disk``, ``mark_in_cpu``, ``commit_entry`` ...), the movement code owns only the
+queues of work in flight, and the store (``kvstore.daemon.store``) composes the public
+operations out of these methods. Nothing here awaits but ``wait_for_writers``: a transition is
+made whole between two awaits of the one event loop, so no lock is needed.
+
+The GPU tier keeps its own slot and checksum tables (the pool holds thousands of blocks, the
+index millions); what the ledger must tell it (an entry forgotten, freed or quarantined) goes
+through the ``GpuSlots`` hooks it is handed, never by importing the tier.
+
+Write protocol: a RESERVED entry (a client's reservation, a fetch from Redis, a record found
+on disk at start-up) becomes visible only through ``commit_entry`` / ``commit_cpu_entries``.
+
+Invariants (``kvstore.daemon.invariants`` asserts them; the tests call it after every step):
+- every keyed entry is RESERVED or COMMITTED, in a known namespace; ORPHANs are unkeyed and
+  leased; ``record.entries`` counts a namespace's keyed entries and orphans;
+- a RESERVED entry belongs to exactly one live reservation; a COMMITTED one to none;
+- each tier's policy holds exactly the COMMITTED entries with a copy in that tier;
+- an entry's lease count is the number of live leases naming it plus IO in flight on it;
+- the CPU bytes counted used are the bytes of the entries holding CPU slots plus quarantined
+  slots; the clean bytes are those of CPU blocks with a disk copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import time
+from collections.abc import Callable, Sequence
+from itertools import compress
+from operator import itemgetter
+from typing import TYPE_CHECKING, Protocol, cast
+
+import numpy as np
+
+from kvstore.config import DaemonConfig
+from kvstore.daemon.cpu_tier import CpuSlots
+from kvstore.daemon.disk_tier import DiskSlots
+from kvstore.daemon.namespaces import NamespaceRecord, NamespaceTable
+from kvstore.daemon.quotas import Pin, Quotas
+from kvstore.daemon.tierstats import TierCounters
+from kvstore.index import IN_CPU, IN_GPU, IN_NVME, IN_REDIS, BlockIndex, State
+from kvstore.keys import Namespace
+from kvstore.policy import EvictionPolicy, make_policy
+from kvstore.presence import PresenceTable, fingerprints
+from kvstore.tiers.codecs import (
+    CODEC_FP8,
+    CODEC_NONE,
+    LOSSY,
+    BlockFormat,
+    block_format_of,
+    codec_id,
+    plan,
+)
+from kvstore.tiers.cpu import SharedMemoryArena, SlabAllocator
+
+if TYPE_CHECKING:
+    from kvstore.tiers.nvme import NvmeTier
+
+log = logging.getLogger(__name__)
+
+_COMMITTED = bytes([State.COMMITTED])  # leading_run: the state byte of a committed entry
+
+
+def gather(field: bytearray, eids: list[int]) -> bytes:
+    """``field[eid]`` of each entry, in order, gathered in C (``itemgetter`` of n > 1 indices
+    gives a tuple: ~2.4x faster than ``bytes(map(field.__getitem__, eids))`` at 128)."""
+    if len(eids) > 1:
+        return bytes(itemgetter(*eids)(field))
+    return bytes([field[eids[0]]]) if eids else b""
+
+
+class GpuSlots(Protocol):
+    """What the ledger tells the GPU tier, which keeps its own slot tables (``DeviceTier``)."""
+
+    def forget_hook(self, eid: int) -> None:
+        """``eid`` is being forgotten: drop it from the tier's policy."""
+
+    def free_slot(self, eid: int) -> None:
+        """Free ``eid``'s pool slot (and clear its GPU bit through ``unmark_in_gpu``)."""
+
+    def take_slot_away(self, eid: int) -> int:
+        """Detach ``eid``'s pool slot without freeing it (a quarantine); returns it."""
+
+    def unalloc(self, offset: int, block_bytes: int) -> None:
+        """Give back a pool slot no entry holds (a quarantine ended)."""
+
+
+class _NoGpu:
+    """The hooks before a GPU tier is attached: no entry can be in the pool then."""
+
+    def forget_hook(self, eid: int) -> None:
+        raise AssertionError(f"entry {eid} is in a GPU pool no tier owns")
+
+    free_slot = forget_hook
+
+    def take_slot_away(self, eid: int) -> int:
+        raise AssertionError(f"entry {eid} is in a GPU pool no tier owns")
+
+    def unalloc(self, offset: int, block_bytes: int) -> None:
+        raise AssertionError(f"pool slot {offset} quarantined with no GPU tier")
+
+
+class Ledger:
+    """See the module docstring. Event-loop only."""
+
+    def __init__(self, config: DaemonConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.limits = config.limits
+        self._clock = clock
+        self.cpu_slots = CpuSlots(config.cpu)
+        self.index = BlockIndex()
+        self.policy: EvictionPolicy = make_policy(config.cpu.policy)
+        self.nvme_policy: EvictionPolicy = make_policy(config.nvme.policy)
+        self.redis_counters = TierCounters()
+        self.disk = DiskSlots()  # its NvmeTier is opened by the Mover's start()
+        self.names = NamespaceTable(config.limits, tenant_domains=config.auth.has_policy)
+        self.quotas = Quotas(
+            config,
+            slab_of=self.allocator.slab_of,
+            slab_bytes=self.allocator.slab_bytes,
+            clock=clock,
+            domains=config.auth.has_policy,
+        )
+        self.gpu: GpuSlots = _NoGpu()
+        # (until, in the GPU pool, offset, block bytes, its reservation's pin) of slots of
+        # expired reservations: charged to their tenant until they are reusable. A heap by
+        # ``until`` (a shortened reservation's quarantine ends sooner than others'); no two
+        # items share a slot, so the comparison never reaches the pin.
+        self.quarantine: list[tuple[float, bool, int, int, Pin | None]] = []
+        # The payload checksum of each CPU copy that is an fp8 payload (its entry's checksum
+        # is the decoded form's, what a reader verifies after decoding).
+        self.payload_sums: dict[int, int] = {}
+        # Waiters for the commit (or the end) of RESERVED entries, by entry id.
+        self._written: dict[int, asyncio.Future[None]] = {}
+        self._reserved_blocks = 0
+
+    def close(self) -> None:
+        for record in self.names.records():
+            if record.presence is not None:  # clients that map it fall back to calls
+                record.presence.close()
+                record.presence = None
+        self.cpu_slots.close()
+
+    # ----------------------------------------------------------------- transitions the
+    # store composes (the rest below are the tiers' and the store's alike)
+    def add_lease(self, eid: int) -> None:
+        """A reader leases ``eid`` (``drop_lease`` ends it): its slots stay put."""
+        self.index.add_lease(eid)
+
+    def key_spare_entries(self, eids: list[int], keys: Sequence[bytes], priority: int) -> None:
+        """Spare slots' RESERVED entries (keyed by placeholders) take the keys a Bind names."""
+        self.index.rekey_many(eids, keys)
+        prio = self.index.priority
+        for eid in eids:
+            prio[eid] = priority
+
+    def set_payload_sum(self, eid: int, checksum: int) -> None:
+        """The checksum of ``eid``'s CPU copy as an fp8 payload (its entry's is the block's)."""
+        self.payload_sums[eid] = checksum
+
+    def release_quarantine(self, now: float) -> None:
+        """Slots whose quarantine ended by ``now`` become reusable, and their pins go."""
+        while self.quarantine and self.quarantine[0][0] <= now:
+            _, gpu, offset, block_bytes, pin = heapq.heappop(self.quarantine)
+            if gpu:
+                self.gpu.unalloc(offset, block_bytes)
+            else:
+                self.cpu_slots.release_quarantined(offset, block_bytes)
+                if pin is not None:
+                    self.quotas.unpin(pin, block_bytes, self.quotas.slabs_of([offset]))
+                    for books in pin.books:
+                        books.cpu_bytes -= block_bytes
+
+    @property
+    def arena(self) -> SharedMemoryArena:
+        return self.cpu_slots.arena
+
+    @property
+    def allocator(self) -> SlabAllocator:
+        return self.cpu_slots.allocator
+
+    @property
+    def cpu(self) -> TierCounters:
+        return self.cpu_slots.counters
+
+    @property
+    def nvme(self) -> NvmeTier | None:
+        """The NVMe tier's IO object, once the Mover opened it (None without one)."""
+        return self.disk.tier
+
+    @property
+    def nvme_counters(self) -> TierCounters:
+        return self.disk.counters
+
+    def recovered_namespace(self, fingerprint: bytes, block_bytes: int) -> NamespaceRecord:
+        record = self.names.recovered(fingerprint, block_bytes)
+        if record.usage is None:
+            self.quotas.new_books(record)
+        return record
+
+    def namespace_record(self, ns_id: int) -> NamespaceRecord:
+        """The record of an entry's namespace (recovered ones included)."""
+        return self.names[ns_id]
+
+    def block_bytes_of(self, eid: int) -> int:
+        return self.names[self.index.ns[eid]].block_bytes
+
+    def domain_of(self, eid: int) -> int:
+        """The memory domain (tenant) whose slabs hold this entry's CPU copy."""
+        return self.names[self.index.ns[eid]].domain
+
+    def fingerprint_of(self, eid: int) -> bytes:
+        return self.names[self.index.ns[eid]].fingerprint
+
+    def codec_of(self, record: NamespaceRecord, tier: str) -> tuple[int, BlockFormat | None]:
+        """The codec a block of ``record`` is written with in ``tier`` ("nvme" or "redis"), as
+        the configuration chooses it (``[[codecs]]``, then the tier's default), and the block
+        format a lossy codec needs (None: unknown, so only the codec's lossless part applies;
+        e.g. a namespace recovered from disk that no client has opened since)."""
+        default = self.config.nvme.codec if tier == "nvme" else self.config.redis.codec
+        ns = record.namespace
+        name = default
+        if ns is not None:
+            for rule in self.config.codecs:
+                if rule.matches(ns.model, ns.tenant):
+                    name = getattr(rule, tier) or default
+                    break
+        return codec_id(name), None if ns is None else block_format_of(ns.layout)
+
+    def drop_lossy_records(self, record: NamespaceRecord) -> None:
+        """At a namespace's first open (its rules known at last: a namespace recovered from
+        disk has no identity before), drop its lossy NVMe records if this host keeps it
+        lossless: ``lookup`` would count them, and every read refuse them."""
+        tier = self.nvme
+        if tier is None or not record.entries or not tier.holds_lossy():
+            return  # the usual case, decided without a walk over the namespace's entries
+        if self.accepts_lossy(record):
+            return
+        index = self.index
+        lossy = [
+            eid
+            for eid in list(index.ids_of(record.ns_id).values())
+            if index.state[eid] == State.COMMITTED
+            and index.tier[eid] == IN_NVME
+            and tier.codec_of(index.disk[eid]) in LOSSY
+        ]
+        for eid in lossy:
+            self.forget(eid)
+        self.nvme_counters.lossy_refused += len(lossy)
+
+    def accepts_lossy(self, record: NamespaceRecord) -> bool:
+        """Whether a read of ``record``'s blocks may yield a lossy codec's decoded form: where
+        this host's configuration chose a lossy codec for one of the namespace's tiers. Of a
+        namespace configured lossless here, a lossy record (one an earlier rule wrote down, or
+        another host wrote to Redis) is a miss: it reads exactly its committed bytes."""
+        if record.cpu_codec:
+            return True
+        return any(self.codec_of(record, tier)[0] in LOSSY for tier in ("nvme", "redis"))
+
+    def cpu_codec_for(self, namespace: Namespace) -> tuple[int, int]:
+        """(codec, payload bytes) of a namespace's CPU-tier entries (``[[codecs]]`` cpu): fp8
+        where a rule opts in and its layout can be encoded (``codecs.plan``), else (none, 0)."""
+        for rule in self.config.codecs:
+            if rule.matches(namespace.model, namespace.tenant):
+                if rule.cpu != "fp8":
+                    return CODEC_NONE, 0
+                bb = namespace.layout.block_bytes
+                codec, payload = plan(CODEC_FP8, block_format_of(namespace.layout), bb)
+                return (codec, payload) if codec == CODEC_FP8 else (CODEC_NONE, 0)
+        return CODEC_NONE, 0
+
+    def _note_payload(self, record: NamespaceRecord, sign: int) -> None:
+        """A CPU copy of ``record``'s came (+1) or went (-1): Stats' logical CPU bytes."""
+        if record.cpu_codec:
+            self.cpu_slots.payload_savings += sign * (record.block_bytes - record.cpu_bytes)
+
+    def cpu_bytes_of(self, eid: int) -> int:
+        """Bytes of an entry's CPU-tier copy (its slot's length): its block, or its payload."""
+        return self.names[self.index.ns[eid]].cpu_bytes
+
+    def _note_written(self, eid: int) -> None:
+        """A RESERVED entry was committed or freed: wake whoever waits for it."""
+        waiter = self._written.pop(eid, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait_for_writers(self, ns_id: int, keys: Sequence[bytes], wait_s: float) -> int:
+        """Wait (at most ``wait_s``) until none of ``keys`` is being written; returns how many
+        still are then."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, min(wait_s, self.limits.write_wait_s))
+        state = self.index.state
+        while True:
+            pending = []
+            ids = self.index.ids_of(ns_id)  # anew after each wait: the namespace's may be new
+            if ids.keys().isdisjoint(keys):  # all new (the common case of a put)
+                return 0
+            for key in keys:
+                eid = ids.get(key)
+                if eid is not None and state[eid] == State.RESERVED:
+                    waiter = self._written.get(eid)
+                    if waiter is None:
+                        waiter = self._written[eid] = loop.create_future()
+                    pending.append(waiter)
+            remaining = deadline - loop.time()
+            if not pending or remaining <= 0:
+                return len(pending)
+            await asyncio.wait(set(pending), timeout=remaining)
+
+    def committed(self, ns_id: int, key: bytes) -> int | None:
+        eid = self.index.get(ns_id, key)
+        if eid is None or self.index.state[eid] != State.COMMITTED:
+            return None
+        return eid
+
+    def presence(self, record: NamespaceRecord) -> PresenceTable:
+        """The presence table of namespace ``record`` (``kvstore.presence``), made from its
+        committed keys (and their CPU copies' places) when first asked for; kept from then on."""
+        if record.presence is None:
+            # In C but for the places (~50 ms per million keys, places apart): a namespace
+            # recovered from a large NVMe tier is first asked for on the event loop.
+            ids = self.index.ids_of(record.ns_id)
+            eids = list(ids.values())
+            states = np.frombuffer(gather(self.index.state, eids), np.uint8)
+            committed = states == State.COMMITTED
+            fps = fingerprints(b"".join(ids))[committed]
+            places, sums = self._places_of(record, list(compress(eids, committed.tolist())))
+            record.presence = PresenceTable.of_fingerprints(
+                fps,
+                None if places is None else np.array(places, dtype=np.uint64),
+                None if sums is None else np.array(sums, dtype=np.uint64),
+            )
+        return cast(PresenceTable, record.presence)
+
+    def _places_of(
+        self, record: NamespaceRecord, eids: Sequence[int]
+    ) -> tuple[list[int] | None, list[int] | None]:
+        """(places, checksums) of ``record``'s entries ``eids`` in its presence table: each
+        CPU copy's address plus one and that copy's checksum, a place 0 for an entry with no
+        CPU copy; (None, None), no places at all, where a client cannot read the copies itself
+        (fp8 payloads, which only a lease's decode reads)."""
+        if record.cpu_codec:
+            return None, None
+        index = self.index
+        tier, offset, checksum = index.tier, index.offset, index.checksum
+        offsets = [offset[e] if tier[e] & IN_CPU else -1 for e in eids]
+        places = [a + 1 if a >= 0 else 0 for a in self.arena.addresses(offsets)]
+        return places, [checksum[e] for e in eids]
+
+    def _presence_locate(self, eid: int) -> None:
+        """Tell ``eid``'s presence table where its CPU copy now is (or that it has none)."""
+        record = self.names[self.index.ns[eid]]
+        if record.presence is not None and self.index.state[eid] == State.COMMITTED:
+            places, sums = self._places_of(record, (eid,))
+            place, checksum = (places[0], sums[0]) if places and sums else (0, 0)
+            record.presence.locate(self.index.key(eid), place, checksum)
+
+    def _presence_add(self, record: NamespaceRecord, eids: Sequence[int]) -> None:
+        """Note ``eids`` committed in ``record``'s presence table, if it has one. Never raises
+        into a commit: a table that cannot be kept (a rebuild out of memory or descriptors)
+        is retired, so its clients call, and made afresh when next asked for."""
+        table = record.presence
+        if table is None:
+            return
+        try:
+            places, sums = self._places_of(record, eids)
+            record.presence = table.add_many(map(self.index.key, eids), places, sums)
+        except Exception:
+            log.exception("presence table of %s dropped", record.name)
+            table.retire()
+            record.presence = None
+
+    def leading_run(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
+        # Every lookup and acquire walks its keys here: the walk runs in C (map over the dict,
+        # then one gather of the state bytes), ~4x faster than a Python loop for 128 keys.
+        found = list(map(self.index.ids_of(ns_id).get, keys))
+        try:
+            eids = cast(list[int], found[: found.index(None)])
+        except ValueError:  # every key is indexed
+            eids = cast(list[int], found)
+        states = gather(self.index.state, eids)
+        del eids[len(states) - len(states.lstrip(_COMMITTED)) :]
+        return eids
+
+    def maybe_forget_books(self, record: NamespaceRecord) -> None:
+        if not record.handles and not record.entries:  # the table forgot the record
+            self.quotas.forget(record)
+
+    def release_pin(self, pin: Pin | None) -> None:
+        if pin is not None:
+            self.quotas.unpin(pin)
+
+    def drop_lease(self, eid: int) -> None:
+        if self.index.drop_lease(eid) == 0 and self.index.state[eid] == State.ORPHAN:
+            self.free_entry(eid)
+
+    def pin(self, eid: int) -> None:
+        """Pin an entry for IO in flight (a write down, a promotion): its slots stay put."""
+        self.index.add_lease(eid)
+
+    def unpin(self, eid: int) -> None:
+        self.drop_lease(eid)
+
+    def add_entry(self, key: bytes, ns_id: int, tier: int, offset: int, priority: int) -> int:
+        """A new RESERVED entry (counted as reserved and as one of its namespace's entries)."""
+        eid = self.index.add(key, ns_id, tier, offset, priority)
+        if tier & IN_CPU:
+            self.cpu_slots.place(eid, offset, self.names[ns_id].cpu_bytes, clean=False)
+            self.quotas.charge_cpu(self.names[ns_id], self.names[ns_id].cpu_bytes)
+            self._note_payload(self.names[ns_id], +1)
+        self.names[ns_id].entries += 1
+        self._reserved_blocks += 1
+        return eid
+
+    def add_cpu_entries(
+        self, keys: list[bytes], ns_id: int, slots: list[int], priority: int
+    ) -> list[int]:
+        """``add_entry`` of each ``keys[j]`` in CPU slot ``slots[j]``, as one batch."""
+        record = self.names[ns_id]
+        eids = self.index.add_many(keys, ns_id, IN_CPU, slots, priority)
+        self.cpu_slots.place_dirty(eids, slots)
+        n = len(eids)
+        self.quotas.charge_cpu(record, n * record.cpu_bytes)
+        if record.cpu_codec:
+            self.cpu_slots.payload_savings += n * (record.block_bytes - record.cpu_bytes)
+        record.entries += n
+        self._reserved_blocks += n
+        return eids
+
+    def commit_entry(self, eid: int, checksum: int) -> None:
+        """RESERVED -> COMMITTED: the one place an entry becomes visible."""
+        self.index.commit(eid, checksum)
+        if self.index.tier[eid] & IN_CPU:
+            self.policy.insert(eid, self.index.priority[eid])
+        self._reserved_blocks -= 1
+        record = self.names[self.index.ns[eid]]
+        record.blocks += 1
+        self._presence_add(record, (eid,))
+        self._note_written(eid)
+
+    def commit_cpu_entries(self, eids: list[int], checksums: Sequence[int]) -> None:
+        """``_commit_entry`` of a CPU reservation's entries (one namespace), then the policy's
+        ``touch`` of them, as one batch."""
+        index = self.index
+        if not eids:
+            return
+        state, checksum_of = index.state, index.checksum
+        for eid in eids:
+            if state[eid] != State.RESERVED or not index.tier[eid] & IN_CPU:
+                raise AssertionError(
+                    f"commit of entry {eid} in state {State(state[eid]).name}, tier "
+                    f"{index.tier[eid]}: a CPU reservation's entries are RESERVED in the CPU tier"
+                )
+        for eid, checksum in zip(eids, checksums, strict=True):
+            state[eid] = State.COMMITTED
+            checksum_of[eid] = checksum
+        priority = index.priority
+        self.policy.insert_touched(eids, [priority[e] for e in eids])
+        self._reserved_blocks -= len(eids)
+        record = self.names[index.ns[eids[0]]]
+        record.blocks += len(eids)
+        self._presence_add(record, eids)
+        if self._written:  # someone waits for a block being written
+            for eid in eids:
+                self._note_written(eid)
+
+    def commit_recovered(self, eid: int, checksum: int, disk_slot: int) -> None:
+        """Make a block found on disk at start-up (a RESERVED entry just added) visible."""
+        self.commit_entry(eid, checksum)
+        self.mark_on_disk(eid, disk_slot)
+
+    def discard_reserved(self, eid: int) -> None:
+        self.free_entry(eid)
+
+    def cpu_alloc(self, block_bytes: int, domain: int = 0) -> int | None:
+        """A CPU slot in memory ``domain``, counted as used; None when none is free (or its
+        slab could not be backed)."""
+        return self.cpu_slots.alloc(block_bytes, domain)
+
+    def cpu_unalloc(self, offset: int, block_bytes: int) -> None:
+        """Give back a slot from ``cpu_alloc`` that no entry took."""
+        self.cpu_slots.unalloc(offset, block_bytes)
+
+    def drop_cpu_copy(self, eid: int) -> None:
+        """Free an entry's CPU slot; it must have a disk or GPU copy (it stays findable there)."""
+        if not self.index.tier[eid] & (IN_NVME | IN_GPU):
+            raise AssertionError(f"dropping the only copy of entry {eid}")
+        self._free_cpu_slot(eid)
+        self.policy.remove(eid)
+
+    def drop_disk_copy(self, eid: int) -> None:
+        """Free an entry's disk slot; it must have a CPU or GPU copy (it becomes dirty again)."""
+        if not self.index.tier[eid] & (IN_CPU | IN_GPU):
+            raise AssertionError(f"dropping the only copy of entry {eid}")
+        self._free_disk_slot(eid)
+        self.nvme_policy.remove(eid)
+
+    def _free_cpu_slot(self, eid: int) -> None:
+        clean = bool(self.index.tier[eid] & IN_NVME)
+        record = self.names[self.index.ns[eid]]
+        if (
+            record.presence is not None
+            and self.index.state[eid] == State.COMMITTED  # an orphan's key left with forget
+        ):
+            # Before the slot can go to another block: readers of the table ask from now on.
+            places, _ = self._places_of(record, (eid,))
+            if places:
+                record.presence.unlocate(self.index.key(eid), places[0])
+        self.cpu_slots.vacate(self.index.offset[eid], record.cpu_bytes, clean)
+        self.quotas.charge_cpu(record, -record.cpu_bytes)
+        self._note_payload(record, -1)
+        self.payload_sums.pop(eid, None)
+        self.index.offset[eid] = -1
+        self.index.tier[eid] &= ~IN_CPU
+
+    def disk_owner(self, slot: int) -> int | None:
+        """The entry whose disk copy is in ``slot`` (None: a slot being written)."""
+        return self.disk.owner(slot)
+
+    def _free_disk_slot(self, eid: int) -> None:
+        self.disk.vacate(self.index.disk[eid])
+        record = self.names[self.index.ns[eid]]
+        self.quotas.charge_nvme(record, -record.block_bytes)
+        if self.index.tier[eid] & IN_CPU:
+            self.cpu_slots.note_clean(self.cpu_bytes_of(eid), clean=False)
+        self.index.disk[eid] = -1
+        self.index.tier[eid] &= ~IN_NVME
+
+    def mark_on_disk(self, eid: int, slot: int) -> None:
+        self.disk.place(eid, slot)
+        record = self.names[self.index.ns[eid]]
+        self.quotas.charge_nvme(record, record.block_bytes)
+        self.index.disk[eid] = slot
+        self.index.tier[eid] |= IN_NVME
+        if self.index.tier[eid] & IN_CPU:
+            self.cpu_slots.note_clean(self.cpu_bytes_of(eid), clean=True)
+        self.nvme_policy.insert(eid, self.index.priority[eid])
+
+    def mark_in_redis(self, eid: int) -> None:
+        """This host wrote the block to the shared tier."""
+        self.index.tier[eid] |= IN_REDIS
+
+    def mark_in_gpu(self, eid: int) -> None:
+        self.index.tier[eid] |= IN_GPU
+
+    def unmark_in_gpu(self, eid: int) -> None:
+        self.index.tier[eid] &= ~IN_GPU
+
+    def set_host_checksum(self, eid: int, checksum: int) -> None:
+        """The checksum of a block's first host copy (a GPU block copied down)."""
+        self.index.checksum[eid] = checksum
+
+    def cpu_owner(self, offset: int) -> int | None:
+        """The entry whose CPU copy is in slot ``offset`` (None: a quarantined slot)."""
+        return self.cpu_slots.owner(offset)
+
+    def relocate_cpu(self, eid: int, avoid_slab: int) -> bool:
+        """Move a committed, unleased block to a free slot of its class outside ``avoid_slab``
+        (a slab being drained), verified against its checksum. False when its class has no
+        such free slot; a block that fails verification is dropped (a miss, counted)."""
+        index = self.index
+        if index.state[eid] != State.COMMITTED or index.leases[eid]:
+            return False
+        new = self.cpu_slots.relocate(
+            eid,
+            index.offset[eid],
+            self.cpu_bytes_of(eid),
+            avoid_slab,
+            self.fingerprint_of(eid),
+            index.key(eid),
+            self.payload_sums.get(eid, 0)
+            if self.names[index.ns[eid]].cpu_codec
+            else index.checksum[eid],
+        )
+        if new is None:
+            return False
+        if new < 0:  # the block was damaged where it was
+            self.cpu.checksum_failures += 1
+            self.forget(eid)  # its slot is free all the same
+            return True
+        index.offset[eid] = new
+        self._presence_locate(eid)
+        return True
+
+    def mark_in_cpu(self, eid: int, offset: int) -> None:
+        clean = bool(self.index.tier[eid] & IN_NVME)
+        record = self.names[self.index.ns[eid]]
+        self.cpu_slots.place(eid, offset, record.cpu_bytes, clean)
+        self.quotas.charge_cpu(record, record.cpu_bytes)
+        self._note_payload(record, +1)
+        self.index.offset[eid] = offset
+        self.index.tier[eid] |= IN_CPU
+        self.policy.insert(eid, self.index.priority[eid])
+        self._presence_locate(eid)
+
+    def forget(self, eid: int) -> None:
+        """Remove a committed entry from every tier (evicted from the last tier holding it, or
+        found corrupt). A leased entry keeps its slots until its last lease goes."""
+        if self.index.state[eid] != State.COMMITTED:
+            raise AssertionError(
+                f"forget of entry {eid} in state {State(self.index.state[eid]).name}"
+            )
+        if self.index.tier[eid] & IN_CPU:
+            self.policy.remove(eid)
+        if self.index.tier[eid] & IN_NVME:
+            self.nvme_policy.remove(eid)
+        if self.index.tier[eid] & IN_GPU:
+            self.gpu.forget_hook(eid)
+        record = self.names[self.index.ns[eid]]
+        record.blocks -= 1
+        if record.presence is not None:
+            record.presence.remove(self.index.key(eid))
+        if self.index.leases[eid]:
+            self.index.orphan(eid)
+        else:
+            self.free_entry(eid)
+
+    def quarantine_slots(self, eid: int, until: float, pin: Pin | None) -> None:
+        """Take a reserved entry's slots away from it without freeing them (see ``reap``); they
+        stay counted as used, and as pinned by its tenant (``pin``), until ``until``."""
+        # A namespace whose CPU entries are payloads never uses the GPU pool: one size serves.
+        index, bb = self.index, self.cpu_bytes_of(eid)
+        if index.tier[eid] & IN_CPU:
+            heapq.heappush(self.quarantine, (until, False, index.offset[eid], bb, pin))
+            self.cpu_slots.quarantine(index.offset[eid], bb)
+            self._note_payload(self.names[index.ns[eid]], -1)
+            self.payload_sums.pop(eid, None)
+            index.offset[eid] = -1
+            index.tier[eid] &= ~IN_CPU
+        if index.tier[eid] & IN_GPU:
+            slot = self.gpu.take_slot_away(eid)
+            heapq.heappush(self.quarantine, (until, True, slot, bb, None))
+            index.tier[eid] &= ~IN_GPU
+
+    def free_entry(self, eid: int) -> None:
+        """Free every slot an entry holds and forget it. Does not touch the policies."""
+        state = self.index.state[eid]
+        if self.index.tier[eid] & IN_CPU:
+            self._free_cpu_slot(eid)
+        if self.index.tier[eid] & IN_NVME:
+            self._free_disk_slot(eid)
+        if self.index.tier[eid] & IN_GPU:
+            self.gpu.free_slot(eid)
+        if state == State.RESERVED:
+            self._reserved_blocks -= 1
+        record = self.names[self.index.ns[eid]]
+        self.index.drop(eid)
+        if state == State.RESERVED:
+            self._note_written(eid)  # waiters see the key free and may write it themselves
+        record.entries -= 1
+        self.names.maybe_free(record)
+        self.maybe_forget_books(record)
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self._reserved_blocks
+
+    @property
+    def cpu_used_bytes(self) -> int:
+        return self.cpu_slots.used_bytes
+
+    @property
+    def cpu_clean_bytes(self) -> int:
+        return self.cpu_slots.clean_bytes
