@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gpu_tier.py            # needs CUDA and CuPy
     python benchmarks/bench_gpu_tier.py --blocks 128 --runs 3
+    python benchmarks/bench_gpu_tier.py --smoke    # 8 blocks, one timed run; exits 77 without CUDA
 
 A worker holds a paged cache shaped like Llama-3-8B's (32 layers, 8 KV heads, head dim 128,
 bf16, 16-token blocks: 2 MiB per block) on the GPU, and moves ``--blocks`` blocks per transfer
@@ -19,7 +20,8 @@ through real daemons:
    one is in, against the pinned host-to-device copy.
 
 Every figure is the median of ``--runs`` runs; keys are deleted between runs so every offload
-stores new blocks. Prints GB/s (1e9 bytes) and each transfer's ratio to its limit.
+stores new blocks. Prints GB/s (1e9 bytes) and each transfer's ratio to its limit. Every
+load is compared with the blocks offloaded.
 """
 
 from __future__ import annotations
@@ -36,7 +38,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import KVStoreDaemon
+from _harness import (
+    KVStoreDaemon,
+    add_run_args,
+    emit,
+    expect,
+    finish_args,
+    print_header,
+    run_main,
+    skip,
+)
 
 from kvstore import KVLayout, KVStoreClient
 from kvstore.client import paged_io
@@ -92,12 +103,12 @@ def bench_gpu_pool(
         KVStoreClient(daemon.address, layout=LAYOUT, model="bench") as kv,
     ):
         keys = kv.hash_tokens(list(range(LAYOUT.block_size * n)))
-        if kv._pool_link.device_for(src) is None:
-            sys.exit("bench_gpu_tier: the client could not map the daemon's GPU pool")
+        mapped = kv._pool_link.device_for(src) is not None
+        expect(mapped, "bench_gpu_tier: the client could not map the daemon's GPU pool")
         offload = median(lambda: kv.offload(src, ids, keys), runs, device, lambda: kv.delete(keys))
         load = median(lambda: kv.load(dst, ids, keys), runs, device)
-        if not all(torch.equal(x, y) for x, y in zip(src, dst, strict=True)):
-            sys.exit("bench_gpu_tier: blocks loaded from the GPU pool differ")
+        same = all(torch.equal(x, y) for x, y in zip(src, dst, strict=True))
+        expect(same, "bench_gpu_tier: blocks loaded from the GPU pool differ")
     return offload, load
 
 
@@ -127,8 +138,8 @@ def bench_cpu_tier(
         for layer in dst:
             layer.zero_()
         load = median(lambda: kv.load(dst, ids, keys), runs, device)
-        if not all(torch.equal(x, y) for x, y in zip(src, dst, strict=True)):
-            sys.exit("bench_gpu_tier: blocks loaded from the CPU tier differ")
+        same = all(torch.equal(x, y) for x, y in zip(src, dst, strict=True))
+        expect(same, "bench_gpu_tier: blocks loaded from the CPU tier differ")
     return offload, gather, load
 
 
@@ -153,7 +164,7 @@ def bench_promotion(src: list[torch.Tensor], daemon_args: list[str], runs: int) 
             deadline = time.monotonic() + 30
             while promoted() < want:
                 if time.monotonic() > deadline:
-                    sys.exit(f"bench_gpu_tier: promoted {promoted()} of {want} blocks in 30 s")
+                    raise RuntimeError(f"promoted {promoted()} of {want} blocks in 30 s")
                 time.sleep(0.0005)
 
         def back_to_cpu() -> None:
@@ -163,28 +174,37 @@ def bench_promotion(src: list[torch.Tensor], daemon_args: list[str], runs: int) 
         return median(prefetch_all, runs, device, back_to_cpu)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--blocks", type=int, default=256, help="blocks per transfer (2 MiB each)")
-    parser.add_argument("--runs", type=int, default=5)
-    args = parser.parse_args()
+    add_run_args(parser)
+    parser.add_argument("--blocks", type=int, default=None, help="blocks per transfer (2 MiB)")
+    parser.add_argument("--runs", type=int, default=None)
+    args = finish_args(parser.parse_args())
     if not torch.cuda.is_available():
-        sys.exit("bench_gpu_tier: needs a CUDA device")
+        return skip(args, "cuda", "the GPU tier needs a CUDA device")
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is None:
+        return skip(args, "module:cupy", "the kernels need CuPy (pip install -e '.[cuda]')")
     device = torch.device("cuda", 0)
-    n = args.blocks
+    n = args.blocks or (8 if args.smoke else 64 if args.quick else 256)
+    runs = args.runs or (1 if args.smoke else 3 if args.quick else 5)
     nbytes = n * LAYOUT.block_bytes
     name = torch.cuda.get_device_name(device)
-    print(f"{name}; {n} blocks of {LAYOUT.block_bytes >> 20} MiB = {nbytes >> 20} MiB a transfer")
+    if not args.json:
+        print_header("bench_gpu_tier", args)
+        mib = LAYOUT.block_bytes >> 20
+        print(f"{name}; {n} blocks of {mib} MiB = {nbytes >> 20} MiB a transfer")
 
     shape = (2, n, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     src = [torch.randn(shape, device=device).to(LAYOUT.dtype) for _ in range(LAYOUT.num_layers)]
     dst = [torch.empty_like(t) for t in src]
-    d2d, d2h, h2d = device_limits(nbytes, args.runs, device)
+    d2d, d2h, h2d = device_limits(nbytes, runs, device)
     gpu_args = ["--gpu", "on", "--gpu-capacity", str(nbytes + (256 << 20))]
 
-    offload_gpu, load_gpu = bench_gpu_pool(src, dst, gpu_args, args.runs)
-    offload_cpu, gather_cpu, load_cpu = bench_cpu_tier(src, dst, args.runs)
-    promote = bench_promotion(src, gpu_args, args.runs)
+    offload_gpu, load_gpu = bench_gpu_pool(src, dst, gpu_args, runs)
+    offload_cpu, gather_cpu, load_cpu = bench_cpu_tier(src, dst, runs)
+    promote = bench_promotion(src, gpu_args, runs)
     rows: list[Row] = [
         ("offload -> GPU pool", offload_gpu, "d2d copy", d2d),
         ("load <- GPU pool", load_gpu, "d2d copy", d2d),
@@ -193,13 +213,27 @@ def main() -> None:
         ("load <- CPU tier", load_cpu, "pinned h2d", h2d),
         ("prefetch CPU -> GPU pool (daemon)", promote, "pinned h2d", h2d),
     ]
-    print(f"\n{'transfer':<36} {'GB/s':>8}  {'limit':<11} {'GB/s':>8}  {'ratio':>6}")
-    for what, t, limit_name, limit in rows:
-        print(
-            f"{what:<36} {nbytes / t / 1e9:>8.1f}  {limit_name:<11} {nbytes / limit / 1e9:>8.1f}"
-            f"  {limit / t:>5.2f}x"
-        )
+    if not args.json:
+        print(f"\n{'transfer':<36} {'GB/s':>8}  {'limit':<11} {'GB/s':>8}  {'ratio':>6}")
+        for what, t, limit_name, limit in rows:
+            print(
+                f"{what:<36} {nbytes / t / 1e9:>8.1f}  {limit_name:<11} "
+                f"{nbytes / limit / 1e9:>8.1f}  {limit / t:>5.2f}x"
+            )
+    emit(
+        {
+            "device": name,
+            "blocks": n,
+            "runs": runs,
+            "transfers": {
+                what: {"gbps": nbytes / t / 1e9, "limit": lname, "ratio": limit / t}
+                for what, t, lname, limit in rows
+            },
+        },
+        args,
+    )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
