@@ -10,6 +10,9 @@ mapping a slab, per MiB and against memcpy, reported apart), ``bench_lookup`` (l
 keys, p50 us) and ``bench_store_share`` (lookup + load of a 120-block prefix, ms). A figure a
 revision does not report (an older script) is left blank. ``KVSTORE_LOCAL_CALLS=0`` in
 ``--env-after`` measures the after side without local calls (what the other steps bought alone).
+
+``--smoke`` checks the machinery: ``bench_lookup --smoke`` once on each side (``--before``
+defaults to this tree then); a side that fails, or reports none of its figures, is an error.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import statistics
 import subprocess
 import sys
 from typing import Any
+
+from _harness import add_run_args, emit, finish_args, print_header, run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 AFTER = os.path.dirname(HERE)
@@ -68,7 +73,11 @@ def figures(name: str, doc: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def run(tree: str, script: list[str], env_extra: dict[str, str]) -> dict[str, Any] | None:
+def run(
+    tree: str, script: list[str], env_extra: dict[str, str], strict: bool = False
+) -> dict[str, Any] | None:
+    """The JSON document of one script run on ``tree``; None if it failed (an error with
+    ``strict``)."""
     env = dict(os.environ, PYTHONPATH=tree, **env_extra)
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, script[0]), *script[1:]],
@@ -79,6 +88,8 @@ def run(tree: str, script: list[str], env_extra: dict[str, str]) -> dict[str, An
         timeout=1800,
     )
     if proc.returncode != 0:
+        if strict:
+            raise RuntimeError(f"{script[0]} failed on {tree}:\n{proc.stderr[-3000:]}")
         print(f"  {script[0]} failed on {tree}: {proc.stderr[-600:]}", file=sys.stderr)
         return None
     return json.loads(proc.stdout[proc.stdout.index("{") :])
@@ -90,10 +101,11 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--before", required=True, help="source tree of the revision to compare with")
+    add_run_args(p)
+    p.add_argument("--before", help="source tree of the revision to compare with (required)")
     p.add_argument("--after", default=AFTER, help="source tree under test (default: this one)")
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--only", nargs="*", default=list(SCRIPTS), choices=list(SCRIPTS))
+    p.add_argument("--runs", type=int, default=None, help="A/B pairs (default 3)")
+    p.add_argument("--only", nargs="*", default=None, choices=list(SCRIPTS))
     p.add_argument("--env-after", nargs="*", default=[], help="NAME=VALUE for the after side")
     p.add_argument(
         "--full-transfer",
@@ -101,10 +113,20 @@ def main() -> int:
         help="bench_transfer without --quick: 512 MiB per size, 3 rounds (24 batches of 2 MiB "
         "blocks a run, not 4)",
     )
-    args = p.parse_args()
+    args = finish_args(p.parse_args())
+    if args.before is None:
+        if not args.smoke:
+            p.error("--before is required (outside --smoke)")
+        args.before = AFTER
+    args.runs = args.runs or (1 if args.smoke else 3)
+    args.only = args.only or (["lookup"] if args.smoke else list(SCRIPTS))
     scripts = dict(SCRIPTS)
     if args.full_transfer:
         scripts["transfer"] = [a for a in SCRIPTS["transfer"] if a != "--quick"]
+    if args.smoke:
+        scripts = {k: [a if a != "--quick" else "--smoke" for a in v] for k, v in scripts.items()}
+    if not args.json:
+        print_header("bench_client_ab", args)
     sides = {"before": (args.before, {}), "after": (args.after, parse_env(args.env_after))}
     samples: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
     loads = [os.getloadavg()]  # the figures mean little without the load they ran under
@@ -113,10 +135,13 @@ def main() -> int:
         for name in args.only:
             for side in order:
                 tree, env = sides[side]
-                doc = run(tree, scripts[name], env)
+                doc = run(tree, scripts[name], env, strict=args.smoke)
                 if doc is None:
                     continue
-                for k, v in figures(name, doc).items():
+                got = figures(name, doc)
+                if args.smoke and not got:
+                    raise RuntimeError(f"{name} on {tree}: none of its figures in its result")
+                for k, v in got.items():
                     samples[side].setdefault(k, []).append(v)
                 loads.append(os.getloadavg())
                 print(f"run {i + 1} {name} {side} done", file=sys.stderr, flush=True)
@@ -128,18 +153,19 @@ def main() -> int:
         }
         for k in keys
     }
-    print(f"{'figure':<36} {'before':>10} {'after':>10} {'after/before':>12}")
-    for k, row in table.items():
-        b, a = row["before"], row["after"]
-        ratio = f"{a / b:.2f}" if a is not None and b else ""
-        fb = f"{b:.2f}" if b is not None else "-"
-        fa = f"{a:.2f}" if a is not None else "-"
-        print(f"{k:<36} {fb:>10} {fa:>10} {ratio:>12}")
-    one_min = [load[0] for load in loads]
-    print(f"load average (1 min) over the run: {min(one_min):.2f}-{max(one_min):.2f}")
-    print(json.dumps({"runs": args.runs, "medians": table, "samples": samples, "loads": loads}))
+    if not args.json:
+        print(f"{'figure':<36} {'before':>10} {'after':>10} {'after/before':>12}")
+        for k, row in table.items():
+            b, a = row["before"], row["after"]
+            ratio = f"{a / b:.2f}" if a is not None and b else ""
+            fb = f"{b:.2f}" if b is not None else "-"
+            fa = f"{a:.2f}" if a is not None else "-"
+            print(f"{k:<36} {fb:>10} {fa:>10} {ratio:>12}")
+        one_min = [load[0] for load in loads]
+        print(f"load average (1 min) over the run: {min(one_min):.2f}-{max(one_min):.2f}")
+    emit({"runs": args.runs, "medians": table, "samples": samples, "loads": loads}, args)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)
