@@ -18,7 +18,10 @@ blocks (``KVLayout`` order, 360 KiB each). Then, on those blocks:
    positions whose top-1 token agrees, and whether a greedy continuation of ``--gen`` tokens is
    the same.
 
-Never synthetic data: if the model cannot be loaded the script says why and exits 2.
+Every payload is checked to decode to its block (to the fp8 round trip for the fp8 codecs).
+Never synthetic data: if a package is missing the script exits 77 naming it, if the model
+cannot be loaded it says why and exits 2. ``--smoke`` checks the script, not the figures: 64
+tokens through a tiny random-weight Llama (``_harness.SMOKE_LLAMA``), a 1 MiB tier.
 
     .venv/bin/python benchmarks/bench_tier_codecs.py [--tokens 2048] [--quick] [--json]
 """
@@ -38,7 +41,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from _harness import Reporter, emit, parse_args, print_header, run_main
+from _harness import (
+    Reporter,
+    emit,
+    expect,
+    parse_args,
+    print_header,
+    run_main,
+    skip_without_model,
+    token_ids,
+)
+from _harness import load_model as load_bench_model
 from bench_kv_compression import CannotRun, load_model, nbytes_of, read_text, to_blocks
 
 from kvstore import KVLayout
@@ -64,7 +77,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def prefill(model: Any, tok: Any, tokens: int, suffix: int) -> tuple[Any, torch.Tensor]:
     """(the prefill's cache, token ids of prefix + suffix)."""
     text, _ = read_text()
-    ids = tok(text, return_tensors="pt").input_ids
+    ids = torch.tensor([token_ids(tok, text)])
     if ids.shape[1] < tokens + suffix:
         raise CannotRun(f"the repository's text gives {ids.shape[1]} tokens")
     ids = ids[:, : tokens + suffix]
@@ -151,6 +164,11 @@ def codec_throughput(
                 raise RuntimeError(f"{name}: a payload failed to decode")
 
         dec_wall, dec_cpu = _per_call(dec, kept, repeat)
+        # Untimed: each payload decodes to its block (lossy codecs: to the fp8 round trip).
+        for b, (used, p) in zip(blocks, kept, strict=True):
+            expect(codecs.decode(used, memoryview(p), out, scratch), f"{name}: a decode failed")
+            want = codecs.round_trip(codecs.CODEC_FP8, b, fmt) if used in codecs.LOSSY else b
+            expect(out == want, f"{name}: a block decoded to other bytes")
         stored = sum(len(p) for _, p in kept)
         used_codecs = sorted({codecs.NAME_OF[u] for u, _ in kept})
         rows.append(
@@ -209,7 +227,8 @@ async def tier_capacity(
     ns = bytes(16)
     for name in ("none", "lz4", "fp8", "fp8+lz4"):
         shutil.rmtree(directory / "tier", ignore_errors=True)
-        tier = NvmeTier(directory / "tier", capacity, codec=name, slab_bytes=16 * MiB)
+        slab = min(16 * MiB, capacity)
+        tier = NvmeTier(directory / "tier", capacity, codec=name, slab_bytes=slab)
         await tier.open()
         try:
             i = 0
@@ -304,16 +323,21 @@ def quality(
 # ------------------------------------------------------------------------------ main
 def main() -> int:
     args = parse_args(__doc__.split("\n\n")[0], add_args)
-    tokens = args.tokens or (512 if args.quick else 2048)
+    tokens = args.tokens or (64 if args.smoke else 512 if args.quick else 2048)
     repeat = 1 if args.quick else args.repeat
+    if args.smoke:
+        args.suffix, args.gen, args.tier_mib = 8, 4, 1
     rep = Reporter(args.json)
     if not args.json:
         print_header("bench_tier_codecs", args)
+    skipped = skip_without_model(args)
+    if skipped is not None:
+        return skipped
     t_start = time.perf_counter()
     torch.manual_seed(0)
     torch.set_num_threads(1)  # as the daemon runs its codecs (kvstore.daemon.server)
     try:
-        model, tok, desc = load_model()
+        model, tok, desc = load_bench_model(args) if args.smoke else load_model()
         cfg = model.config
         layout = KVLayout(
             cfg.num_hidden_layers,
@@ -328,7 +352,8 @@ def main() -> int:
     kv = cache_tensor(cache).to(torch.bfloat16)
     blocks_t = to_blocks(kv, layout.block_size)
     fmt = block_format_of(layout)
-    assert fmt is not None
+    expect(fmt is not None, f"no block format for {layout}")
+    assert fmt is not None  # for the type checker
     blocks = [nbytes_of(b) for b in blocks_t]
     rep.line(f"model {desc}; {len(blocks)} real KV blocks of {layout.block_bytes:,} bytes")
 
@@ -350,7 +375,7 @@ def main() -> int:
 
     copy_cpu = rows[0]["enc_cpu_gbs"]
     rep.table(
-        f"codecs on {len(blocks)} real SmolLM2 KV blocks ({tokens} tokens), one thread (torch "
+        f"codecs on {len(blocks)} real KV blocks of {desc} ({tokens} tokens), one thread (torch "
         "too) but for the last row; GB/s of one call, median per block: wall clock, and per "
         "CPU-second of the calling thread (cpu)",
         [
