@@ -32,7 +32,9 @@ forward pass (only the weights are taken from the transformers model):
 
 Beam search (``Worker.beam_search``, ``kvstore.worker.beam``) forks each prompt's sequence into
 its beams over copy-on-write blocks, frees the losers at every step, and uses the store for the
-shared prompt as for any request.
+shared prompt as for any request. It reaches the engine only through
+``kvstore.worker.interface.Engine`` (what a decoding strategy needs: the cache, the weights,
+``begin``, ``offload``, ``flush``) and never imports ``kvstore.worker.engine``.
 
 Memory is reserved at admission: a request is admitted only when the free and cached blocks,
 less what running sequences may still grow into, hold its prompt plus ``max_new_tokens``. So a

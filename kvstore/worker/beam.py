@@ -13,6 +13,9 @@ differs.
 
 A hypothesis ends at an EOS token (kept with its score) or at ``max_new_tokens``; results are
 ranked by ``score / len(tokens) ** length_penalty``, best first, ties by order found.
+
+It uses the engine only through ``kvstore.worker.interface.Engine`` (and never imports the
+engine module, which imports this one).
 """
 
 from __future__ import annotations
@@ -21,15 +24,15 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, TypeVar
 
 import torch
 
 from kvstore.paged import SeqId
+from kvstore.worker.interface import Engine, StartedSequence
 from kvstore.worker.model import forward
 
-if TYPE_CHECKING:
-    from kvstore.worker.engine import Worker, _Request
+S = TypeVar("S", bound=StartedSequence)
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class _Group:
 
 
 def beam_search(
-    worker: Worker,
+    worker: Engine[S],
     prompts: Sequence[Sequence[int]],
     beam_width: int,
     max_new_tokens: int,
@@ -94,19 +97,19 @@ def beam_search(
     cow_before = cache.cow_copies
     ids = itertools.count()
     groups = [_Group([int(t) for t in p]) for p in prompts]
-    roots: list[_Request] = []
+    roots: list[S] = []
     owned: list[SeqId] = []  # every sequence this call made: all freed when it ends, or fails
     peak = cache.stats().num_in_use
     try:
         for g in groups:
-            roots.append(worker._begin(g.prompt))
+            roots.append(worker.begin(g.prompt))
             owned.append(roots[-1].rid)
         prefills = [(r.rid, r.resident_tokens + r.store_tokens, r.prompt) for r in roots]
         with torch.no_grad():
             logits = forward(worker.weights, cache, prefills, [])
         for r in roots:
             cache.commit(r.rid, len(r.prompt))
-            worker._offload(r)  # the shared prompt goes to the store once, not once per beam
+            worker.offload(r)  # the shared prompt goes to the store once, not once per beam
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         for g, r, lp in zip(groups, roots, logprobs, strict=True):
             # The prompt's sequence is the parent of the first beams (the first carries on in
@@ -154,7 +157,7 @@ def beam_search(
 
 
 def _select(
-    worker: Worker,
+    worker: Engine[Any],
     g: _Group,
     parents: list[_Live],
     logprobs: torch.Tensor,

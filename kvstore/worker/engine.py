@@ -234,7 +234,7 @@ class Worker:
             if not r.generated:
                 r.first_token = now
                 self.cache.commit(r.rid, len(r.prompt))
-                self._offload(r)
+                self.offload(r)
             r.generated.append(token)
             if token in self.eos_token_ids:
                 finished.append(self._finish(r, now, "eos"))
@@ -273,13 +273,6 @@ class Worker:
         """Requests are submitted, waiting or running."""
         return bool(self._inbox or self._waiting or self._running)
 
-    def _begin(self, prompt: list[int]) -> _Request:
-        """A sequence for ``prompt`` outside the request queues (beam search's shared prompt):
-        blocks allocated, resident and stored prefix reused, as ``_start`` does for requests."""
-        r = _Request(next(self._ids), prompt, 1, time.monotonic())
-        self._start(r)
-        return r
-
     def flush(self) -> None:
         """Wait for the offload thread to finish every queued offload and unpin its blocks."""
         if self._offloader is not None:
@@ -300,6 +293,30 @@ class Worker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- for decoding strategies (kvstore.worker.interface.Engine) -----------------------------
+
+    def begin(self, prompt: list[int]) -> _Request:
+        """A sequence for ``prompt`` outside the request queues (beam search's shared prompt):
+        blocks allocated, resident and stored prefix reused, as ``_start`` does for requests."""
+        r = _Request(next(self._ids), prompt, 1, time.monotonic())
+        self._start(r)
+        return r
+
+    def offload(self, r: _Request) -> None:
+        """Hand ``r``'s committed full blocks not yet in the store to the offload thread, pinned
+        so that they outlive the sequence until the copy is done."""
+        if self._offloader is None:
+            return
+        keys = self.cache.keys(r.rid)
+        full = min(self.cache.num_tokens(r.rid) // self.layout.block_size, len(keys))
+        if full <= r.offloaded_blocks:
+            return
+        ids = self.cache.block_ids(r.rid)[r.offloaded_blocks : full]
+        self.cache.allocator.touch(ids)
+        self._pinned += len(ids)
+        self._offloader.put(ids, keys[r.offloaded_blocks : full])
+        r.offloaded_blocks = full
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -386,21 +403,6 @@ class Worker:
         s.resident_tokens += resident
         s.store_tokens += r.store_tokens
 
-    def _offload(self, r: _Request) -> None:
-        """Hand ``r``'s committed full blocks not yet in the store to the offload thread, pinned
-        so that they outlive the sequence until the copy is done."""
-        if self._offloader is None:
-            return
-        keys = self.cache.keys(r.rid)
-        full = min(self.cache.num_tokens(r.rid) // self.layout.block_size, len(keys))
-        if full <= r.offloaded_blocks:
-            return
-        ids = self.cache.block_ids(r.rid)[r.offloaded_blocks : full]
-        self.cache.allocator.touch(ids)
-        self._pinned += len(ids)
-        self._offloader.put(ids, keys[r.offloaded_blocks : full])
-        r.offloaded_blocks = full
-
     def _unpin(self, done: list[list[int]]) -> None:
         for ids in done:
             self.cache.allocator.free(reversed(ids))
@@ -413,7 +415,7 @@ class Worker:
         # Every token in the table has its K/V now: commit and offload the generated full blocks
         # too, so the next turn of a conversation reuses them.
         self.cache.commit(r.rid, self.cache.num_tokens(r.rid))
-        self._offload(r)
+        self.offload(r)
         self.cache.free(r.rid)
         result = Result(
             request_id=r.rid,
