@@ -17,6 +17,10 @@ serving real text through ``kvstore.worker.Worker``; nothing here is random data
 
 Torch runs on one thread (the machine's cores are shared), so throughput figures are ratios
 within one run; their absolute values depend on the machine's load.
+
+``--smoke`` checks the script, not the figures: the tiny random-weight Llama of
+``_harness.SMOKE_LLAMA`` (its text tokenized as bytes), one short prompt of each kind, a few
+new tokens, budgets of a few MiB. A missing package is exit status 77, naming it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _harness import Reporter, emit, parse_args, print_header, run_main
+from _harness import (
+    Reporter,
+    emit,
+    expect,
+    load_model,
+    parse_args,
+    print_header,
+    run_main,
+    skip_without_model,
+    token_ids,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,6 +55,13 @@ from kvstore.paged import PagedKVCache
 
 MIB = 1 << 20
 FP8 = torch.float8_e4m3fn
+SMOKE_TOKENS = 256  # --smoke: prompts (byte tokens) are cut to this many
+
+
+def ids_of(tok: Any, text: str, smoke: bool) -> list[int]:
+    ids = token_ids(tok, text)
+    return ids[-SMOKE_TOKENS:] if smoke else ids
+
 
 # A fixed text for perplexity (plain prose written for this benchmark).
 TEXT = """\
@@ -69,15 +90,21 @@ she was nearly eighty and still walked to the market every day, nobody argued wi
 """
 
 
-def prompt_sets(tok: Any, quick: bool) -> tuple[list[list[int]], list[list[int]]]:
+def prompt_sets(tok: Any, args: Any) -> tuple[list[list[int]], list[list[int]]]:
     """(demo prompts, long prompts): first turns of the demo's chat workload (five tenants'
     system prompts with five few-shot examples each), and the same with 25 examples."""
 
     def first_turns(examples: int, n: int) -> list[list[int]]:
         convs = build_workload(5, 1, 1, examples, seed=0)[:n]
-        return [tok(c.text + f"Customer: {c.turns[0]}\nAssistant:")["input_ids"] for c in convs]
+        return [ids_of(tok, turn_text(c), args.smoke) for c in convs]
 
-    return first_turns(5, 3 if quick else 5), first_turns(25, 1 if quick else 2)
+    if args.smoke:
+        return first_turns(1, 1), first_turns(2, 1)
+    return first_turns(5, 3 if args.quick else 5), first_turns(25, 1 if args.quick else 2)
+
+
+def turn_text(conv: Any) -> str:
+    return conv.text + f"Customer: {conv.turns[0]}\nAssistant:"
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -227,10 +254,10 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, int]:
     return same / total, full
 
 
-def bench_quality(model: Any, tok: Any, quick: bool, rep: Reporter) -> dict[str, Any]:
+def bench_quality(model: Any, tok: Any, args: Any, rep: Reporter) -> dict[str, Any]:
     from kvstore.worker import Worker
 
-    demo, long = prompt_sets(tok, quick)
+    demo, long = prompt_sets(tok, args)
     num_blocks = 64 + sum(len(p) for p in demo + long) // 16 * 2
     bf16 = Worker(model, tok, num_blocks=num_blocks, max_batch=8)
     fp8 = Worker(model, tok, num_blocks=num_blocks, max_batch=8, kv_cache_dtype=FP8)
@@ -242,7 +269,8 @@ def bench_quality(model: Any, tok: Any, quick: bool, rep: Reporter) -> dict[str,
     out["attention_rel_error"] = attn
     rep.table(
         "(a) attention output, relative L2 error against float32 attention over the bf16 K/V "
-        f"(30 layers x {2} prompts of {len(demo[0])} and {len(long[0])} tokens)",
+        f"({model.config.num_hidden_layers} layers x 2 prompts of {len(demo[0])} and "
+        f"{len(long[0])} tokens)",
         ["KV format", "median", "max"],
         [[f, f"{e['median']:.2e}", f"{e['max']:.2e}"] for f, e in attn.items()],
     )
@@ -281,7 +309,7 @@ def bench_quality(model: Any, tok: Any, quick: bool, rep: Reporter) -> dict[str,
         rows,
     )
 
-    max_new = 16 if quick else 32
+    max_new = 4 if args.smoke else 16 if args.quick else 32
     greedy_rows = []
     out["greedy"] = {}
     for name, prompts in (("demo", demo), ("long", long)):
@@ -301,7 +329,7 @@ def bench_quality(model: Any, tok: Any, quick: bool, rep: Reporter) -> dict[str,
         greedy_rows,
     )
 
-    ids = tok(TEXT)["input_ids"]
+    ids = ids_of(tok, TEXT, args.smoke)
     target = torch.tensor(ids[1:])
     ppl = {}
     for name, w in (("bf16", bf16), ("fp8", fp8)):
@@ -348,13 +376,16 @@ def serve(
         }
 
 
-def bench_capacity(model: Any, tok: Any, quick: bool, rep: Reporter) -> dict[str, Any]:
+def bench_capacity(model: Any, tok: Any, args: Any, rep: Reporter) -> dict[str, Any]:
     from kvstore.models import layout_for
 
-    budget = (48 if quick else 96) * MIB
-    convs = build_workload(5, 3 if quick else 4, 1, 5, seed=1)
-    prompts = [tok(c.text + f"Customer: {c.turns[0]}\nAssistant:")["input_ids"] for c in convs]
-    max_new = 16 if quick else 32
+    if args.smoke:
+        budget, convs, max_new = 2 * MIB, build_workload(2, 1, 1, 1, seed=1), 4
+    else:
+        budget = (48 if args.quick else 96) * MIB
+        convs = build_workload(5, 3 if args.quick else 4, 1, 5, seed=1)
+        max_new = 16 if args.quick else 32
+    prompts = [ids_of(tok, turn_text(c), args.smoke) for c in convs]
     bf16 = layout_for(model.config, torch.bfloat16, 16)
     fp8 = KVLayout.fp8(bf16)
     runs: dict[str, Any] = {}
@@ -394,15 +425,15 @@ def bench_capacity(model: Any, tok: Any, quick: bool, rep: Reporter) -> dict[str
 # -- (c) beam search ---------------------------------------------------------------------------
 
 
-def bench_beam(model: Any, tok: Any, quick: bool, rep: Reporter) -> dict[str, Any]:
+def bench_beam(model: Any, tok: Any, args: Any, rep: Reporter) -> dict[str, Any]:
     from kvstore.models import layout_for
     from kvstore.worker import Worker
 
-    width, max_new = 4, (12 if quick else 24)
-    convs = build_workload(5, 2, 1, 5, seed=2)
-    prompts = [tok(c.text + f"Customer: {c.turns[0]}\nAssistant:")["input_ids"] for c in convs]
+    width, max_new = (2, 4) if args.smoke else (4, 12 if args.quick else 24)
+    convs = build_workload(2, 1, 1, 1, seed=2) if args.smoke else build_workload(5, 2, 1, 5, seed=2)
+    prompts = [ids_of(tok, turn_text(c), args.smoke) for c in convs]
     bf16 = layout_for(model.config, torch.bfloat16, 16)
-    budget = 96 * MIB
+    budget = (2 if args.smoke else 96) * MIB
     num_blocks = budget // bf16.block_bytes
     out: dict[str, Any] = {"width": width, "max_new": max_new, "budget_mib": budget // MIB}
     peaks = {}
@@ -413,7 +444,7 @@ def bench_beam(model: Any, tok: Any, quick: bool, rep: Reporter) -> dict[str, An
             (r,) = w.beam_search([prompts[0]], width, max_new, share=share)
             peaks[share] = r.peak_blocks
             beams[share] = [b.tokens for b in r.beams]
-    assert beams[True] == beams[False], "shared and copied beam search disagree"
+    expect(beams[True] == beams[False], "shared and copied beam search disagree")
     fits = {share: num_blocks // peaks[share] for share in (True, False)}
     total = min(len(prompts), fits[True])
     timing = {}
@@ -467,20 +498,22 @@ def main() -> int:
         __doc__.splitlines()[0],
         lambda p: p.add_argument("--only", default="quality,capacity,beam"),
     )
-    print_header("bench_fp8", args)
+    if not args.json:
+        print_header("bench_fp8", args)
     rep = Reporter(args.json)
+    skipped = skip_without_model(args)
+    if skipped is not None:
+        return skipped
     torch.set_num_threads(1)
-    from kvstore.models import load_smollm2
-
-    model, tok = load_smollm2(torch.bfloat16)
-    result: dict[str, Any] = {}
+    model, tok, desc = load_model(args, torch.bfloat16)
+    result: dict[str, Any] = {"model": desc}
     parts = args.only.split(",")
     if "quality" in parts:
-        result["quality"] = bench_quality(model, tok, args.quick, rep)
+        result["quality"] = bench_quality(model, tok, args, rep)
     if "capacity" in parts:
-        result["capacity"] = bench_capacity(model, tok, args.quick, rep)
+        result["capacity"] = bench_capacity(model, tok, args, rep)
     if "beam" in parts:
-        result["beam"] = bench_beam(model, tok, args.quick, rep)
+        result["beam"] = bench_beam(model, tok, args, rep)
     emit(result, args)
     return 0
 
