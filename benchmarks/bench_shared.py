@@ -55,6 +55,10 @@ Default run: about 1-2 minutes; memory: Redis holds at most one 256 MiB prefix, 
 arena is 448 MiB.
 
     .venv/bin/python benchmarks/bench_shared.py [--quick] [--json] [--rounds 5] [--no-model]
+
+``--smoke`` checks the script, not the figures: 128-token prefixes (8 blocks), one round after
+the warm-up, two prompts in part 2, whose model is the tiny random-weight Llama of
+``_harness.SMOKE_LLAMA`` (its own block layout; a missing transformers is exit status 77).
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ import numpy as np
 import redis
 import torch
 from _harness import (
+    SMOKE_LLAMA,
     KVStoreDaemon,
     RedisServer,
     Reporter,
@@ -85,6 +90,7 @@ from _harness import (
     parse_args,
     print_header,
     run_main,
+    skip_without_model,
 )
 
 from kvstore import KVLayout, KVStoreClient
@@ -112,6 +118,20 @@ WRITE_THROUGH_TIMEOUT_S = 60.0
 # the machine: the batch times out, the tier is marked down and the blocks queued meanwhile are
 # never written through (see the README). Reads are timed well inside either deadline.
 REDIS_TIMEOUT_S = 5.0
+VOCAB = 49_152  # SmolLM2's: part 2's prompts are random ids below it
+SMOKE = False  # --smoke: part 2's model is the tiny SMOKE_LLAMA
+
+
+def use_smoke_sizes() -> None:
+    """``--smoke``: 128-token prefixes, two prompts, the tiny model's layout for part 2."""
+    global TOKENS, BLOCKS, PROMPTS, CPU_CAPACITY, SMOL, VOCAB, SMOKE
+    TOKENS, PROMPTS, SMOKE = 128, 2, True
+    BLOCKS = TOKENS // 16
+    CPU_CAPACITY = BLOCKS * LLAMA.block_bytes + 3 * 64 * MiB
+    c = SMOKE_LLAMA
+    heads, dim = c["num_key_value_heads"], c["hidden_size"] // c["num_attention_heads"]
+    SMOL = KVLayout(c["num_hidden_layers"], heads, dim, 16)
+    VOCAB = c["vocab_size"]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -386,7 +406,8 @@ def report_llama(rep: Reporter, res: dict[str, Any]) -> None:
             )
         )
     rep.table(
-        f"Llama-3-8B prefix on host B: {res['blocks']} blocks of 2 MiB (256 MiB), "
+        f"Llama-3-8B prefix on host B: {res['blocks']} blocks of 2 MiB "
+        f"({res['blocks'] * 2} MiB), "
         f"median of {res['rounds']} prefixes",
         ["", "ms", "GB/s", "time / redis-py seq", "time / redis-py pipelined"],
         rows,
@@ -410,7 +431,12 @@ def report_llama(rep: Reporter, res: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- part 2
 def load_smollm() -> tuple[Any, str]:
     """(model, what it runs as), or (None, why it could not be loaded). The model alone: the
-    tokenizer (``kvstore.models.load_smollm2`` converts it too, for seconds) is not needed."""
+    tokenizer (``kvstore.models.load_smollm2`` converts it too, for seconds) is not needed.
+    With ``--smoke``, the tiny random ``SMOKE_LLAMA``."""
+    if SMOKE:
+        from kvstore.models import random_llama
+
+        return random_llama(SMOKE_LLAMA, torch.bfloat16).eval(), "a tiny random Llama (--smoke)"
     try:
         folder, gguf_file = find_smollm2()  # RuntimeError naming the install command
         import transformers
@@ -441,7 +467,7 @@ def load_smollm() -> tuple[Any, str]:
 
 
 def prefill(model: Any, ids: list[int]) -> tuple[float, torch.Tensor]:
-    """Time one 2048-token prefill; return (seconds, its KV as ``[128, *SMOL.block_shape]``)."""
+    """Time one TOKENS-token prefill; return (seconds, its KV as ``[128, *SMOL.block_shape]``)."""
     x = torch.tensor([ids], dtype=torch.long)
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -487,7 +513,7 @@ def smol_part(a: KVStoreDaemon, b: KVStoreDaemon, use_model: bool, rep: Reporter
         sent = redis_stats(kv_a).demotions
         gen = torch.Generator().manual_seed(2)
         for p in range(PROMPTS):
-            ids = torch.randint(0, 49_152, (TOKENS,), generator=gen).tolist()
+            ids = torch.randint(0, VOCAB, (TOKENS,), generator=gen).tolist()
             got: dict[str, float] = {}
             if model is not None:
                 got[PREFILL], blocks = prefill(model, ids)
@@ -523,7 +549,7 @@ def smol_part(a: KVStoreDaemon, b: KVStoreDaemon, use_model: bool, rep: Reporter
                     samples.setdefault(k, []).append(v)
     med = {k: statistics.median(v) for k, v in samples.items()}
     return {
-        "model": SMOL_MODEL if model is not None else None,
+        "model": (about if SMOKE else SMOL_MODEL) if model is not None else None,
         "model_error": None if model is not None else about,
         "model_runs_as": about if model is not None else None,
         "kv": "real KV from the prefill" if model is not None else "random bytes",
@@ -541,7 +567,8 @@ def report_smol(rep: Reporter, res: dict[str, Any]) -> None:
     serve = med[SERVE]
     rows = [(k, f"{v * 1e3:.1f}") for k, v in med.items()]
     rep.table(
-        f"TTFT, SmolLM2-135M bf16 on CPU, 2048-token prefix ({res['blocks']} blocks of "
+        f"TTFT, {res['model'] or 'SmolLM2-135M'} bf16 on CPU, {res['blocks'] * 16}-token prefix "
+        f"({res['blocks']} blocks of "
         f"{res['block_bytes']} B, {res['kv']}), median of {res['samples']} prompts",
         ["", "ms"],
         rows,
@@ -573,10 +600,16 @@ def main() -> int:
 
     args = parse_args(__doc__.split("\n")[0], extra)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    rounds = 3 if args.quick else max(3, args.rounds)
+    if args.smoke:
+        use_smoke_sizes()
+    rounds = 1 if args.smoke else 3 if args.quick else max(3, args.rounds)
     rep = Reporter(args.json)
     if not args.json:
         print_header("bench_shared", args)
+    if args.smoke and not args.no_model:
+        skipped = skip_without_model(args)
+        if skipped is not None:
+            return skipped
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvbench-shared-") as tmp, RedisServer() as srv:
         config = os.path.join(tmp, "redis.toml")
@@ -602,7 +635,7 @@ def main() -> int:
             report_smol(rep, smol)
     if not args.json:
         print(f"\n{time.perf_counter() - t0:.0f} s")
-    emit({"benchmark": "shared", "llama": llama, "ttft": smol}, args)
+    emit({"llama": llama, "ttft": smol}, args)
     return 0
 
 
