@@ -1,0 +1,272 @@
+"""Making room in the CPU tier: the slots a put, a promotion, a fetch from Redis or a copy down
+from the GPU pool needs, taken from the coldest blocks it may evict.
+
+``CpuRoom.alloc_cpu`` drops clean victims' CPU copies, writes dirty ones down first (through
+the write-back it is handed: ``Mover.flush``, with NVMe) or spills them into the shared tier
+(``spill``: Redis, when there is no NVMe tier), and keeps each namespace and tenant within its
+``quota_cpu`` and others above their ``guaranteed_cpu``. One caller makes room at a time, so
+room made by one is not taken by another. Every state change is a ledger method.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Container, Iterable
+from typing import TYPE_CHECKING, Protocol
+
+from kvstore.daemon.room import TierSlots, make_room
+from kvstore.errors import CapacityError, UnknownNamespaceError
+from kvstore.index import IN_CPU, IN_GPU, IN_NVME, State
+
+if TYPE_CHECKING:
+    from kvstore.daemon.ledger import Ledger
+    from kvstore.daemon.namespaces import NamespaceRecord
+    from kvstore.daemon.quotas import Usage
+
+
+class SpillTarget(Protocol):
+    """Where the CPU tier's victims go when there is no NVMe tier (the shared Redis tier)."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    @property
+    def down(self) -> bool:
+        """Configured, and unreachable now."""
+        ...
+
+    def must_reach_redis(self, eid: int) -> bool:
+        """Whether ``eid`` exists nowhere else yet (it goes last while Redis is down)."""
+        ...
+
+    async def demote(self, eids: list[int]) -> None:
+        """Write ``eids`` down before their CPU copies go."""
+
+
+class _NoSpill:
+    enabled = False
+    down = False
+
+    def must_reach_redis(self, eid: int) -> bool:
+        return False
+
+    async def demote(self, eids: list[int]) -> None:
+        return None
+
+
+async def _no_write_down(eid: int) -> bool:
+    return False
+
+
+class CpuRoom:
+    """See the module docstring. ``write_down`` (an entry's write to the tier below, True once
+    it is there) and ``writing`` (the entries being written down now) come from the NVMe
+    write-back (``Mover``); ``spill`` from the shared tier. Event-loop only."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.spill: SpillTarget = _NoSpill()
+        self.write_down: Callable[[int], Awaitable[bool]] = _no_write_down
+        self.writing: Container[int] = frozenset()
+        self._room = asyncio.Lock()
+        allocator = ledger.allocator
+        self._slots = TierSlots(
+            name="cpu",
+            allocator=allocator,
+            take_slot=ledger.cpu_alloc,
+            give_back=ledger.cpu_unalloc,
+            slot_of=lambda eid: ledger.index.offset[eid],
+            owner_of=ledger.cpu_owner,
+            slot_bytes_of=lambda eid: allocator.slot_bytes_for(ledger.cpu_bytes_of(eid)),
+            domain_of=ledger.domain_of,
+            relocate=ledger.relocate_cpu,
+        )
+
+    async def alloc_cpu(
+        self,
+        block_bytes: int,
+        n: int,
+        partial: bool = False,
+        keep_gpu_copies: bool = False,
+        domain: int = 0,
+        record: NamespaceRecord | None = None,
+        held_bytes: int = 0,
+    ) -> list[int]:
+        """Allocate ``n`` CPU slots, making room as needed: drop clean victims' CPU copies,
+        write dirty ones down first (or drop them when there is no tier below).
+
+        ``record``: the namespace the slots are for. Past its namespace's or its tenant's
+        ``quota_cpu`` (counting ``held_bytes`` it already got for the same call), that
+        namespace's or tenant's own coldest blocks go first; when they cannot, CapacityError
+        names the quota (``partial``: fewer slots). Another tenant's blocks are victims only
+        while that tenant stays at or above its ``guaranteed_cpu``.
+
+        One caller makes room at a time, so room made by one caller is not taken by another.
+        All or nothing (CapacityError when not enough blocks can go: leased or being written),
+        unless ``partial``, which returns as many slots as could be had. ``keep_gpu_copies``
+        (the GPU tier's write-back): a CPU copy that is the only copy below a GPU block is not
+        a victim, since dropping it would make that GPU block dirty again (churn, no room won).
+        """
+        ledger, index = self.ledger, self.ledger.index
+        keep = keep_gpu_copies and ledger.nvme is None
+
+        flushing = self.writing
+
+        def protected(eid: int) -> bool:
+            # A block being written down is still a fine victim: ``_evict_cpu`` awaits its
+            # write (flush() joins the one in flight) and then drops only its CPU copy. Any
+            # other lease (a reader, a promotion) protects it.
+            leases = index.leases[eid] - (1 if eid in flushing else 0)
+            return leases > 0 or (keep and bool(index.tier[eid] & IN_GPU))
+
+        shared = self.spill
+
+        def spare_unshared(eid: int) -> bool:
+            # While Redis is down, blocks that exist nowhere else yet go last: they are what
+            # the other hosts would lose.
+            return protected(eid) or shared.must_reach_redis(eid)
+
+        quotas = ledger.quotas
+        requester = record.owner if record is not None else None
+        guard = quotas.guard(requester, "cpu", self.owner_books, ledger.cpu_bytes_of)
+        busy = "leased or being written"
+        if guard is not None:
+            busy += ", or within another tenant's guaranteed_cpu share"
+
+        def evict(victims: list[int]) -> Awaitable[None]:
+            return self._evict_cpu(victims, requester)
+
+        def room(spare: Callable[[int], bool], all_or_nothing: bool) -> Awaitable[list[int]]:
+            return make_room(
+                self._slots,
+                block_bytes,
+                n,
+                partial=partial and not all_or_nothing,
+                policy=ledger.policy,
+                protected=spare,
+                evict=evict,
+                busy=busy,
+                domain=domain,
+                budget=guard,
+            )
+
+        async with self._room:
+            if record is not None:
+                n = await self._quota_room(record, block_bytes, n, held_bytes, partial, protected)
+                if not n:
+                    return []
+            if shared.enabled and shared.down:
+                try:
+                    return await room(spare_unshared, all_or_nothing=True)
+                except CapacityError:
+                    pass  # then they go too (counted in dropped_while_down)
+            return await room(protected, all_or_nothing=False)
+
+    def owner_books(self, eid: int) -> Usage:
+        return self.ledger.names[self.ledger.index.ns[eid]].owner  # type: ignore[no-any-return]
+
+    async def _quota_room(
+        self,
+        record: NamespaceRecord,
+        block_bytes: int,
+        n: int,
+        held_bytes: int,
+        partial: bool,
+        protected: Callable[[int], bool],
+    ) -> int:
+        """Bring ``record``'s namespace and tenant within their ``quota_cpu`` for ``n`` more
+        blocks by evicting their own coldest blocks; returns how many of the ``n`` may be
+        allocated (``n``, or fewer when ``partial``; CapacityError otherwise)."""
+        ledger, quotas = self.ledger, self.ledger.quotas
+        if record.owner is None:
+            # Forgotten while this call waited for the room: its last handle closed, and it
+            # holds no block. Nothing is allocated for it (a reserve of that handle says so).
+            if partial:
+                return 0
+            raise UnknownNamespaceError("the namespace handle was closed during the call")
+        for books, where in ((record.usage, "namespace"), (record.owner, "tenant")):
+            for _ in range(4):  # victims may change while dirty ones are written down
+                need = block_bytes * n + held_bytes
+                excess = quotas.over(books, "cpu", need)
+                if not excess:
+                    break
+                victims, _ = self.own_coldest(
+                    ledger.policy.order(),
+                    record,
+                    where,
+                    excess,
+                    lambda eid: not protected(eid),
+                    ledger.cpu_bytes_of,
+                )
+                if not victims:
+                    break
+                await self._evict_cpu(victims, record.owner)  # its own: no guarantee spares them
+            excess = quotas.over(books, "cpu", block_bytes * n + held_bytes)
+            if excess:
+                if not partial:
+                    raise quotas.quota_error(books, where, "cpu", block_bytes * n)
+                n = max(0, n - -(-excess // block_bytes))
+        return n
+
+    async def _evict_cpu(self, victims: list[int], requester: Usage | None = None) -> None:
+        """Drop victims' CPU copies, writing dirty ones down first (or dropping them when
+        there is no tier below). A victim whose tenant would now fall below its guaranteed
+        share (it changed while the writes ran) stays, unless it is ``requester``'s own."""
+        ledger, index = self.ledger, self.ledger.index
+        quotas = ledger.quotas
+        # The blocks the writes below are for. A victim not committed yet (a slab drain names
+        # every slot's entry: a spare slot a Bind may commit while the writes run) or one whose
+        # entry holds another block by then got no write: it is left for the next round, never
+        # dropped as if its write had failed.
+        was = {v: index.key(v) for v in victims if index.state[v] == State.COMMITTED}
+        dirty = [v for v in was if not index.tier[v] & IN_NVME]
+        if dirty and ledger.nvme is not None:
+            await asyncio.gather(*(self.write_down(v) for v in dirty))
+        elif dirty and self.spill.enabled:
+            await self.spill.demote(dirty)  # the CPU tier is the last local one
+        for v in victims:
+            if (
+                v not in was
+                or not index.has_key(v, index.ns[v], was[v])
+                or index.state[v] != State.COMMITTED
+                or index.leases[v]
+                or v in self.writing
+                or not index.tier[v] & IN_CPU
+                or (
+                    quotas.guaranteed_cpu
+                    and quotas.spared(requester, "cpu", self.owner_books(v), ledger.cpu_bytes_of(v))
+                )
+            ):
+                continue  # changed while the writes ran; the next round picks again
+            if index.tier[v] & (IN_NVME | IN_GPU):
+                ledger.drop_cpu_copy(v)  # still stored on disk or in the GPU pool
+            else:
+                ledger.forget(v)  # nothing else holds it (no tier, or a failed write)
+            ledger.cpu.evictions += 1
+
+    def own_coldest(
+        self,
+        order: Iterable[int],
+        record: NamespaceRecord,
+        where: str,
+        excess: int,
+        evictable: Callable[[int], bool],
+        bytes_of: Callable[[int], int] | None = None,
+    ) -> tuple[list[int], int]:
+        """The coldest evictable blocks of ``record``'s namespace (``where == "namespace"``) or
+        tenant, in ``order`` (a policy's, coldest first), until they free ``excess`` bytes;
+        with the bytes they free."""
+        ledger, index = self.ledger, self.ledger.index
+        bytes_of = bytes_of or ledger.block_bytes_of
+        victims, freed = [], 0
+        for eid in order:
+            if freed >= excess:
+                break
+            if where == "namespace":
+                mine = index.ns[eid] == record.ns_id
+            else:
+                mine = ledger.names[index.ns[eid]].owner is record.owner
+            if mine and evictable(eid):
+                victims.append(eid)
+                freed += bytes_of(eid)
+        return victims, freed
