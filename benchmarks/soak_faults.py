@@ -42,13 +42,13 @@ Checks (the exit status is 1 if one fails):
 * errors are counted by kind and by when they happened: during a daemon outage (from the kill
   to ``SETTLE_S`` after the restarted daemon answers health checks), a Redis restart, the full
   disk, or none of them. Legal kinds are listed in ``LEGAL`` per period; any other is a failure;
-* the durable contract (README "Durability", ``nvme.durable_puts``): a put acknowledged by the
-  daemon has its blocks on disk, fdatasync'd, so they survive ``kill -9``. It says nothing of a
-  block evicted or deleted later, so the ledger is kept from eviction: the tier as a whole
-  never fills (the others' quotas; the report shows how full it got), its tenant has a
-  ``guaranteed_nvme`` twice its live bytes besides, and only the ledger deletes its keys. After
-  each restart (and at the end) every block acknowledged and not deleted since must be
-  readable, byte-exact (a get may be refused under pressure: a block is lost only if a lookup
+* the durable contract (docs/operations.md "Durability modes", ``nvme.durable_puts``): a put
+  acknowledged by the daemon has its blocks on disk, fdatasync'd, so they survive ``kill -9``. It
+  says nothing of a block evicted or deleted later, so the ledger is kept from eviction: the tier as
+  a whole never fills (the others' quotas; the report shows how full it got), its tenant has a
+  ``guaranteed_nvme`` twice its live bytes besides, and only the ledger deletes its keys. After each
+  restart (and at the end) every block acknowledged and not deleted since must be readable,
+  byte-exact (a get may be refused under pressure: a block is lost only if a lookup
   does not find it either). Lost blocks must be 0, a check must follow every kill, and every
   daemon life must acknowledge durable puts (a ledger refused throughout is a failure too);
 * the daemon's RSS and open descriptors (``/proc``) every ``--sample-every`` seconds: for each
@@ -157,7 +157,8 @@ LEDGER_NOT_DURABLE = ("daemon down", "disk full")
 
 def fault_kind(exc: BaseException) -> str:
     """``soak.error_kind``, with a durable put refused (its blocks stay in memory, the put may
-    be retried: README "Durability") told apart from a daemon that does not answer."""
+    be retried: docs/operations.md "Durability modes") told apart from a daemon that does not
+    answer."""
     if "could not be made durable" in str(exc):
         return f"{type(exc).__name__}(not durable)"
     return error_kind(exc)
@@ -285,11 +286,12 @@ def worker_main(plan: WorkerPlan) -> None:
     next_report = time.monotonic() + 1.0
     while not stop.is_set():
         in_flight[0] = "?"
+        began = time.time()
         try:
             counts[one()] += 1
         except Exception as exc:  # counted by kind; the soak goes on
             counts["errors"] += 1
-            emit(ev="error", op=in_flight[0], kind=fault_kind(exc), msg=str(exc)[:300])
+            emit(ev="error", t0=began, op=in_flight[0], kind=fault_kind(exc), msg=str(exc)[:300])
             time.sleep(0.05)
         if time.monotonic() >= next_report:
             next_report += 1.0
@@ -429,6 +431,7 @@ class Ledger:
         while not self._stop.is_set():
             with self._lock:
                 after = self._want_check[0] if self._want_check else None
+            began = time.time()
             try:
                 if after is not None:  # until it completes: the daemon may not answer yet
                     self.check(after)
@@ -443,9 +446,9 @@ class Ledger:
                 self.error_kinds[fault_kind(exc)] += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"[:300]
                 self.events.append(
-                    {"ev": "error", "t": time.time(), "op": "ledger " + ("check" if after else
-                     "put/delete"), "kind": fault_kind(exc), "msg": str(exc)[:300],
-                     "worker": "ledger"}
+                    {"ev": "error", "t": time.time(), "t0": began,
+                     "op": "ledger " + ("check" if after else "put/delete"),
+                     "kind": fault_kind(exc), "msg": str(exc)[:300], "worker": "ledger"}
                 )  # fmt: skip
                 time.sleep(0.2)
             self._stop.wait(0.1)
@@ -831,15 +834,19 @@ class FaultSoak:
 
 
 # --------------------------------------------------------------------------- the report
-def period_of(t: float, faults: list[Fault]) -> str:
-    """When an error at wall time ``t`` happened: in which fault's window, if any."""
+def period_of(t: float, faults: list[Fault], t0: float | None = None) -> str:
+    """When an error at wall time ``t``, of an operation begun at ``t0`` (default ``t``),
+    happened: in which fault's window the operation overlapped, if any (an operation in flight
+    when the daemon was killed fails of it, however late its last call ends)."""
+    start = t if t0 is None else min(t0, t)
     for kind, period in (("daemon kill", "daemon down"), ("redis restart", "redis restart")):
         for f in faults:
-            if f.kind == kind and f.wall and f.wall <= t <= f.wall_end + SETTLE_S:
+            if f.kind == kind and f.wall and f.wall <= t and start <= f.wall_end + SETTLE_S:
                 return period
     fill = next((f for f in faults if f.kind == "disk fill" and f.wall), None)
     free = next((f for f in faults if f.kind == "disk free" and f.wall), None)
-    if fill and fill.wall <= t <= (free.wall_end + SETTLE_S if free else float("inf")):
+    end = free.wall_end + SETTLE_S if free else float("inf")
+    if fill and fill.wall <= t and start <= end:
         return "disk full"
     return "steady"
 
@@ -899,11 +906,11 @@ def report(soak: FaultSoak, stats: dict | None, final: LedgerCheck | None, abort
     by: dict[str, Counter] = {}
     first: dict[str, str] = {}
     for e in errors:
-        by.setdefault(e["kind"], Counter())[period_of(e["t"], run.faults)] += 1
+        by.setdefault(e["kind"], Counter())[period_of(e["t"], run.faults, e.get("t0"))] += 1
         first.setdefault(e["kind"], f"{e['op']}: {e['msg']}")
     unexpected = {k: {p: n for p, n in c.items() if k not in LEGAL[p]} for k, c in by.items()}
     for e in errors:
-        period = period_of(e["t"], run.faults)
+        period = period_of(e["t"], run.faults, e.get("t0"))
         if (
             e["worker"] == "ledger"
             and e["kind"] == NOT_DURABLE
@@ -912,6 +919,21 @@ def report(soak: FaultSoak, stats: dict | None, final: LedgerCheck | None, abort
             by_period = unexpected.setdefault("ledger " + NOT_DURABLE, {})
             by_period[period] = by_period.get(period, 0) + 1
     unexpected = {k: v for k, v in unexpected.items() if v}
+    # What an operator needs to explain an unexpected error: when its operation began and
+    # ended, relative to the start and to the faults.
+    wall0 = run.wall0
+    unexpected_samples = [
+        {
+            "began_s": round(e.get("t0", e["t"]) - wall0, 2),
+            "ended_s": round(e["t"] - wall0, 2),
+            "worker": e.get("worker", "?"),
+            "op": e["op"],
+            "kind": e["kind"],
+            "msg": e["msg"][:200],
+        }
+        for e in errors
+        if period_of(e["t"], run.faults, e.get("t0")) in unexpected.get(e["kind"], {})
+    ][:12]
     print_table(
         f"Errors by kind and period ({len(errors)}; periods: a fault's window up to "
         f"{SETTLE_S:.0f}s after it is over)",
@@ -929,6 +951,12 @@ def report(soak: FaultSoak, stats: dict | None, final: LedgerCheck | None, abort
     )
     if unexpected:
         failures.append(f"unexpected errors: {unexpected}")
+        print_table(
+            "Unexpected errors (first 12)",
+            ["began s", "ended s", "worker", "op", "kind", "message"],
+            [[u["began_s"], u["ended_s"], u["worker"], u["op"], u["kind"], u["msg"][:90]]
+             for u in unexpected_samples],
+        )  # fmt: skip
 
     print_table(
         f"Durable ledger ({LEDGER.name}, {fmt_size(LEDGER.block_bytes)} blocks; "
@@ -1042,6 +1070,7 @@ def report(soak: FaultSoak, stats: dict | None, final: LedgerCheck | None, abort
         "wrong_bytes": totals["wrong_bytes"],
         "errors": {k: dict(c) for k, c in by.items()},
         "unexpected_errors": unexpected,
+        "unexpected_samples": unexpected_samples,
         "ledger_checks": [asdict(c) for c in ledger.checks],
         "durable_lost": lost,
         "durable_wrong": lwrong,
