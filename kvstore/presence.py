@@ -1,12 +1,12 @@
 """Presence tables: which keys of one namespace are committed, readable by same-host clients
 without a call.
 
-A ``lookup`` over the session socket costs a round trip through the daemon's Python, ~200 us
-here whatever the daemon does inside (``README``: "Same-host client"), and an engine's
-scheduler pays one for every new request. So the daemon publishes, per namespace, a table of
-its committed keys' fingerprints in a shared-memory file that same-host clients of that
-namespace map read-only (handed over as a descriptor, like a slab) and probe with numpy: a
-lookup of 128 keys is then a few microseconds of the client's own CPU and no call at all.
+A ``lookup`` over the session socket costs a round trip through the daemon's Python, ~200 us here
+whatever the daemon does inside (``docs/architecture.md``: "The same-host data path"), and an
+engine's scheduler pays one for every new request. So the daemon publishes, per namespace, a table
+of its committed keys' fingerprints in a shared-memory file that same-host clients of that namespace
+map read-only (handed over as a descriptor, like a slab) and probe with numpy: a lookup of 128 keys
+is then a few microseconds of the client's own CPU and no call at all.
 
 What a client may learn is exactly what ``lookup`` would tell it: which keys of its own
 namespace are committed. A table is one namespace's (a namespace id that is recycled gets a new

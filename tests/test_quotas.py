@@ -1,5 +1,5 @@
 """Quotas and fairness, against real daemons: what one tenant may hold, and what it can never
-take from another (README "Security", "Quotas and fairness").
+take from another (docs/security.md, "Quotas and fairness").
 
 The two wedges pinned here used to let one client stop everyone else's puts: leasing every
 block (and renewing the leases), and reserving the whole arena (its slots then quarantined for

@@ -2,7 +2,7 @@
 
 ``Lookup`` of one key repeated 16,384 times answered found=16384 and counted 16,384 hits, and a
 client's lookup (or get) answered from its presence table did the same with no call, while
-``Acquire`` refused repeated keys (INVALID_ARGUMENT) and the README says reads refuse them. Now
+``Acquire`` refused repeated keys (INVALID_ARGUMENT) and the docs say reads refuse them. Now
 Lookup (gRPC and local call), the client's lookup and get from the table or through a call,
 refuse them all with INVALID_ARGUMENT (``InvalidRequestError``) naming the repeat, and count
 nothing. Prefetch, a hint, still takes them (each key is promoted once).

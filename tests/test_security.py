@@ -1,7 +1,7 @@
 """Who may call, and what they reach: real daemons, real processes under other uids (dropped
 with ``setpriv``), real TLS certificates made at test time.
 
-README "Security" states the promises these tests check: a tenant cannot open, look up, read,
+docs/security.md states the promises these tests check: a tenant cannot open, look up, read,
 write, delete or see another tenant's namespace by any RPC (through the client and raw stubs),
 cannot map its memory, and cannot poison its keys; a shared namespace serves its readers and
 refuses non-writers; TCP without credentials is refused; a squatted socket directory is

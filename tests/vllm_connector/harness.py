@@ -94,7 +94,8 @@ def engine_env() -> dict[str, str]:
     # vLLM's CPU backend reserves one more core per worker for any KV connector (for connectors
     # with threads of their own); on this 2-core machine it then reserves none, and the
     # engine's processes fight the forward pass's OpenMP threads. Every engine, with or without
-    # the connector, gets the binding an engine without a connector gets (see the README).
+    # the connector, gets the binding an engine without a connector gets (docs/engines.md,
+    # "CPU engines").
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     env["HF_HUB_OFFLINE"] = "1"
     # Connector classes defined next to the tests (gated_connector) import in vLLM's processes.

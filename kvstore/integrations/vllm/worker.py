@@ -109,7 +109,8 @@ class _Worker:
         """Synchronous loads are copied layer by layer, each layer waited for by vLLM just
         before its attention: by default on the transfer thread (CUDA caches: host copies
         overlap the GPU's compute of earlier layers); CPU caches load whole before the forward
-        pass unless ``layerwise`` is on (see the README for what it was measured to cost)."""
+        pass unless ``layerwise`` is on (``docs/engines.md``, "Layer-wise loads", says what it
+        was measured to cost)."""
         mode = self.cfg.layerwise
         if mode == "auto":
             return not self.inline
