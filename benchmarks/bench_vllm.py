@@ -33,7 +33,6 @@ between runs).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -44,8 +43,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm_connector"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import KVStoreDaemon, Reporter, parse_args, print_header, run_main
+from _harness import KVStoreDaemon, Reporter, emit, expect, parse_args, print_header, run_main
 from harness import (
+    BLOCK,
     RANDOM_200M,
     Engine,
     bench_spec,
@@ -59,17 +59,26 @@ from harness import (
 # An engine of this run serves several long prompts one at a time on one core (~50-100 s each
 # here), so it gets far longer than the tests' default wait.
 ENGINE_WAIT_S = 3600
+VENV = ".venv-vllm"  # the environment this script runs in (make vllm-env)
+SMOKE_TIMEOUT_S = 900  # --smoke starts three vLLM engines: minutes, not seconds
 
 
 def bench_model(
-    name: str, model: Path, work: Path, quick: bool, full: bool, report: Reporter, ttft: bool = True
+    name: str,
+    model: Path,
+    work: Path,
+    quick: bool,
+    full: bool,
+    report: Reporter,
+    ttft: bool = True,
+    smoke: bool = False,
 ) -> dict[str, Any]:
-    n = 2 if quick else 3
-    length = 1024 if quick else 1536
+    n = 1 if smoke else 2 if quick else 3
+    length = 128 if smoke else 1024 if quick else 1536
     stored = [{"ids": prompt(length, 100 + i)} for i in range(n)]
     fresh = [{"ids": prompt(length, 200 + i)} for i in range(n)]
     warm = [{"ids": prompt(64, 999)}]
-    with KVStoreDaemon(2 << 30) as daemon:
+    with KVStoreDaemon((256 << 20) if smoke else (2 << 30)) as daemon:
         conn = {"address": daemon.address}
         phases: list[dict[str, Any]] = [{"prompts": warm, "max_tokens": 1}]
         if ttft:
@@ -108,6 +117,10 @@ def bench_model(
     ]
     if ttft:
         loaded = [o["num_cached_tokens"] for o in c[1]["outputs"]]
+        want = (length - 1) // BLOCK * BLOCK  # the last token is always computed
+        expect(loaded == [want] * n, f"{name}: stored prompts loaded {loaded}, not {want} each")
+        fresh_loaded = [o["num_cached_tokens"] for o in c[2]["outputs"]]
+        expect(not any(fresh_loaded), f"{name}: prompts never stored loaded {fresh_loaded}")
         out.update(
             prompt_tokens=length,
             loaded_tokens=loaded,
@@ -198,25 +211,30 @@ def main() -> int:
     try:
         ttft, throughput = args.only != "throughput", args.only != "ttft"
         results = []
-        if ttft:
+        if args.smoke:
+            tiny = make_random_model(work / "random-tiny")
+            results.append(
+                bench_model("random-tiny", tiny, work, True, False, report, True, smoke=True)
+            )
+        elif ttft:
             results.append(
                 bench_model("SmolLM2-135M", smollm2_dir(cache), work, args.quick, False, report)
             )
-        results.append(
-            bench_model(
-                "random-200M",
-                make_random_model(work / "random-200m", **RANDOM_200M),
-                work,
-                args.quick,
-                throughput,
-                report,
-                ttft,
+        if not args.smoke:
+            results.append(
+                bench_model(
+                    "random-200M",
+                    make_random_model(work / "random-200m", **RANDOM_200M),
+                    work,
+                    args.quick,
+                    throughput,
+                    report,
+                    ttft,
+                )
             )
-        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        print(json.dumps({"results": results}, indent=2))
+    emit({"results": results}, args)
     return 0
 
 

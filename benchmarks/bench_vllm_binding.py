@@ -16,12 +16,15 @@ Per engine: the worker's OpenMP threads and CPUs (read from its process), the me
 long prompts served one at a time, and the throughput of a batch that also decodes. Ratios are
 against the engine without a connector, in the same run; the engines run one after the other,
 so a machine shared with other jobs adds noise: the load is printed before and after.
+
+``--smoke`` checks the script, not the figures: the tests' small random Llama
+(``RANDOM_LLAMA``), two engines (no connector; kvstore's), one 128-token prompt and a batch of
+two short ones (minutes here, mostly engine start-up).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -33,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm_connector"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import KVStoreDaemon, Reporter, parse_args, print_header, run_main
+from _harness import KVStoreDaemon, Reporter, emit, expect, parse_args, print_header, run_main
 from harness import (
     RANDOM_200M,
     Engine,
@@ -45,6 +48,8 @@ from harness import (
 )
 
 RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+VENV = ".venv-vllm"  # the environment this script runs in (make vllm-env)
+SMOKE_TIMEOUT_S = 900  # --smoke starts two vLLM engines: minutes, not seconds
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
@@ -61,11 +66,15 @@ def main() -> int:
     report = Reporter(args.json)
     if not args.json:
         print_header("bench_vllm_binding", args)
-    n, length = (2, 512) if args.quick else (3, 1024)
+    n, length = (1, 128) if args.smoke else (2, 512) if args.quick else (3, 1024)
+    batch_n, batch_len, batch_new = (2, 32, 4) if args.smoke else (4, 128, 32)
     work = Path(tempfile.mkdtemp(prefix="kvbench-vllm-bind-"))
     load_before = os.getloadavg()
     try:
-        model = make_random_model(work / "random-200m", **RANDOM_200M)
+        if args.smoke:
+            model = make_random_model(work / "random-tiny")
+        else:
+            model = make_random_model(work / "random-200m", **RANDOM_200M)
 
         def phases(seed: int) -> list[dict[str, Any]]:
             # Prompts no engine of the run has seen: the daemon outlives the engines, and a
@@ -78,13 +87,13 @@ def main() -> int:
                     "one_by_one": True,
                 },
                 {
-                    "prompts": [{"ids": prompt(128, seed + 500 + i)} for i in range(4)],
-                    "max_tokens": 32,
+                    "prompts": [{"ids": prompt(batch_len, seed + 500 + i)} for i in range(batch_n)],
+                    "max_tokens": batch_new,
                 },
             ]
 
         noop = {"connector": {}, "connector_class": ["noop_connector", "NoopConnector"]}
-        with KVStoreDaemon(2 << 30) as daemon:
+        with KVStoreDaemon((256 << 20) if args.smoke else (2 << 30)) as daemon:
             arms: list[tuple[str, dict[str, Any]]] = [
                 ("no connector", {"connector": None}),
                 ("no-op connector, vLLM's reservation", {**noop, "env": {RESERVED: None}}),
@@ -94,7 +103,9 @@ def main() -> int:
                     {"connector": {"address": daemon.address}, "env": {RESERVED: "1"}},
                 ),
             ]
-            if args.overhead:
+            if args.smoke:
+                arms = [arms[0], arms[3]]
+            elif args.overhead:
                 # Only the two arms the overhead is about, alternated (A B A B ...) so that a
                 # load that drifts during the run falls on both alike.
                 arms = [arms[0], arms[3]] * args.rounds
@@ -104,7 +115,9 @@ def main() -> int:
                 spec = bench_spec(model, phases=phases(10_000 * i), **extra)
                 r = Engine(spec, work, f"arm{i}").result()
                 batch = r["phases"][2]
-                tokens = sum(len(o["tokens"]) for o in batch["outputs"]) + 4 * 128
+                generated = [len(o["tokens"]) for o in batch["outputs"]]
+                expect(generated == [batch_new] * batch_n, f"{label}: batch generated {generated}")
+                tokens = sum(generated) + batch_n * batch_len
                 runs.setdefault(label, []).append(
                     {
                         "workers": r.get("workers"),
@@ -141,13 +154,13 @@ def main() -> int:
             ]
         )
     report.table(
-        f"vLLM CPU, random-200M, TTFT of {length}-token prompts (median of {n}) and a 4 x 128"
-        f" + 32 batch; load {load_before[0]:.1f} before, {load_after[0]:.1f} after",
+        f"vLLM CPU, {'random-tiny' if args.smoke else 'random-200M'}, TTFT of {length}-token "
+        f"prompts (median of {n}) and a {batch_n} x {batch_len} + {batch_new} batch; load "
+        f"{load_before[0]:.1f} before, {load_after[0]:.1f} after",
         ["engine", "engines", "worker's CPUs", "TTFT", "vs none", "batch tok/s", "vs none"],
         rows,
     )
-    if args.json:
-        print(json.dumps({"results": results, "load": [load_before, load_after]}, indent=2))
+    emit({"results": results, "load": [load_before, load_after]}, args)
     return 0
 
 
