@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import redis as redis_py
 import torch
+from redis_binary import NOT_INSTALLED, redis_server_binary
 
 from kvstore.checksum import block_checksum
 from kvstore.tiers import codecs
@@ -36,13 +37,11 @@ from kvstore.tiers.codecs import CODEC_FP8, BlockFormat
 from kvstore.tiers.redis import HEADER_BYTES, RedisTier, RedisTierUnavailable
 from kvstore.tiers.redis_tier import value as fmt
 
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+REDIS_SERVER = redis_server_binary() or "redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 pytestmark = [
     pytest.mark.redis,
-    pytest.mark.skipif(
-        not os.access(REDIS_SERVER, os.X_OK), reason="redis-server not installed (apt redis-server)"
-    ),
+    pytest.mark.skipif(redis_server_binary() is None, reason=NOT_INSTALLED),
 ]
 
 NS = bytes(range(16))
