@@ -69,6 +69,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "kvstore.daemon.disk_tier",
             "kvstore.daemon.room",
             "kvstore.daemon.side_streams",
+            "kvstore.daemon.writeback",
         ],
     ),
     ("daemon ledger", ["kvstore.daemon.ledger"]),

@@ -37,6 +37,7 @@ from kvstore import kernels
 from kvstore.checksum import checksum_seed, seeded_checksum
 from kvstore.daemon.room import TierSlots, make_room
 from kvstore.daemon.tierstats import TierCounters
+from kvstore.daemon.writeback import bytes_to_clean, pick_writeback
 from kvstore.errors import CapacityError
 from kvstore.index import BELOW_GPU, IN_CPU, IN_GPU, State
 from kvstore.policy import EvictionPolicy, make_policy
@@ -500,34 +501,36 @@ class DeviceTier:
         )
 
     def _next_clean_batch(self) -> list[int]:
-        index = self.ledger.index
-        batch: list[int] = []
-        while self._eager and len(batch) < _BATCH:
-            e = self._eager.popleft()
-            if (
+        """The next blocks to copy down to the CPU tier (``writeback.pick_writeback``)."""
+        index, block_bytes_of = self.ledger.index, self.ledger.block_bytes_of
+        high_watermark = self.config.high_watermark
+
+        def needs_write(e: int) -> bool:
+            return (
                 index.state[e] == State.COMMITTED
                 and e in self.dsum
                 and e not in self._moving
                 and not index.tier[e] & BELOW_GPU
-                and e not in batch
-            ):
-                batch.append(e)
-        if batch or self.allocator is None:
-            return batch
-        capacity = self.allocator.capacity_bytes
-        target = (1.0 - self.config.high_watermark) * capacity
-        if capacity - self.used_bytes >= target:
-            return batch  # under the watermark even were every block dirty: no scan needed
-        dirty = [e for e in self.policy.order() if not index.tier[e] & BELOW_GPU]
-        dirty_bytes = sum(self.ledger.block_bytes_of(e) for e in dirty)
-        have = capacity - dirty_bytes
-        for e in dirty:  # coldest first
-            if have >= target or len(batch) >= _BATCH:
-                break
-            if e not in self._moving:
-                batch.append(e)
-                have += self.ledger.block_bytes_of(e)
-        return batch
+            )
+
+        def wanted() -> float:
+            if self.allocator is None:
+                return 0.0
+            capacity = self.allocator.capacity_bytes
+            if bytes_to_clean(capacity, capacity - self.used_bytes, high_watermark) <= 0:
+                return 0.0  # under the watermark even were every block dirty: no scan needed
+            dirty = (e for e in self.policy.order() if not index.tier[e] & BELOW_GPU)
+            dirty_bytes = sum(block_bytes_of(e) for e in dirty)
+            return bytes_to_clean(capacity, capacity - dirty_bytes, high_watermark)
+
+        return pick_writeback(
+            eager=self._eager,
+            needs_write=needs_write,
+            limit=_BATCH,
+            wanted=wanted,
+            coldest=self.policy.order,
+            bytes_of=block_bytes_of,
+        )
 
     # ----------------------------------------------------------------- up
     def prefetch(self, ns_id: int, keys: list[bytes], payer: Usage | None = None) -> int:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.checksum import block_checksum
 from kvstore.daemon.cpu_room import CpuRoom
+from kvstore.daemon.writeback import bytes_to_clean, pick_writeback
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, State
 from kvstore.ratelog import RateLimitedLog
 from kvstore.tiers.codecs import LOSSY, BlockFormat, block_format_of, encode_payload
@@ -425,33 +426,31 @@ class Mover:
         return ledger.cpu_used_bytes - ledger.cpu_clean_bytes
 
     def _next_flush_batch(self) -> list[int]:
+        """The next blocks to write down to the NVMe tier (``writeback.pick_writeback``)."""
         ledger, index = self.ledger, self.ledger.index
-        # Large enough that the tier can group many writes under one pair of fdatasyncs.
-        limit = max(2 * self.config.io_threads, 32)
-        batch: list[int] = []
-        if self.config.write_through:
-            while self._write_through and len(batch) < limit:
-                eid = self._write_through.popleft()
-                if (
-                    index.state[eid] == State.COMMITTED
-                    and index.tier[eid] & _LOCAL == IN_CPU
-                    and eid not in self._flushing
-                ):
-                    batch.append(eid)
-            return batch
-        capacity = ledger.allocator.capacity_bytes
-        target = (1.0 - ledger.config.cpu.high_watermark) * capacity
-        have = capacity - ledger.cpu_used_bytes + ledger.cpu_clean_bytes
-        if have >= target:
-            return batch
-        want = target - have
-        for eid in ledger.policy.order():  # coldest first
-            if index.tier[eid] & _LOCAL == IN_CPU and eid not in self._flushing:
-                batch.append(eid)
-                want -= ledger.cpu_bytes_of(eid)
-                if want <= 0 or len(batch) >= limit:
-                    break
-        return batch
+
+        def needs_write(e: int) -> bool:
+            return (
+                index.state[e] == State.COMMITTED
+                and index.tier[e] & _LOCAL == IN_CPU
+                and e not in self._flushing
+            )
+
+        def wanted() -> float:
+            capacity = ledger.allocator.capacity_bytes
+            free_or_clean = capacity - ledger.cpu_used_bytes + ledger.cpu_clean_bytes
+            return bytes_to_clean(capacity, free_or_clean, ledger.config.cpu.high_watermark)
+
+        return pick_writeback(
+            eager=self._write_through,
+            needs_write=needs_write,
+            # Large enough that the tier can group many writes under one pair of fdatasyncs.
+            limit=max(2 * self.config.io_threads, 32),
+            eager_only=self.config.write_through,
+            wanted=wanted,
+            coldest=ledger.policy.order,
+            bytes_of=ledger.cpu_bytes_of,
+        )
 
     # ----------------------------------------------------------------- up: promotion, prefetch
     async def bring_to_cpu(self, eids: list[int]) -> int:
