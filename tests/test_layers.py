@@ -73,7 +73,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         ],
     ),
     ("daemon ledger", ["kvstore.daemon.ledger"]),
-    ("daemon cpu room", ["kvstore.daemon.cpu_room"]),
+    ("daemon movement parts", ["kvstore.daemon.cpu_room", "kvstore.daemon.prefetch"]),
     ("daemon tiers", ["kvstore.daemon.device", "kvstore.daemon.shared", "kvstore.daemon.movement"]),
     ("daemon checks and views", ["kvstore.daemon.invariants", "kvstore.daemon.snapshots"]),
     ("daemon store", ["kvstore.daemon.store", "kvstore.daemon.store_*"]),

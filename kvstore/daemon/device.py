@@ -35,6 +35,7 @@ import torch
 
 from kvstore import kernels
 from kvstore.checksum import checksum_seed, seeded_checksum
+from kvstore.daemon.prefetch import Prefetcher
 from kvstore.daemon.room import TierSlots, make_room
 from kvstore.daemon.tierstats import TierCounters
 from kvstore.daemon.writeback import bytes_to_clean, pick_writeback
@@ -121,7 +122,6 @@ class DeviceTier:
         self.used_bytes = 0
         self._moving: dict[int, asyncio.Future[bool]] = {}
         # Entries queued by a prefetch and not reached yet, with their (namespace, key).
-        self._queued: dict[int, tuple[int, bytes]] = {}
         self._eager: deque[int] = deque()
         self._wake = asyncio.Event()
         self._room = asyncio.Lock()
@@ -131,6 +131,14 @@ class DeviceTier:
         self._host: torch.Tensor | None = None
         self._stream: Any = None
         self._pinned = False
+        index = ledger.index
+        self._prefetcher = Prefetcher(
+            ledger,
+            window=_BATCH,
+            wanted=lambda e: not index.tier[e] & IN_GPU and e not in self._moving,
+            promote=self.to_gpu,
+            spawn=self._spawn,
+        )
 
     @property
     def enabled(self) -> bool:
@@ -535,45 +543,13 @@ class DeviceTier:
     # ----------------------------------------------------------------- up
     def prefetch(self, ns_id: int, keys: list[bytes], payer: Usage | None = None) -> int:
         """Start promoting the run's blocks into the pool in prefix order; returns how many
-        were queued (blocks an earlier prefetch queued and has not reached are not queued
-        again). Spends the keys like a lookup (``keys_per_s``; the ``payer``'s, if any)."""
+        were queued (``Prefetcher``). Spends the keys like a lookup (``keys_per_s``; the
+        ``payer``'s, if any)."""
         ledger = self.ledger
         ledger.quotas.take_keys(ledger.names[ns_id], len(keys), payer)
         if self.pool is None:
             return 0
-        index = ledger.index
-        run = ledger.leading_run(ns_id, keys)
-        queued = self._queued
-        todo = [
-            (e, index.key(e))
-            for e in dict.fromkeys(run)
-            if not index.tier[e] & IN_GPU
-            and e not in self._moving
-            and queued.get(e) != (ns_id, index.key(e))
-        ]
-        if todo:
-            for e, key in todo:
-                queued[e] = (ns_id, key)
-            self._spawn(self._prefetch(ns_id, todo))
-        return len(todo)
-
-    def _unqueue(self, ns_id: int, part: list[tuple[int, bytes]]) -> None:
-        for e, key in part:
-            if self._queued.get(e) == (ns_id, key):
-                del self._queued[e]
-
-    async def _prefetch(self, ns_id: int, run: list[tuple[int, bytes]]) -> None:
-        start = 0
-        try:
-            for start in range(0, len(run), _BATCH):
-                part = run[start : start + _BATCH]
-                self._unqueue(ns_id, part)
-                # Still the blocks queued: an entry deleted meanwhile may hold another key.
-                eids = [e for e, key in part if self.ledger.index.has_key(e, ns_id, key)]
-                if not await self.to_gpu(eids):
-                    return  # past a block that could not come up, the prefix is of no use
-        finally:
-            self._unqueue(ns_id, run[start:])
+        return self._prefetcher.queue(ns_id, keys)
 
     async def to_gpu(self, eids: list[int]) -> bool:
         """Promote blocks into the pool (from the CPU tier, bringing disk-only ones to the CPU

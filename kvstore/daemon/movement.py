@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.checksum import block_checksum
 from kvstore.daemon.cpu_room import CpuRoom
+from kvstore.daemon.prefetch import Prefetcher
 from kvstore.daemon.writeback import bytes_to_clean, pick_writeback
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, State
 from kvstore.ratelog import RateLimitedLog
@@ -74,9 +75,6 @@ class Mover:
         self._flushing: dict[int, asyncio.Future[bool]] = {}
         self._write_through: deque[int] = deque()
         self._prefetched = bytearray()
-        # Entries queued by a prefetch task and not reached yet, with the (namespace, key) they
-        # were queued for: a block is queued once, however often a client asks for its run.
-        self._queued: dict[int, tuple[int, bytes]] = {}
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         # Entries whose CPU copy is the fp8 form of a lossless disk record (written before
@@ -89,6 +87,15 @@ class Mover:
         self._flusher: asyncio.Task[None] | None = None
         self._batches = 0  # write-back batches in flight
         cpu_room.write_down, cpu_room.writing = self.flush, self._flushing
+        index = ledger.index
+        # Blocks in the GPU pool are not read from disk: a CPU reader gets a copy from the pool.
+        self._prefetcher = Prefetcher(
+            ledger,
+            window=2 * self.config.io_threads,  # the head of the prefix is ready first
+            wanted=lambda e: not index.tier[e] & (IN_CPU | IN_GPU) and e not in self._promoting,
+            promote=self._promote_prefetched,
+            spawn=self._spawn,
+        )
 
     async def alloc_cpu(
         self,
@@ -704,61 +711,21 @@ class Mover:
 
     def prefetch(self, ns_id: int, keys: list[bytes], payer: Usage | None = None) -> int:
         """Start promoting the run's disk-only blocks in prefix order; returns how many were
-        queued (blocks an earlier prefetch queued and has not reached are not queued again).
-        Spends the keys like a lookup (``keys_per_s``; the ``payer``'s, if any)."""
-        ledger, index = self.ledger, self.ledger.index
+        queued (``Prefetcher``). Spends the keys like a lookup (``keys_per_s``; the
+        ``payer``'s, if any)."""
+        ledger = self.ledger
         ledger.quotas.take_keys(ledger.names[ns_id], len(keys), payer)
         if ledger.nvme is None:
             return 0
-        run = ledger.leading_run(ns_id, keys)
-        queued = self._queued
-        # Blocks in the GPU pool are not read from disk: a CPU reader gets a copy from the pool.
-        todo = [
-            (e, index.key(e))
-            for e in dict.fromkeys(run)  # a key asked twice is one block
-            if not index.tier[e] & (IN_CPU | IN_GPU)
-            and e not in self._promoting
-            and queued.get(e) != (ns_id, index.key(e))
-        ]
-        if todo:
-            for e, key in todo:
-                queued[e] = (ns_id, key)
-            self._spawn(self._prefetch(ns_id, todo))
-        return len(todo)
+        return self._prefetcher.queue(ns_id, keys)
 
-    def _unqueue(self, ns_id: int, part: list[tuple[int, bytes]]) -> None:
-        for e, key in part:
-            if self._queued.get(e) == (ns_id, key):
-                del self._queued[e]
-
-    async def _prefetch(self, ns_id: int, run: list[tuple[int, bytes]]) -> None:
-        # Windows in prefix order: the head of the prefix is ready first.
-        window = 2 * self.config.io_threads
-        i = 0
-        try:
-            for i in range(0, len(run), window):
-                index = self.ledger.index
-                part = run[i : i + window]
-                self._unqueue(ns_id, part)
-                # Each entry is re-checked against the key it was queued for: one deleted
-                # during an earlier window may have passed its id to another namespace's block.
-                batch = [
-                    e
-                    for e, key in part
-                    if index.has_key(e, ns_id, key)
-                    and index.state[e] == State.COMMITTED
-                    and not index.tier[e] & IN_CPU
-                    and e not in self._promoting
-                ]
-                if not batch:
-                    continue
-                results = await self._promote_many(batch)
-                for eid, ok in zip(batch, results, strict=True):
-                    if ok:
-                        if eid >= len(self._prefetched):
-                            self._prefetched.extend(bytes(eid + 1 - len(self._prefetched) + 1024))
-                        self._prefetched[eid] = 1
-                if not all(results):
-                    return  # the rest of the prefix is unreachable past a miss
-        finally:
-            self._unqueue(ns_id, run[i:])  # the windows not reached (a miss, a cancel)
+    async def _promote_prefetched(self, eids: list[int]) -> bool:
+        """A prefetch window's promotion; its blocks are marked prefetched (a read that finds
+        one counts a prefetch hit). True when all came up."""
+        results = await self._promote_many(eids)
+        for eid, ok in zip(eids, results, strict=True):
+            if ok:
+                if eid >= len(self._prefetched):
+                    self._prefetched.extend(bytes(eid + 1 - len(self._prefetched) + 1024))
+                self._prefetched[eid] = 1
+        return all(results)
