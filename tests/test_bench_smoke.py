@@ -1,0 +1,134 @@
+"""Every benchmark still runs: each ``benchmarks/bench_*.py`` (found by glob, so a new one is
+tested too) is run as a subprocess with ``--smoke`` (tiny sizes, a few seconds, every byte it
+reads back verified) and ``--json-out``. It must exit 0 and write its result document, which
+names the benchmark and the smoke mode. Figures are never looked at.
+
+A script that cannot run here exits 77 (``_harness.SKIP_EXIT``) naming what it needs: the test
+skips only after checking, with the script's own interpreter, that this is really missing (no
+CUDA device, a package not installed); otherwise it fails. A script whose module sets
+``VENV = ".venv-vllm"`` runs with that environment's Python (``make vllm-env`` builds it) and
+is skipped when it is not built. Peers (redis-server) are not optional: a script that needs one
+fails without it. A smoke run gets ``SCRIPT_TIMEOUT_S``, or the ``SMOKE_TIMEOUT_S`` its module
+sets (the vLLM ones start engines: minutes).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted((ROOT / "benchmarks").glob("bench_*.py"))
+SKIP_EXIT = 77  # benchmarks/_harness.py
+SCRIPT_TIMEOUT_S = 240  # a smoke run takes seconds; this catches a hang, not a slow machine
+
+
+def module_constant(script: Path, name: str, kind: type) -> object | None:
+    """The literal a script's module assigns to ``name`` at top level (None: it does not)."""
+    for node in ast.parse(script.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
+            value = node.value
+            if not (isinstance(value, ast.Constant) and isinstance(value.value, kind)):
+                raise AssertionError(f"{script.name}: {name} must be a {kind.__name__} literal")
+            return value.value
+    return None
+
+
+def interpreter_for(script: Path) -> str:
+    venv = module_constant(script, "VENV", str)
+    if not isinstance(venv, str):
+        return sys.executable
+    python = ROOT / venv / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"{script.name} runs in {venv}, which is not built here (make vllm-env)")
+    return str(python)
+
+
+def really_missing(python: str, needs: str) -> bool:
+    """Whether ``needs`` (``cuda`` or ``module:NAME``) is missing for ``python``."""
+    if needs == "cuda":
+        code = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"
+    elif needs.startswith("module:"):
+        name = needs.removeprefix("module:")
+        code = f"import importlib.util as u, sys; sys.exit(0 if u.find_spec({name!r}) else 3)"
+    else:
+        raise AssertionError(f"a skip names an unknown prerequisite: {needs!r}")
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+    if r.returncode not in (0, 3):
+        raise AssertionError(f"checking {needs} failed:\n{r.stderr[-2000:]}")
+    return r.returncode == 3
+
+
+def run_script(python: str, script: Path, out: Path, timeout_s: float) -> tuple[int, str, str]:
+    """Run ``script --smoke --json-out out``; past ``timeout_s``, SIGTERM it (its harness then
+    stops the daemons and peers it started), SIGKILL it if that does not end it, and fail."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [python, str(script), "--smoke", "--json-out", str(out)]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        pytest.fail(
+            f"{script.name} --smoke ran past {timeout_s} s\n"
+            f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-3000:]}"
+        )
+    return proc.returncode, stdout, stderr
+
+
+def timeout_for(script: Path) -> float:
+    own = module_constant(script, "SMOKE_TIMEOUT_S", int)
+    return float(own) if isinstance(own, int) else SCRIPT_TIMEOUT_S
+
+
+@pytest.mark.parametrize(
+    "script",
+    # pytest-timeout's limit: past the script's own, with room for the SIGTERM and the checks
+    [pytest.param(s, marks=pytest.mark.timeout(timeout_for(s) + 150), id=s.stem) for s in SCRIPTS],
+)
+def test_benchmark_runs_in_smoke_mode(script: Path, tmp_path: Path) -> None:
+    python = interpreter_for(script)
+    out = tmp_path / "result.json"
+    rc, stdout, stderr = run_script(python, script, out, timeout_for(script))
+    tail = f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-4000:]}"
+    name = script.stem.removeprefix("bench_")
+    if rc == SKIP_EXIT:
+        assert out.exists(), f"{script.name} exited {SKIP_EXIT} without its result\n{tail}"
+        skipped = json.loads(out.read_text())["skipped"]
+        needs = skipped["needs"]
+        assert really_missing(python, needs), (
+            f"{script.name} skipped for want of {needs}, which is present\n{tail}"
+        )
+        pytest.skip(f"{script.name}: needs {needs}: {skipped['reason']}")
+    assert rc == 0, f"{script.name} --smoke exited {rc}\n{tail}"
+    assert out.exists(), f"{script.name} --smoke wrote no result (--json-out)\n{tail}"
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == name, doc.get("benchmark")
+    assert doc["mode"] == "smoke"
+    assert "skipped" not in doc
+    figures = set(doc) - {"benchmark", "mode", "machine"}
+    assert figures, f"{script.name}: the result holds no figures\n{tail}"
+    assert stdout.strip(), f"{script.name} printed nothing (its tables)\n{tail}"
+
+
+def test_the_benchmarks_are_found() -> None:
+    """The glob above sees the scripts (a moved folder would leave nothing to parametrize)."""
+    assert (ROOT / "benchmarks" / "bench_lookup.py") in SCRIPTS
