@@ -21,10 +21,22 @@ from kvstore.errors import UnavailableError
 MAX_MESSAGE_BYTES = 32 << 20
 
 
+# Reconnect backoff. gRPC's default starts at 1 s and grows 1.6x a try to 120 s: after a
+# daemon restart of a few seconds, during which the client's calls failed (fast, as an engine
+# wants: it recomputes), the channel would not try again for seconds more, and every call in
+# between fails although the daemon serves. A sidecar is near and cheap to reach, so a client
+# tries at most a second apart (the connect deadline keeps gRPC's 20 s floor: a TLS handshake
+# to a remote daemon is never cut short).
+RECONNECT_BACKOFF_MS = (100, 1000)
+
+
 def channel_options() -> list[tuple[str, int]]:
+    initial, most = RECONNECT_BACKOFF_MS
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.initial_reconnect_backoff_ms", initial),
+        ("grpc.max_reconnect_backoff_ms", most),
     ]
 
 
