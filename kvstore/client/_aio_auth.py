@@ -1,4 +1,4 @@
-"""Metadata on every call of an asyncio channel (``_common.make_aio_channel``).
+"""Metadata on every call of an asyncio channel (``channels.make_aio_channel``).
 
 grpc.aio files an interceptor under the first call kind it implements, so each kind needs its
 own class; they share everything but the one method."""
