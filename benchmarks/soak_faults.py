@@ -142,9 +142,17 @@ UNDER_PRESSURE = {"CapacityError", "LeaseExpiredError"}
 # one's put racing the other's delete may be refused at any time. A write into a slot never
 # written before needs filesystem space: on the full disk such puts are refused too.
 NOT_DURABLE = "UnavailableError(not durable)"
+# A same-host client's session socket (slab descriptors, local calls) breaks when the daemon
+# dies under a call: the kill's error on that path, as UNAVAILABLE is on gRPC.
+SESSION_LOST = "UnavailableError(session)"
 LEGAL = {
     "daemon down": UNDER_PRESSURE
-    | {"UnavailableError(UNAVAILABLE)", "UnavailableError(DEADLINE_EXCEEDED)", NOT_DURABLE},
+    | {
+        "UnavailableError(UNAVAILABLE)",
+        "UnavailableError(DEADLINE_EXCEEDED)",
+        SESSION_LOST,
+        NOT_DURABLE,
+    },
     "redis restart": UNDER_PRESSURE | {NOT_DURABLE},
     "disk full": UNDER_PRESSURE | {NOT_DURABLE},
     "steady": UNDER_PRESSURE | {NOT_DURABLE},
@@ -156,12 +164,15 @@ LEDGER_NOT_DURABLE = ("daemon down", "disk full")
 
 
 def fault_kind(exc: BaseException) -> str:
-    """``soak.error_kind``, with a durable put refused (its blocks stay in memory, the put may
-    be retried: docs/operations.md "Durability modes") told apart from a daemon that does not
-    answer."""
+    """``soak.error_kind``, with a same-host session broken by a kill told apart, and a durable
+    put refused (its blocks stay in memory, the put may be retried: docs/operations.md
+    "Durability modes") told apart from a daemon that does not answer."""
     if "could not be made durable" in str(exc):
         return f"{type(exc).__name__}(not durable)"
-    return error_kind(exc)
+    kind = error_kind(exc)
+    if kind == "UnavailableError" and "session" in str(exc):
+        return SESSION_LOST
+    return kind
 
 
 # --------------------------------------------------------------------------- the client processes

@@ -22,13 +22,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from redis_binary import NOT_INSTALLED, redis_server_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 SOAK = ROOT / "benchmarks" / "soak.py"
 
 needs_root = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("setpriv") is None or shutil.which("redis-server") is None,
-    reason="needs root (clients under other uids, a tmpfs), setpriv and redis-server",
+    os.geteuid() != 0 or shutil.which("setpriv") is None or redis_server_binary() is None,
+    reason="needs root (clients under other uids, a tmpfs), setpriv and a Redis server",
 )
 
 
@@ -45,10 +46,6 @@ def run_soak(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
 
 
 @needs_root
-@pytest.mark.skipif(
-    os.environ.get("KVSTORE_SOAK_FAULTS") != "1",
-    reason="opt-in, KVSTORE_SOAK_FAULTS=1: a rare Commit UnknownNamespaceError is open",
-)
 def test_two_minutes_of_faults_lose_and_corrupt_nothing(tmp_path: Path) -> None:
     summary_path = tmp_path / "summary.json"
     plot = tmp_path / "soak.png"
@@ -83,8 +80,8 @@ def test_two_minutes_of_faults_lose_and_corrupt_nothing(tmp_path: Path) -> None:
 
 
 def test_the_plain_soak_smoke_run_passes() -> None:
-    if shutil.which("redis-server") is None and not os.access("/usr/bin/redis-server", os.X_OK):
-        pytest.skip("redis-server not installed")
+    if redis_server_binary() is None:
+        pytest.skip(NOT_INSTALLED)
     r = run_soak("--smoke", timeout_s=300)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     assert "RESULT: PASS" in r.stdout
