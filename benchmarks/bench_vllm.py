@@ -60,7 +60,7 @@ from harness import (
 # here), so it gets far longer than the tests' default wait.
 ENGINE_WAIT_S = 3600
 VENV = ".venv-vllm"  # the environment this script runs in (make vllm-env)
-SMOKE_TIMEOUT_S = 900  # --smoke starts three vLLM engines: minutes, not seconds
+SMOKE_TIMEOUT_S = 1500  # --smoke starts three vLLM engines, ~1-3 minutes each here
 
 
 def bench_model(

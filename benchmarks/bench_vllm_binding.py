@@ -49,7 +49,7 @@ from harness import (
 
 RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 VENV = ".venv-vllm"  # the environment this script runs in (make vllm-env)
-SMOKE_TIMEOUT_S = 900  # --smoke starts two vLLM engines: minutes, not seconds
+SMOKE_TIMEOUT_S = 1500  # --smoke starts two vLLM engines, ~1-3 minutes each here
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
