@@ -47,8 +47,11 @@ VLLM_PY := .venv-vllm/bin/python
 vllm-env:
 	scripts/vllm_env.sh
 
+# Then the vLLM benchmarks in smoke mode (the main suite skips them while .venv-vllm is not
+# built, as on a fresh checkout): ~2-9 minutes each, most of it engines starting.
 test-vllm: vllm-env
 	$(VLLM_PY) -m pytest -q tests/vllm_connector
+	$(PY) -m pytest -q tests/test_bench_smoke.py -k vllm
 
 bench-vllm: vllm-env
 	$(VLLM_PY) benchmarks/bench_vllm.py
