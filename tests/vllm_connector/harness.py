@@ -163,7 +163,8 @@ class Engine:
         kill_group(self.proc)
 
     def tail(self, n: int = 60) -> str:
-        self.log.flush()
+        if not self.log.closed:  # result() closes it before reporting a failed engine
+            self.log.flush()
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
 
