@@ -82,14 +82,14 @@ async def read_back(store: BlockStore, handle, key: bytes) -> bytes | None:
 
 def strays_into(store: BlockStore, monkeypatch: pytest.MonkeyPatch, slots: list[int]) -> None:
     """Every new CPU slot the store takes is noted in ``slots`` (where a late write will land)."""
-    alloc = store.mover.alloc_cpu
+    alloc = store.cpu_room.alloc_cpu
 
     async def noting(*args, **kwargs):
         got = await alloc(*args, **kwargs)
         slots.extend(got)
         return got
 
-    monkeypatch.setattr(store.mover, "alloc_cpu", noting)
+    monkeypatch.setattr(store.cpu_room, "alloc_cpu", noting)
 
 
 async def test_a_late_write_during_a_bytes_path_put_cannot_pass_for_the_block(

@@ -40,7 +40,7 @@ async def test_a_block_committed_while_its_eviction_runs_is_written_not_dropped(
         assert s.index.state[eid] == State.RESERVED
         data = b"\x07" * h.record.block_bytes
         s.arena.view[offsets[0] : offsets[0] + len(data)] = data
-        evicting = asyncio.create_task(s.mover._evict_cpu([eid]))  # as a slab drain names it
+        evicting = asyncio.create_task(s.cpu_room._evict_cpu([eid]))  # as a slab drain names it
         await asyncio.sleep(0)  # the eviction starts its write-backs (if any)
         await asyncio.sleep(0)  # ... which find the entry uncommitted and do nothing
         s.commit(h, rid, [checksum(data, key)])  # the Bind's commit, before the eviction resumes

@@ -301,13 +301,13 @@ def test_grants_under_way_count_toward_the_spare_limit(monkeypatch) -> None:
     try:
         h = s.open_namespace(NS)
         cap = s.spare_bytes(h.record) // h.record.cpu_bytes
-        real = s.mover.alloc_cpu
+        real = s.cpu_room.alloc_cpu
 
         async def alloc_after_a_wait(*args, **kwargs):  # room made with a wait, as under load
             await asyncio.sleep(0)
             return await real(*args, **kwargs)
 
-        monkeypatch.setattr(s.mover, "alloc_cpu", alloc_after_a_wait)
+        monkeypatch.setattr(s.cpu_room, "alloc_cpu", alloc_after_a_wait)
 
         async def both() -> list[int]:
             return list(await asyncio.gather(*(s.grant_spare(h, cap // 2 + 1) for _ in "ab")))
@@ -490,12 +490,12 @@ def test_a_reserve_whose_handle_closes_while_it_waits_for_room_is_refused_cleanl
         try:
             h = s.open_namespace(NS)
             keys = block_hashes(NS.seed, list(range(16 * 4)))
-            await s.mover._room.acquire()  # room being made for another call
+            await s.cpu_room._room.acquire()  # room being made for another call
             reserve = asyncio.create_task(s.reserve(h, keys))
             grant = asyncio.create_task(s.grant_spare(h, 4))
             await asyncio.sleep(0.01)
             s.close_handle(h)  # the client went away meanwhile
-            s.mover._room.release()
+            s.cpu_room._room.release()
             with pytest.raises(UnknownNamespaceError):
                 await reserve
             assert await grant == 0

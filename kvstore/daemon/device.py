@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -73,17 +74,8 @@ def make_device_pool(config: GpuTierConfig) -> DevicePool | None:
 
 
 class HostTier(Protocol):
-    """The CPU tier as the GPU tier reaches it (``Mover``): room for blocks copied down,
-    promotion of blocks below the CPU tier, write-back of blocks new there."""
-
-    async def alloc_cpu(
-        self,
-        block_bytes: int,
-        n: int,
-        partial: bool = False,
-        keep_gpu_copies: bool = False,
-        domain: int = 0,
-    ) -> list[int]: ...
+    """The tiers below the GPU pool as it reaches them (``Mover``): promotion of blocks below
+    the CPU tier, write-back of blocks new in it."""
 
     async def bring_to_cpu(self, eids: list[int]) -> int: ...
 
@@ -101,12 +93,19 @@ class SharedBelow(Protocol):
 
 class DeviceTier:
     """See the module docstring. ``pool`` None: the tier is off and every method is a no-op.
-    ``host``: the CPU tier below (``Mover``); ``shared``: the Redis tier (write-through)."""
+    ``cpu_room``: room in the CPU tier for blocks copied down (``CpuRoom.alloc_cpu``);
+    ``host``: the tiers below (``Mover``); ``shared``: the Redis tier (write-through)."""
 
     def __init__(
-        self, ledger: Ledger, pool: DevicePool | None, host: HostTier, shared: SharedBelow
+        self,
+        ledger: Ledger,
+        pool: DevicePool | None,
+        cpu_room: Callable[..., Awaitable[list[int]]],
+        host: HostTier,
+        shared: SharedBelow,
     ) -> None:
         self.ledger = ledger
+        self.cpu_room = cpu_room
         self.host = host
         self.shared = shared
         self.config = ledger.config.gpu
@@ -424,7 +423,7 @@ class DeviceTier:
                 by_class.setdefault((ledger.block_bytes_of(e), ledger.domain_of(e)), []).append(e)
             for (bb, domain), group in by_class.items():
                 try:
-                    slots = await self.host.alloc_cpu(
+                    slots = await self.cpu_room(
                         bb, len(group), partial=partial, keep_gpu_copies=True, domain=domain
                     )
                 except CapacityError:

@@ -97,21 +97,6 @@ class Mover:
             spawn=self._spawn,
         )
 
-    async def alloc_cpu(
-        self,
-        block_bytes: int,
-        n: int,
-        partial: bool = False,
-        keep_gpu_copies: bool = False,
-        domain: int = 0,
-        record: NamespaceRecord | None = None,
-        held_bytes: int = 0,
-    ) -> list[int]:
-        """``CpuRoom.alloc_cpu``: the CPU tier as the GPU tier and the store reach it."""
-        return await self.cpu_room.alloc_cpu(
-            block_bytes, n, partial, keep_gpu_copies, domain, record, held_bytes
-        )
-
     @property
     def idle(self) -> bool:
         """No movement in flight or due (checkers and tests wait for this)."""
@@ -525,7 +510,7 @@ class Mover:
                 todo = [i for i in todo if index.ns[eids[i]] == ns_id]
                 first = ledger.namespace_record(ns_id)
                 block_bytes = first.cpu_bytes  # the slots' (a payload's, ``cpu = "fp8"``)
-                offsets = await self.alloc_cpu(
+                offsets = await self.cpu_room.alloc_cpu(
                     block_bytes, len(todo), partial=True, domain=first.domain, record=first
                 )
                 # Re-checked after the await: deleted meanwhile (an orphan now), or given a CPU

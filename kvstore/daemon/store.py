@@ -141,7 +141,13 @@ class BlockStore(ReadOps, SpareOps):
             self.ledger, cpu_room=self.cpu_room.alloc_cpu, on_fetched=self.mover.note_committed
         )
         self.cpu_room.spill = self.shared
-        self.device = DeviceTier(self.ledger, pool, host=self.mover, shared=self.shared)
+        self.device = DeviceTier(
+            self.ledger,
+            pool,
+            cpu_room=self.cpu_room.alloc_cpu,
+            host=self.mover,
+            shared=self.shared,
+        )
         self.ledger.gpu = self.device
 
     # Read access to the ledger's parts (Stats, the metrics, the tests); every change to them

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.config import DaemonConfig, LimitsConfig
+from kvstore.daemon.cpu_room import CpuRoom
 from kvstore.daemon.device import DeviceTier
 from kvstore.daemon.ledger import Ledger
 from kvstore.daemon.movement import Mover
@@ -72,6 +73,7 @@ class StoreParts:
     limits: LimitsConfig
     _clock: Callable[[], float]
     ledger: Ledger
+    cpu_room: CpuRoom
     mover: Mover
     shared: SharedTier
     device: DeviceTier

@@ -77,7 +77,7 @@ class WriteOps(StoreParts):
                 )
                 # Making room may wait for dirty victims to reach the disk; other calls run
                 # meanwhile and may reserve some of these keys, hence the loop.
-                slots += await self.mover.alloc_cpu(
+                slots += await self.cpu_room.alloc_cpu(
                     bb,
                     len(todo) - len(slots),
                     domain=record.domain,
