@@ -104,7 +104,7 @@ async def test_fp8_records_of_a_namespace_made_lossless_are_misses_and_dropped(
     try:
         await after.start()
         handle = after.open_namespace(NS)
-        assert not after.accepts_lossy(handle.record)
+        assert not after.ledger.accepts_lossy(handle.record)
         for key in KEYS:
             assert await read(after, handle, key) is None
         assert after.nvme_counters.lossy_refused == N
@@ -140,7 +140,7 @@ async def test_a_lossless_record_promoted_into_an_fp8_namespace_is_found_again_a
             for key in KEYS:  # evicted: clean blocks, so only their CPU copies go
                 eid = after.index.get(handle.ns_id, key)
                 assert eid is not None
-                after.drop_cpu_copy(eid)
+                after.ledger.drop_cpu_copy(eid)
             after.check()
         assert after.nvme_counters.checksum_failures == 0
         await after.stop()
