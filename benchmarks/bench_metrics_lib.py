@@ -8,6 +8,8 @@ library's ``generate_latest`` of the RPC histogram alone). Medians of 5 runs of 
 
 ``prometheus_client`` is not a dependency: install it into the venv to run this
 (``pip install prometheus_client``); without it the script says so and exits 77 (skipped).
+
+``--smoke``: 200 observations a run; checks the script runs (the test suite runs it so).
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ copy is cache-hot; ``memcpy`` is one ``np.copyto`` of the same bytes between pre
 buffers, for the ratio. Medians of ``--reps`` of each, interleaved.
 
 Only public API: the same script times any revision of the client (``bench_client_ab.py``).
+
+``--smoke``: a 16-block prefix, 2 repetitions; every load still checked, the figures mean
+nothing (the test suite runs it so).
 """
 
 from __future__ import annotations
