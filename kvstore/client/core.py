@@ -309,13 +309,11 @@ class ClientCore:
             try:
                 nbytes = len(reservation.offsets_new) * self.layout.block_bytes
                 yield Blocking(partial(reservation.fill_from, rows), nbytes)
-            except KVStoreError:
+            except BaseException as exc:
                 yield from reservation._abort_op()
-                if attempt or not self._restarted_since(reserved_on):
-                    raise
-                continue  # the slab could not be mapped: the daemon restarted
-            except BaseException:
-                yield from reservation._abort_op()
+                restarted = not attempt and self._restarted_since(reserved_on)
+                if isinstance(exc, KVStoreError) and restarted:
+                    continue  # the slab could not be mapped: the daemon restarted
                 raise
             reservation.spare_wanted = wanted
             try:

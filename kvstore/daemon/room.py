@@ -15,7 +15,7 @@ eviction policy names the coldest unprotected block, of any size:
 
 So any block size can evict any unleased block of any other size, in policy order, at the cost
 of one slab's worth of blocks (moved where possible). What "protected" means, what evicting
-does, and whether blocks can move differ per tier (``movement.Mover.alloc_cpu``,
+does, and whether blocks can move differ per tier (``cpu_room.CpuRoom.alloc_cpu``,
 ``device.DeviceTier.alloc``); the loop, the partial mode and the error do not. The caller holds
 its tier's room lock.
 """

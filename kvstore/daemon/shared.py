@@ -51,7 +51,7 @@ class SharedTier:
         cpu_room: Callable[..., Awaitable[list[int]]],
         on_fetched: Callable[[list[int]], None],
     ) -> None:
-        """``cpu_room``: makes room in the CPU tier for fetched blocks (``Mover.alloc_cpu``);
+        """``cpu_room``: makes room in the CPU tier for fetched blocks (``CpuRoom.alloc_cpu``);
         ``on_fetched``: told of blocks fetched and committed (write-back queues them)."""
         self.ledger = ledger
         self.cpu_room = cpu_room
@@ -85,7 +85,7 @@ class SharedTier:
     def must_reach_redis(self, eid: int) -> bool:
         """A block that exists in no tier below the CPU tier and not yet in Redis: evicting it
         while Redis is down would lose it for every other host. Eviction spares such blocks
-        while it can (``Mover.alloc_cpu``)."""
+        while it can (``CpuRoom.alloc_cpu``)."""
         index = self.ledger.index
         return (
             self.tier is not None
