@@ -186,6 +186,31 @@ async def test_gpu_put_is_read_from_the_pool_and_from_the_cpu_tier(store: BlockS
     store.check()
 
 
+async def test_the_checker_sees_the_pool_books_disagree_with_the_index(store: BlockStore) -> None:
+    """The ledger keeps the pool's books (slot owners, device checksums, the GPU policy); the
+    whole-state checker compares them with the index, and a broken one is named."""
+    ns = store.open_namespace(NS)
+    assert await put_gpu(store, ns, keys(2), [1, 2]) == 2
+    await settle(store)
+    store.check()
+    books, policy = store.ledger.gpu_slots, store.ledger.gpu_policy
+    eid = next(iter(books.dsum))
+    policy.remove(eid)
+    with pytest.raises(AssertionError, match="gpu policy"):
+        store.check()
+    policy.insert(eid, 0)
+    store.check()
+    books.used_bytes += BB
+    with pytest.raises(AssertionError, match="gpu used"):
+        store.check()
+    books.used_bytes -= BB
+    store.ledger.index.tier[eid] &= ~IN_GPU
+    with pytest.raises(AssertionError, match="pool slot without its GPU bit"):
+        store.check()
+    store.ledger.index.tier[eid] |= IN_GPU
+    store.check()
+
+
 async def test_duplicate_gpu_put_is_deduplicated(store: BlockStore) -> None:
     ns = store.open_namespace(NS)
     assert await put_gpu(store, ns, keys(2), [1, 2]) == 2
@@ -214,7 +239,7 @@ async def test_corrupt_gpu_block_is_a_miss_never_wrong_data(store: BlockStore) -
     await put_gpu(store, ns, ks, [1, 2, 3])
     eid = store.index.get(ns.ns_id, ks[1])
     assert eid is not None
-    slot = store.device.pool.slot(store.device.offset[eid], BB)  # type: ignore[union-attr]
+    slot = store.device.pool.slot(store.ledger.gpu_slots.offset[eid], BB)  # type: ignore[union-attr]
     slot[100] ^= 0xFF  # a worker scribbled on a committed block
     lease, offsets, _, _ = await store.acquire(ns, ks, gpu=False)
     assert len(offsets) == 1  # the run ends at the corrupt block
@@ -233,21 +258,21 @@ async def test_abandoned_gpu_reservation_gives_its_slots_back() -> None:
     try:
         ns = s.open_namespace(NS)
         rid, _, on_gpu = await s.reserve(ns, keys(4), gpu=True)
-        assert on_gpu and s.device.used_bytes == 4 * BB
+        assert on_gpu and s.ledger.gpu_slots.used_bytes == 4 * BB
         s.abort(ns, rid)
-        assert s.device.used_bytes == 0
+        assert s.ledger.gpu_slots.used_bytes == 0
         s.check()
         await s.reserve(ns, keys(4), gpu=True)  # a writer that stalls past its reservation
         s._clock = lambda: 1e9
         assert s.reap() == (1, 0)
         assert len(s.index) == 0
         # Quarantined for one more TTL: a late copy of that writer must not hit a new block.
-        assert s.device.used_bytes == 4 * BB
+        assert s.ledger.gpu_slots.used_bytes == 4 * BB
         _, _, on_gpu = await s.reserve(ns, keys(1, start=9), gpu=True)
         assert not on_gpu  # the pool had no slot to give; the CPU tier took it
         s._clock = lambda: 1e9 + 11
         s.reap()
-        assert s.device.used_bytes == 0
+        assert s.ledger.gpu_slots.used_bytes == 0
         await settle(s)
         s.check()
     finally:
@@ -258,7 +283,7 @@ async def test_delete_frees_the_gpu_slot(store: BlockStore) -> None:
     ns = store.open_namespace(NS)
     await put_gpu(store, ns, keys(2), [1, 2])
     assert store.delete(ns, keys(2)) == 2
-    assert store.device.used_bytes == 0 and len(store.device.policy) == 0
+    assert store.ledger.gpu_slots.used_bytes == 0 and len(store.ledger.gpu_policy) == 0
     assert await store.lookup(ns, keys(2)) == 0
     await settle(store)
     store.check()
@@ -273,7 +298,7 @@ async def test_full_pool_writes_back_then_evicts_and_nothing_is_lost() -> None:
         ks = keys(10)
         for i in range(10):  # 10 blocks through a 4-block pool
             assert await put_gpu(s, ns, [ks[i]], [i]) == 1
-            assert s.device.used_bytes <= 4 * BB
+            assert s.ledger.gpu_slots.used_bytes <= 4 * BB
         assert s.device.counters.evictions >= 6
         assert await s.lookup(ns, ks) == 10
         lease, offsets, sums, _ = await s.acquire(ns, ks, gpu=False)
@@ -454,10 +479,10 @@ def test_random_use_keeps_the_tiers_consistent_and_bytes_exact(ops) -> None:
                 await settle(s)
                 s.check()
                 # Invariants: slots and policy agree with the index; every stored block is whole.
-                d = s.device
+                d = s.ledger.gpu_slots
                 assert d.used_bytes == len(d.offset) * BB <= 3 * BB
                 assert set(d.dsum) <= set(d.offset)
-                assert len(d.policy) == len(d.dsum)
+                assert len(s.ledger.gpu_policy) == len(d.dsum)
                 for eid in d.offset:
                     assert s.index.tier[eid] & IN_GPU
                 assert s.cpu_used_bytes == len(s.policy) * BB <= 5 * BB
@@ -615,7 +640,10 @@ async def test_a_cancelled_read_gives_its_leases_back(store: BlockStore) -> None
     await settle(store)
     assert [store.index.leases[e] for e in eids if e is not None] == [0, 0]
     store.check()
-    assert len(await store.device.alloc(BB, 4)) == 4  # nothing stays pinned
+    slots = await store.device.alloc(BB, 4)
+    assert len(slots) == 4  # nothing stays pinned
+    for slot in slots:  # handed out and never placed: given back before the books are checked
+        store.ledger.gpu_unalloc(slot, BB)
     await settle(store)
     store.check()
 

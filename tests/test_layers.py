@@ -67,6 +67,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "kvstore.daemon.tierstats",
             "kvstore.daemon.cpu_tier",
             "kvstore.daemon.disk_tier",
+            "kvstore.daemon.pool_slots",
             "kvstore.daemon.room",
             "kvstore.daemon.side_streams",
             "kvstore.daemon.writeback",
@@ -114,14 +115,14 @@ MUTATORS = {
               "rekey_many"},
     "policy": {"insert", "insert_touched", "remove"},
     "nvme_policy": {"insert", "insert_touched", "remove"},
+    "gpu_policy": {"insert", "insert_touched", "remove"},
     "cpu_slots": {"place", "place_dirty", "vacate", "quarantine", "release_quarantined",
                   "note_clean", "relocate", "alloc", "unalloc"},
     "disk": {"place", "vacate"},
+    "gpu_slots": {"place", "complete", "vacate", "detach", "quarantine", "release_quarantined",
+                  "alloc", "unalloc"},
     "payload_sums": {"pop", "clear", "update", "setdefault"},
 }  # fmt: skip
-# The GPU tier keeps its own policy and slot tables for the pool's blocks (thousands, beside
-# an index of millions): its ``self.policy`` is its own, not the ledger's.
-OWN_POLICY = {"kvstore.daemon.device"}
 
 
 def _modules() -> dict[str, Path]:
@@ -320,8 +321,6 @@ def _state_writes(module: str) -> list[str]:
             chain = _chain(node.func.value)
             owner = chain[-1] if chain else None
             if owner in MUTATORS and node.func.attr in MUTATORS[owner]:
-                if owner == "policy" and module in OWN_POLICY and chain == ["self", "policy"]:
-                    continue
                 found.append(f"line {node.lineno}: calls {'.'.join(chain)}.{node.func.attr}()")
     return found
 

@@ -19,8 +19,9 @@ makes: down, the device checksum of the source after the copy (then the xxh3 of 
 computed); up, the xxh3 of the host source before the copy (then the device checksum of the
 result). A mismatch is a miss, counted, never wrong data.
 
-Slots and device checksums of GPU blocks live here, in dicts (the pool holds thousands of blocks,
-the index millions). Event-loop only; copies run in a worker thread on a stream of their own.
+Which entry holds which pool slot, the device checksums and the GPU policy are the ledger's
+(``pool_slots.PoolSlots``, ``Ledger.gpu_policy``): this tier makes the copies and reports each
+one there. Event-loop only; copies run in a worker thread on a stream of their own.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from kvstore.daemon.tierstats import TierCounters
 from kvstore.daemon.writeback import bytes_to_clean, pick_writeback
 from kvstore.errors import CapacityError
 from kvstore.index import BELOW_GPU, IN_CPU, IN_GPU, State
-from kvstore.policy import EvictionPolicy, make_policy
 from kvstore.tiers.cpu import HEADER_BYTES, SlabAllocator
 from kvstore.tiers.gpu import DevicePool, cuda_usable
 
@@ -113,12 +113,10 @@ class DeviceTier:
         self.allocator = (
             SlabAllocator(pool.size_bytes, self.config.slab_bytes) if pool is not None else None
         )
-        self.policy: EvictionPolicy = make_policy(self.config.policy)
+        if self.allocator is not None:
+            ledger.attach_pool(self.allocator)
+        self.books = ledger.gpu_slots  # read here; written by the ledger alone
         self.counters = TierCounters()
-        self.offset: dict[int, int] = {}  # entry -> pool slot
-        self._owner: dict[int, int] = {}  # pool slot -> entry (quarantined slots: none)
-        self.dsum: dict[int, int] = {}
-        self.used_bytes = 0
         self._moving: dict[int, asyncio.Future[bool]] = {}
         # Entries queued by a prefetch and not reached yet, with their (namespace, key).
         self._eager: deque[int] = deque()
@@ -172,7 +170,9 @@ class DeviceTier:
         if not self.ledger.config.nvme.enabled:
             return  # nothing outlives the daemon but the disk
         # Dirty GPU blocks go down so the drain to NVMe that follows finds them.
-        dirty = [e for e in self.policy.order() if not self.ledger.index.tier[e] & BELOW_GPU]
+        dirty = [
+            e for e in self.ledger.gpu_policy.order() if not self.ledger.index.tier[e] & BELOW_GPU
+        ]
         if dirty:
             try:
                 await asyncio.wait_for(
@@ -211,59 +211,6 @@ class DeviceTier:
         return await asyncio.shield(task)
 
     # ----------------------------------------------------------------- slots
-    def _alloc_one(self, block_bytes: int, domain: int = 0) -> int | None:
-        # The GPU pool is one domain: with a tenant policy only all-tenant callers map it.
-        assert self.allocator is not None and domain == 0
-        offset = self.allocator.allocate(block_bytes)
-        if offset is not None:
-            self.used_bytes += block_bytes
-        return offset
-
-    def unalloc(self, offset: int, block_bytes: int) -> None:
-        """Give back a slot from ``alloc`` that no entry took."""
-        assert self.allocator is not None
-        self.allocator.free(offset, block_bytes)
-        self.used_bytes -= block_bytes
-
-    def place(self, eid: int, offset: int) -> None:
-        """Record that a (reserved or committed) entry's GPU copy is in slot ``offset``."""
-        self.offset[eid] = offset
-        self._owner[offset] = eid
-        self.ledger.mark_in_gpu(eid)
-
-    def mark(self, eid: int, dsum: int) -> None:
-        """The entry's GPU copy is complete and has device checksum ``dsum``."""
-        self.dsum[eid] = dsum
-        self.policy.insert(eid, self.ledger.index.priority[eid])
-
-    def free_slot(self, eid: int) -> None:
-        """Free an entry's GPU slot (does not touch the policy)."""
-        bb = self.ledger.block_bytes_of(eid)
-        offset = self.offset.pop(eid)
-        del self._owner[offset]
-        self.unalloc(offset, bb)
-        self.dsum.pop(eid, None)
-        self.ledger.unmark_in_gpu(eid)
-
-    def take_slot_away(self, eid: int) -> int:
-        """Detach an entry's pool slot without freeing it (a quarantine); returns it."""
-        offset = self.offset.pop(eid)
-        del self._owner[offset]
-        self.dsum.pop(eid, None)
-        return offset
-
-    def drop_copy(self, eid: int) -> None:
-        """Drop a GPU copy that has a copy below (the block stays stored there)."""
-        if not self.ledger.index.tier[eid] & BELOW_GPU:
-            raise AssertionError(f"dropping the only copy of entry {eid}")
-        self.policy.remove(eid)
-        self.free_slot(eid)
-
-    def forget_hook(self, eid: int) -> None:
-        """The ledger is forgetting ``eid``: stop tracking it (its slot goes with the entry)."""
-        if eid in self.dsum:
-            self.policy.remove(eid)
-
     async def alloc(self, block_bytes: int, n: int, partial: bool = False) -> list[int]:
         """``n`` pool slots, evicting the coldest unleased blocks of the same slot size; a victim
         with no copy below is copied down first. All or nothing (CapacityError) unless
@@ -278,10 +225,10 @@ class DeviceTier:
         slots = TierSlots(
             name="gpu",
             allocator=allocator,
-            take_slot=self._alloc_one,
-            give_back=self.unalloc,
-            slot_of=lambda eid: self.offset[eid],
-            owner_of=self._owner.get,
+            take_slot=ledger.gpu_alloc,
+            give_back=ledger.gpu_unalloc,
+            slot_of=lambda eid: self.books.offset[eid],
+            owner_of=ledger.gpu_owner,
             slot_bytes_of=lambda eid: allocator.slot_bytes_for(ledger.block_bytes_of(eid)),
         )
         async with self._room:
@@ -290,7 +237,7 @@ class DeviceTier:
                 block_bytes,
                 n,
                 partial=partial,
-                policy=self.policy,
+                policy=ledger.gpu_policy,
                 protected=protected,
                 evict=self._evict,
                 busy="leased or moving",
@@ -312,7 +259,7 @@ class DeviceTier:
             ):
                 continue  # changed while the copies ran; the next round picks again
             if index.tier[v] & BELOW_GPU:
-                self.drop_copy(v)
+                ledger.drop_gpu_copy(v)
             elif v in tried:
                 ledger.forget(v)  # the copy down failed (CPU full of leases, corrupt)
             else:
@@ -328,8 +275,7 @@ class DeviceTier:
         self._wake.set()
 
     def note_read(self, eids: list[int]) -> None:
-        index = self.ledger.index
-        self.policy.touch([e for e in eids if e in self.dsum and index.state[e] == State.COMMITTED])
+        self.ledger.touch_gpu(eids)
 
     def _seed(self, eid: int) -> int:
         """The checksum seed of an entry: its namespace fingerprint and key."""
@@ -398,7 +344,7 @@ class DeviceTier:
                 and index.state[e] == State.COMMITTED
                 and bool(index.tier[e] & IN_GPU)
                 and not index.tier[e] & IN_CPU
-                and e in self.dsum
+                and e in self.books.dsum
             )
 
         mine = [e for e in eids if needs_copy(e)]
@@ -430,7 +376,7 @@ class DeviceTier:
                     slots = []
                 group = group[: len(slots)]
                 moves = [
-                    (self.offset[e], c, self.dsum[e], self._seed(e))
+                    (self.books.offset[e], c, self.books.dsum[e], self._seed(e))
                     for e, c in zip(group, slots, strict=False)
                 ]
                 try:
@@ -504,7 +450,7 @@ class DeviceTier:
     def _dirty_bytes(self) -> int:
         index = self.ledger.index
         return sum(
-            self.ledger.block_bytes_of(e) for e in self.dsum if not index.tier[e] & BELOW_GPU
+            self.ledger.block_bytes_of(e) for e in self.books.dsum if not index.tier[e] & BELOW_GPU
         )
 
     def _next_clean_batch(self) -> list[int]:
@@ -515,7 +461,7 @@ class DeviceTier:
         def needs_write(e: int) -> bool:
             return (
                 index.state[e] == State.COMMITTED
-                and e in self.dsum
+                and e in self.books.dsum
                 and e not in self._moving
                 and not index.tier[e] & BELOW_GPU
             )
@@ -524,9 +470,10 @@ class DeviceTier:
             if self.allocator is None:
                 return 0.0
             capacity = self.allocator.capacity_bytes
-            if bytes_to_clean(capacity, capacity - self.used_bytes, high_watermark) <= 0:
+            used = self.books.used_bytes
+            if bytes_to_clean(capacity, capacity - used, high_watermark) <= 0:
                 return 0.0  # under the watermark even were every block dirty: no scan needed
-            dirty = (e for e in self.policy.order() if not index.tier[e] & BELOW_GPU)
+            dirty = (e for e in self.ledger.gpu_policy.order() if not index.tier[e] & BELOW_GPU)
             dirty_bytes = sum(block_bytes_of(e) for e in dirty)
             return bytes_to_clean(capacity, capacity - dirty_bytes, high_watermark)
 
@@ -535,7 +482,7 @@ class DeviceTier:
             needs_write=needs_write,
             limit=_BATCH,
             wanted=wanted,
-            coldest=self.policy.order,
+            coldest=self.ledger.gpu_policy.order,
             bytes_of=block_bytes_of,
         )
 
@@ -608,27 +555,28 @@ class DeviceTier:
             sums = await asyncio.to_thread(self._copy_up, bb, moves) if moves else []
         except BaseException:
             for g in slots:
-                self.unalloc(g, bb)
+                ledger.gpu_unalloc(g, bb)
             raise
         for e, g, dsum in zip(group, slots, sums, strict=True):
             if index.state[e] != State.COMMITTED or index.tier[e] & IN_GPU:
-                self.unalloc(g, bb)
+                ledger.gpu_unalloc(g, bb)
             elif dsum is None:
-                self.unalloc(g, bb)
+                ledger.gpu_unalloc(g, bb)
                 ledger.cpu.checksum_failures += 1
                 ledger.forget(e)
             else:
-                self.place(e, g)
-                self.mark(e, dsum)
+                ledger.place_in_gpu(e, g)
+                ledger.complete_gpu_copy(e, dsum)
                 self.counters.promotions += 1
                 results[e] = True
         for g in slots[len(group) :]:
-            self.unalloc(g, bb)
+            ledger.gpu_unalloc(g, bb)
 
     # ----------------------------------------------------------------- stats
     def clean_bytes(self) -> int:
         index = self.ledger.index
-        return sum(self.ledger.block_bytes_of(e) for e in self.dsum if index.tier[e] & BELOW_GPU)
+        dsum = self.books.dsum
+        return sum(self.ledger.block_bytes_of(e) for e in dsum if index.tier[e] & BELOW_GPU)
 
     def capacity_bytes(self) -> int:
         return self.allocator.capacity_bytes if self.allocator is not None else 0

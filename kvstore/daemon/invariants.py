@@ -3,7 +3,8 @@
 The tests call it after every step (``BlockStore.check``); it reads everything and changes
 nothing. What it asserts is stated where each invariant is kept: the ledger's module docstring
 (entries, reservations, leases, policies, byte totals), ``namespaces`` (handles and records),
-``cpu_tier`` (slot owners and bytes) and ``kvstore.tiers.cpu.SlabAllocator.check`` (slabs).
+``cpu_tier`` and ``pool_slots`` (slot owners and bytes) and
+``kvstore.tiers.cpu.SlabAllocator.check`` (slabs).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstore.index import IN_CPU, IN_NVME, State
+from kvstore.index import IN_CPU, IN_GPU, IN_NVME, State
 
 if TYPE_CHECKING:
     from kvstore.daemon.ledger import Ledger
@@ -53,6 +54,9 @@ def check_store(store: Ledger, spare_books: SpareBooks, io_idle: bool = True) ->
     blocks: dict[int, int] = {}
     in_cpu: set[int] = set()
     in_nvme: set[int] = set()
+    in_gpu: set[int] = set()
+    pool = store.gpu_slots
+    gpu_bytes = 0
     cpu_bytes = clean = savings = 0
     n_reserved = 0
     for eid in range(index.capacity):
@@ -67,6 +71,12 @@ def check_store(store: Ledger, spare_books: SpareBooks, io_idle: bool = True) ->
         tier = index.tier[eid]
         if tier & IN_NVME:
             assert store.disk_owner(index.disk[eid]) == eid, f"disk slot owner of {eid}"
+        if tier & IN_GPU:
+            assert eid in pool.offset, f"entry {eid} in the GPU tier without a pool slot"
+            assert pool.owner(pool.offset[eid]) == eid, f"pool slot owner of {eid}"
+            gpu_bytes += store.names[ns].block_bytes
+        else:
+            assert eid not in pool.offset, f"entry {eid} holds a pool slot without its GPU bit"
         if tier & IN_CPU:
             assert index.offset[eid] >= 0, f"entry {eid} in the CPU tier without a slot"
             assert store.cpu_slots.owner(index.offset[eid]) == eid, f"slot owner of {eid}"
@@ -84,6 +94,8 @@ def check_store(store: Ledger, spare_books: SpareBooks, io_idle: bool = True) ->
                 in_cpu.add(eid)
             if tier & IN_NVME:
                 in_nvme.add(eid)
+            if tier & IN_GPU and eid in pool.dsum:
+                in_gpu.add(eid)
         else:
             assert state == State.ORPHAN and index.leases[eid], f"orphan {eid} not leased"
         if io_idle:
@@ -114,11 +126,23 @@ def check_store(store: Ledger, spare_books: SpareBooks, io_idle: bool = True) ->
     assert store.cpu_slots.owned() == sum(
         1 for e in range(index.capacity) if index.state[e] and index.tier[e] & IN_CPU
     ), "a CPU slot owner without its entry"
+    assert len(pool.owners()) == len(pool.offset), "a pool slot owner without its entry"
+    assert set(pool.dsum) <= set(pool.offset), "a device checksum without a pool slot"
     store.allocator.check()
+    if pool.allocator is not None:
+        pool.allocator.check()
     store.names.check()
     if io_idle:
         assert set(store.policy.order()) == in_cpu, "cpu policy != committed CPU entries"
         assert set(store.nvme_policy.order()) == in_nvme, "nvme policy != committed disk ones"
+        assert set(store.gpu_policy.order()) == in_gpu, "gpu policy != complete GPU copies"
+        assert all(index.state[e] != State.RESERVED for e in pool.dsum), (
+            "a reserved GPU copy counted complete"
+        )
+        assert pool.used_bytes == gpu_bytes + pool.quarantined_bytes, (
+            f"gpu used {pool.used_bytes} != {gpu_bytes} in entries + "
+            f"{pool.quarantined_bytes} quarantined"
+        )
         slots = store.cpu_slots
         assert slots.payload_savings == savings, (
             f"cpu payload savings {slots.payload_savings}, entries' {savings}"

@@ -10,9 +10,9 @@ queues of work in flight, and the store (``kvstore.daemon.store``) composes the 
 operations out of these methods. Nothing here awaits but ``wait_for_writers``: a transition is
 made whole between two awaits of the one event loop, so no lock is needed.
 
-The GPU tier keeps its own slot and checksum tables (the pool holds thousands of blocks, the
-index millions); what the ledger must tell it (an entry forgotten, freed or quarantined) goes
-through the ``GpuSlots`` hooks it is handed, never by importing the tier.
+The GPU pool's books are here too (``pool_slots.PoolSlots``: slot owners and device checksums,
+and the GPU policy): the ``DeviceTier`` makes the copies and reports each one through these
+methods (``place_in_gpu``, ``complete_gpu_copy``, ``drop_gpu_copy``).
 
 Write protocol: a RESERVED entry (a client's reservation, a fetch from Redis, a record found
 on disk at start-up) becomes visible only through ``commit_entry`` / ``commit_cpu_entries``.
@@ -21,7 +21,8 @@ Invariants (``kvstore.daemon.invariants`` asserts them; the tests call it after 
 - every keyed entry is RESERVED or COMMITTED, in a known namespace; ORPHANs are unkeyed and
   leased; ``record.entries`` counts a namespace's keyed entries and orphans;
 - a RESERVED entry belongs to exactly one live reservation; a COMMITTED one to none;
-- each tier's policy holds exactly the COMMITTED entries with a copy in that tier;
+- each tier's policy holds exactly the COMMITTED entries with a copy in that tier (the GPU's:
+  with a complete copy);
 - an entry's lease count is the number of live leases naming it plus IO in flight on it;
 - the CPU bytes counted used are the bytes of the entries holding CPU slots plus quarantined
   slots; the clean bytes are those of CPU blocks with a disk copy.
@@ -36,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from itertools import compress
 from operator import itemgetter
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -44,9 +45,10 @@ from kvstore.config import DaemonConfig
 from kvstore.daemon.cpu_tier import CpuSlots
 from kvstore.daemon.disk_tier import DiskSlots
 from kvstore.daemon.namespaces import NamespaceRecord, NamespaceTable
+from kvstore.daemon.pool_slots import PoolSlots
 from kvstore.daemon.quotas import Pin, Quotas
 from kvstore.daemon.tierstats import TierCounters
-from kvstore.index import IN_CPU, IN_GPU, IN_NVME, IN_REDIS, BlockIndex, State
+from kvstore.index import BELOW_GPU, IN_CPU, IN_GPU, IN_NVME, IN_REDIS, BlockIndex, State
 from kvstore.keys import Namespace
 from kvstore.policy import EvictionPolicy, make_policy
 from kvstore.presence import PresenceTable, fingerprints
@@ -77,37 +79,6 @@ def gather(field: bytearray, eids: list[int]) -> bytes:
     return bytes([field[eids[0]]]) if eids else b""
 
 
-class GpuSlots(Protocol):
-    """What the ledger tells the GPU tier, which keeps its own slot tables (``DeviceTier``)."""
-
-    def forget_hook(self, eid: int) -> None:
-        """``eid`` is being forgotten: drop it from the tier's policy."""
-
-    def free_slot(self, eid: int) -> None:
-        """Free ``eid``'s pool slot (and clear its GPU bit through ``unmark_in_gpu``)."""
-
-    def take_slot_away(self, eid: int) -> int:
-        """Detach ``eid``'s pool slot without freeing it (a quarantine); returns it."""
-
-    def unalloc(self, offset: int, block_bytes: int) -> None:
-        """Give back a pool slot no entry holds (a quarantine ended)."""
-
-
-class _NoGpu:
-    """The hooks before a GPU tier is attached: no entry can be in the pool then."""
-
-    def forget_hook(self, eid: int) -> None:
-        raise AssertionError(f"entry {eid} is in a GPU pool no tier owns")
-
-    free_slot = forget_hook
-
-    def take_slot_away(self, eid: int) -> int:
-        raise AssertionError(f"entry {eid} is in a GPU pool no tier owns")
-
-    def unalloc(self, offset: int, block_bytes: int) -> None:
-        raise AssertionError(f"pool slot {offset} quarantined with no GPU tier")
-
-
 class Ledger:
     """See the module docstring. Event-loop only."""
 
@@ -129,7 +100,8 @@ class Ledger:
             clock=clock,
             domains=config.auth.has_policy,
         )
-        self.gpu: GpuSlots = _NoGpu()
+        self.gpu_slots = PoolSlots()  # its allocator comes with the GPU tier (``attach_pool``)
+        self.gpu_policy: EvictionPolicy = make_policy(config.gpu.policy)
         # (until, in the GPU pool, offset, block bytes, its reservation's pin) of slots of
         # expired reservations: charged to their tenant until they are reusable. A heap by
         # ``until`` (a shortened reservation's quarantine ends sooner than others'); no two
@@ -171,7 +143,7 @@ class Ledger:
         while self.quarantine and self.quarantine[0][0] <= now:
             _, gpu, offset, block_bytes, pin = heapq.heappop(self.quarantine)
             if gpu:
-                self.gpu.unalloc(offset, block_bytes)
+                self.gpu_slots.release_quarantined(offset, block_bytes)
             else:
                 self.cpu_slots.release_quarantined(offset, block_bytes)
                 if pin is not None:
@@ -548,10 +520,51 @@ class Ledger:
         """This host wrote the block to the shared tier."""
         self.index.tier[eid] |= IN_REDIS
 
-    def mark_in_gpu(self, eid: int) -> None:
+    # ----------------------------------------------------------------- the GPU pool
+    def attach_pool(self, allocator: SlabAllocator) -> None:
+        """The GPU tier's slab allocator: pool slots can be had from now on."""
+        if self.gpu_slots.offset:
+            raise AssertionError("a GPU pool attached while entries hold pool slots")
+        self.gpu_slots.allocator = allocator
+
+    def gpu_alloc(self, block_bytes: int, domain: int = 0) -> int | None:
+        """A pool slot, counted as used; None when none is free. The pool is one memory
+        domain: with a tenant policy only all-tenant callers map it."""
+        assert domain == 0, "the GPU pool is one domain"
+        return self.gpu_slots.alloc(block_bytes)
+
+    def gpu_unalloc(self, offset: int, block_bytes: int) -> None:
+        """Give back a slot from ``gpu_alloc`` that no entry took."""
+        self.gpu_slots.unalloc(offset, block_bytes)
+
+    def gpu_owner(self, offset: int) -> int | None:
+        return self.gpu_slots.owner(offset)
+
+    def place_in_gpu(self, eid: int, offset: int) -> None:
+        """A (reserved or committed) entry's GPU copy is being written into pool slot
+        ``offset``; ``complete_gpu_copy`` says when it is whole."""
+        self.gpu_slots.place(eid, offset)
         self.index.tier[eid] |= IN_GPU
 
-    def unmark_in_gpu(self, eid: int) -> None:
+    def complete_gpu_copy(self, eid: int, dsum: int) -> None:
+        """The entry's GPU copy is whole, with device checksum ``dsum``: eviction may pick it."""
+        self.gpu_slots.complete(eid, dsum)
+        self.gpu_policy.insert(eid, self.index.priority[eid])
+
+    def drop_gpu_copy(self, eid: int) -> None:
+        """Drop a GPU copy that has a copy below (the block stays stored there)."""
+        if not self.index.tier[eid] & BELOW_GPU:
+            raise AssertionError(f"dropping the only copy of entry {eid}")
+        self.gpu_policy.remove(eid)
+        self._free_gpu_slot(eid)
+
+    def touch_gpu(self, eids: list[int]) -> None:
+        """A read of these entries' GPU copies (those complete and committed)."""
+        dsum, state = self.gpu_slots.dsum, self.index.state
+        self.gpu_policy.touch([e for e in eids if e in dsum and state[e] == State.COMMITTED])
+
+    def _free_gpu_slot(self, eid: int) -> None:
+        self.gpu_slots.vacate(eid, self.block_bytes_of(eid))
         self.index.tier[eid] &= ~IN_GPU
 
     def set_host_checksum(self, eid: int, checksum: int) -> None:
@@ -612,8 +625,8 @@ class Ledger:
             self.policy.remove(eid)
         if self.index.tier[eid] & IN_NVME:
             self.nvme_policy.remove(eid)
-        if self.index.tier[eid] & IN_GPU:
-            self.gpu.forget_hook(eid)
+        if self.index.tier[eid] & IN_GPU and eid in self.gpu_slots.dsum:
+            self.gpu_policy.remove(eid)
         record = self.names[self.index.ns[eid]]
         record.blocks -= 1
         if record.presence is not None:
@@ -636,7 +649,9 @@ class Ledger:
             index.offset[eid] = -1
             index.tier[eid] &= ~IN_CPU
         if index.tier[eid] & IN_GPU:
-            slot = self.gpu.take_slot_away(eid)
+            if eid in self.gpu_slots.dsum:  # cannot be: a reserved copy is not complete
+                self.gpu_policy.remove(eid)
+            slot = self.gpu_slots.quarantine(eid, bb)
             heapq.heappush(self.quarantine, (until, True, slot, bb, None))
             index.tier[eid] &= ~IN_GPU
 
@@ -648,7 +663,7 @@ class Ledger:
         if self.index.tier[eid] & IN_NVME:
             self._free_disk_slot(eid)
         if self.index.tier[eid] & IN_GPU:
-            self.gpu.free_slot(eid)
+            self._free_gpu_slot(eid)
         if state == State.RESERVED:
             self._reserved_blocks -= 1
         record = self.names[self.index.ns[eid]]

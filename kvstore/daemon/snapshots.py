@@ -24,8 +24,8 @@ def tier_snapshots(store: Ledger, device: DeviceTier, shared: SharedTier) -> lis
             TierSnapshot(
                 "gpu",
                 device.capacity_bytes(),
-                device.used_bytes,
-                len(device.policy),
+                store.gpu_slots.used_bytes,
+                len(store.gpu_policy),
                 device.counters,
                 extra={
                     "clean_below_bytes": float(device.clean_bytes()),

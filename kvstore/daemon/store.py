@@ -148,7 +148,6 @@ class BlockStore(ReadOps, SpareOps):
             host=self.mover,
             shared=self.shared,
         )
-        self.ledger.gpu = self.device
 
     # Read access to the ledger's parts (Stats, the metrics, the tests); every change to them
     # is a ledger method.

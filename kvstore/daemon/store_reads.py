@@ -232,12 +232,13 @@ class ReadOps(StoreParts):
         handle.leases[lease_id] = Lease(
             eids, list(keys[: len(eids)]), self._clock() + self.config.lease_ttl_s, pin
         )
+        pool = self.ledger.gpu_slots
         offsets = [
-            self.device.offset[e] if g else self.ledger.index.offset[e]
+            pool.offset[e] if g else self.ledger.index.offset[e]
             for e, g in zip(eids, on_gpu, strict=True)
         ]
         checksums = [
-            self.device.dsum[e] if g else self.ledger.index.checksum[e]
+            pool.dsum[e] if g else self.ledger.index.checksum[e]
             for e, g in zip(eids, on_gpu, strict=True)
         ]
         result = AcquireResult(lease_id, offsets, checksums, on_gpu, pending)

@@ -137,7 +137,7 @@ class WriteOps(StoreParts):
             eids = []
             for i, offset in zip(todo, slots, strict=False):
                 eid = self.ledger.add_entry(keys[i], ns_id, 0, -1, priority)
-                self.device.place(eid, offset)
+                self.ledger.place_in_gpu(eid, offset)
                 eids.append(eid)
         else:
             eids = self.ledger.add_cpu_entries(
@@ -172,12 +172,12 @@ class WriteOps(StoreParts):
         todo = self._new_positions(handle.ns_id, keys)  # no await from here on
         if len(slots) < len(todo) or handle.closed:
             for offset in slots:
-                self.device.unalloc(offset, bb)
+                self.ledger.gpu_unalloc(offset, bb)
             if handle.closed:
                 raise UnknownNamespaceError("the namespace handle was closed during the call")
             return None
         for offset in slots[len(todo) :]:
-            self.device.unalloc(offset, bb)
+            self.ledger.gpu_unalloc(offset, bb)
         if not todo:
             return 0
         return self._add_reservation(handle, keys, todo, slots, priority, offsets, gpu=True)
@@ -252,8 +252,9 @@ class WriteOps(StoreParts):
         if reservation.gpu:
             for eid, checksum in zip(eids, given, strict=True):
                 self.ledger.commit_entry(eid, 0)
-                self.device.mark(eid, checksum)  # the host checksum is made with a CPU copy
-            self.device.policy.touch(eids)
+                # The host checksum is made with a CPU copy.
+                self.ledger.complete_gpu_copy(eid, checksum)
+            self.ledger.touch_gpu(eids)
             self.device.note_committed(eids)
         else:
             self.ledger.commit_cpu_entries(eids, given)
