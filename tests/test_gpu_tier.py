@@ -658,7 +658,7 @@ async def test_the_disk_making_room_keeps_blocks_that_are_in_the_pool(tmp_path) 
         await put_gpu(s, ns, ka, [1])
         a = s.index.get(ns.ns_id, ka[0])
         assert a is not None
-        await s.device.to_cpu([a])
+        await s.device.move_down([a])
         await s.mover.flush(a)
         for i in range(40):  # CPU-only blocks go down until the disk evicts
             k = keys(1, start=10 + i)

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvstore.daemon.room import TierSlots, make_room
 from kvstore.errors import CapacityError, UnknownNamespaceError
-from kvstore.index import IN_CPU, IN_GPU, IN_NVME, State
+from kvstore.index import IN_CPU, IN_GPU, IN_NVME, IN_REDIS, State
 
 if TYPE_CHECKING:
     from kvstore.daemon.ledger import Ledger
     from kvstore.daemon.namespaces import NamespaceRecord
     from kvstore.daemon.quotas import Usage
+    from kvstore.daemon.tierstats import TierCounters, TierSnapshot
 
 
 class SpillTarget(Protocol):
@@ -39,8 +40,9 @@ class SpillTarget(Protocol):
         """Whether ``eid`` exists nowhere else yet (it goes last while Redis is down)."""
         ...
 
-    async def demote(self, eids: list[int]) -> None:
-        """Write ``eids`` down before their CPU copies go."""
+    async def move_down(self, eids: list[int]) -> int:
+        """Write ``eids`` down before their CPU copies go; how many are there afterwards."""
+        ...
 
 
 class _NoSpill:
@@ -50,24 +52,33 @@ class _NoSpill:
     def must_reach_redis(self, eid: int) -> bool:
         return False
 
-    async def demote(self, eids: list[int]) -> None:
-        return None
+    async def move_down(self, eids: list[int]) -> int:
+        return 0
 
 
 async def _no_write_down(eid: int) -> bool:
     return False
 
 
+async def _nothing_below(eids: list[int]) -> list[int]:
+    return []
+
+
 class CpuRoom:
-    """See the module docstring. ``write_down`` (an entry's write to the tier below, True once
-    it is there) and ``writing`` (the entries being written down now) come from the NVMe
-    write-back (``Mover``); ``spill`` from the shared tier. Event-loop only."""
+    """The CPU tier of the tier contract (``tier_contract.Tier``): its slots and bytes are the
+    ledger's ``cpu_slots`` (opened and closed with it), and what it moves crosses the edge
+    below it. See the module docstring. ``write_down`` (an entry's write to the tier below,
+    True once it is there), ``writing`` (the entries being written down now) and ``bring_up``
+    (promotion of blocks only on disk) come from the NVMe tier (``Mover``); ``spill`` from the
+    shared tier. Event-loop only."""
 
     def __init__(self, ledger: Ledger) -> None:
+        self.name = "cpu"
         self.ledger = ledger
         self.spill: SpillTarget = _NoSpill()
         self.write_down: Callable[[int], Awaitable[bool]] = _no_write_down
         self.writing: Container[int] = frozenset()
+        self.bring_up: Callable[[list[int]], Awaitable[list[int]]] = _nothing_below
         self._room = asyncio.Lock()
         allocator = ledger.allocator
         self._slots = TierSlots(
@@ -220,10 +231,8 @@ class CpuRoom:
         # dropped as if its write had failed.
         was = {v: index.key(v) for v in victims if index.state[v] == State.COMMITTED}
         dirty = [v for v in was if not index.tier[v] & IN_NVME]
-        if dirty and ledger.nvme is not None:
-            await asyncio.gather(*(self.write_down(v) for v in dirty))
-        elif dirty and self.spill.enabled:
-            await self.spill.demote(dirty)  # the CPU tier is the last local one
+        if dirty:
+            await self.move_down(dirty)
         for v in victims:
             if (
                 v not in was
@@ -244,6 +253,72 @@ class CpuRoom:
                 ledger.forget(v)  # nothing else holds it (no tier, or a failed write)
             ledger.cpu.evictions += 1
 
+    # ----------------------------------------------------------------- the tier contract
+    @property
+    def enabled(self) -> bool:
+        return True  # every daemon has a CPU tier
+
+    async def start(self) -> None:
+        """Nothing to open: the arena is the ledger's, mapped when it is made."""
+
+    async def stop(self) -> None:
+        """Nothing of its own in flight: the drain of dirty blocks to disk is the NVMe tier's
+        ``stop``, and the arena is unmapped with the ledger."""
+
+    async def move_up(self, eids: list[int]) -> list[int]:
+        """Bring blocks only on disk into the CPU tier (``bring_up``: the NVMe tier's
+        promotion); returns the leading run of ``eids`` in the CPU tier afterwards."""
+        index = self.ledger.index
+        if any(not index.tier[e] & IN_CPU for e in eids):
+            await self.bring_up(eids)
+        for i, e in enumerate(eids):
+            if index.state[e] != State.COMMITTED or not index.tier[e] & IN_CPU:
+                return eids[:i]
+        return list(eids)
+
+    async def move_down(self, eids: list[int]) -> int:
+        """Write CPU blocks to the tier below, keeping their CPU copies: to disk with an NVMe
+        tier, else to the shared tier; returns how many of ``eids`` have a copy below after."""
+        ledger, index = self.ledger, self.ledger.index
+        if ledger.nvme is not None:
+            await asyncio.gather(*(self.write_down(e) for e in dict.fromkeys(eids)))
+            below = IN_NVME
+        elif self.spill.enabled:
+            await self.spill.move_down(eids)  # the CPU tier is the last local one
+            below = IN_REDIS
+        else:
+            return 0
+        return sum(1 for e in eids if index.state[e] == State.COMMITTED and index.tier[e] & below)
+
+    def holds(self, eid: int) -> bool:
+        return bool(self.ledger.index.tier[eid] & IN_CPU)
+
+    def drop(self, eids: list[int]) -> int:
+        """Drop the CPU copies of ``eids`` that have a disk or GPU copy and are neither leased
+        nor being written down; returns how many went."""
+        ledger, index = self.ledger, self.ledger.index
+        dropped = 0
+        for e in dict.fromkeys(eids):
+            if (
+                index.state[e] == State.COMMITTED
+                and index.tier[e] & IN_CPU
+                and index.tier[e] & (IN_NVME | IN_GPU)
+                and not index.leases[e]
+                and e not in self.writing
+            ):
+                ledger.drop_cpu_copy(e)
+                dropped += 1
+        return dropped
+
+    @property
+    def counters(self) -> TierCounters:
+        return self.ledger.cpu
+
+    def snapshot(self) -> TierSnapshot:
+        ledger = self.ledger
+        return ledger.cpu_slots.snapshot(len(ledger.policy), ledger.reserved_blocks)
+
+    # ----------------------------------------------------------------- victims
     def own_coldest(
         self,
         order: Iterable[int],

@@ -9,7 +9,7 @@ and read them back the same way; the daemon never sees those bytes on the way. W
 - keeps at least ``1 - high_watermark`` of the pool free or clean in the background, coldest
   first, so an offload rarely waits on PCIe, and copies a block down at once when a tier below
   writes through (NVMe or Redis write-through need a CPU copy to start from);
-- copies GPU-only blocks down for readers that cannot reach the pool (``to_cpu``) and promotes
+- copies GPU-only blocks down for readers that cannot reach the pool (``move_down``) and promotes
   CPU blocks up for workers that asked for a prefetch (``prefetch``).
 
 Checksums: a GPU block carries a *device checksum* (``kernels.device_checksums``, computed on the
@@ -39,7 +39,7 @@ from kvstore import kernels
 from kvstore.checksum import checksum_seed, seeded_checksum
 from kvstore.daemon.prefetch import Prefetcher
 from kvstore.daemon.room import TierSlots, make_room
-from kvstore.daemon.tierstats import TierCounters
+from kvstore.daemon.tierstats import TierCounters, TierSnapshot
 from kvstore.daemon.writeback import bytes_to_clean, pick_writeback
 from kvstore.errors import CapacityError
 from kvstore.index import BELOW_GPU, IN_CPU, IN_GPU, State
@@ -77,7 +77,9 @@ class HostTier(Protocol):
     """The tiers below the GPU pool as it reaches them (``Mover``): promotion of blocks below
     the CPU tier, write-back of blocks new in it."""
 
-    async def bring_to_cpu(self, eids: list[int]) -> int: ...
+    async def move_up(self, eids: list[int]) -> list[int]:
+        """Bring blocks only on disk into the CPU tier (the NVMe tier's ``move_up``)."""
+        ...
 
     def note_committed(self, eids: list[int]) -> None: ...
 
@@ -92,7 +94,8 @@ class SharedBelow(Protocol):
 
 
 class DeviceTier:
-    """See the module docstring. ``pool`` None: the tier is off and every method is a no-op.
+    """The GPU tier of the tier contract (``tier_contract.Tier``); see the module docstring.
+    ``pool`` None: the tier is off and every method is a no-op.
     ``cpu_room``: room in the CPU tier for blocks copied down (``CpuRoom.alloc_cpu``);
     ``host``: the tiers below (``Mover``); ``shared``: the Redis tier (write-through)."""
 
@@ -104,6 +107,7 @@ class DeviceTier:
         host: HostTier,
         shared: SharedBelow,
     ) -> None:
+        self.name = "gpu"
         self.ledger = ledger
         self.cpu_room = cpu_room
         self.host = host
@@ -133,7 +137,7 @@ class DeviceTier:
             ledger,
             window=_BATCH,
             wanted=lambda e: not index.tier[e] & IN_GPU and e not in self._moving,
-            promote=self.to_gpu,
+            promote=self._promote,
             spawn=self._spawn,
         )
 
@@ -176,7 +180,7 @@ class DeviceTier:
         if dirty:
             try:
                 await asyncio.wait_for(
-                    self.to_cpu(dirty, partial=True), self.ledger.config.drain_timeout_s
+                    self.move_down(dirty, partial=True), self.ledger.config.drain_timeout_s
                 )
             except TimeoutError:
                 log.warning("gpu drain timed out")
@@ -248,7 +252,7 @@ class DeviceTier:
         ledger, index = self.ledger, self.ledger.index
         dirty = [v for v in victims if not index.tier[v] & BELOW_GPU]
         if dirty:
-            await self.to_cpu(dirty, partial=True)
+            await self.move_down(dirty, partial=True)
         tried = set(dirty)
         for v in victims:
             if (
@@ -331,9 +335,10 @@ class DeviceTier:
         ]
 
     # ----------------------------------------------------------------- down
-    async def to_cpu(self, eids: list[int], partial: bool = False) -> int:
+    async def move_down(self, eids: list[int], partial: bool = False) -> int:
         """Give GPU-only blocks a CPU copy (keeping the GPU copy); returns how many of ``eids``
-        have one afterwards. A block already moving is waited for, not copied twice."""
+        have one afterwards. A block already moving is waited for, not copied twice.
+        ``partial``: copy as many as the CPU tier has room for (else all or none)."""
         index = self.ledger.index
         eids = list(dict.fromkeys(eids))  # a key asked twice is one block
         waits = [self._moving[e] for e in eids if e in self._moving]
@@ -438,7 +443,7 @@ class DeviceTier:
             batch = self._next_clean_batch()
             if not batch:
                 return
-            if not await self.to_cpu(batch, partial=True):
+            if not await self.move_down(batch, partial=True):
                 return  # the CPU tier takes nothing now (full of leases)
             after = self._dirty_bytes()
             if after >= before:
@@ -497,9 +502,18 @@ class DeviceTier:
             return 0
         return self._prefetcher.queue(ns_id, keys)
 
-    async def to_gpu(self, eids: list[int]) -> bool:
+    async def move_up(self, eids: list[int]) -> list[int]:
         """Promote blocks into the pool (from the CPU tier, bringing disk-only ones to the CPU
-        first); True when every one of them is in the pool afterwards."""
+        first); returns the leading run of them in the pool afterwards."""
+        await self._promote(eids)
+        index = self.ledger.index
+        for i, e in enumerate(eids):
+            if index.state[e] != State.COMMITTED or not index.tier[e] & IN_GPU:
+                return eids[:i]
+        return list(eids)
+
+    async def _promote(self, eids: list[int]) -> bool:
+        """``move_up``'s work: True when every one of ``eids`` is in the pool afterwards."""
         index = self.ledger.index
         eids = [
             e
@@ -510,17 +524,17 @@ class DeviceTier:
         ]
         if not eids:
             return True
-        for e in eids:  # pinned now, with no await since the check (see to_cpu)
+        for e in eids:  # pinned now, with no await since the check (see move_down)
             self.ledger.pin(e)
         return bool(await self._shielded(self._to_gpu(eids)))
 
     async def _to_gpu(self, eids: list[int]) -> bool:
-        """``to_gpu``'s work, on entries it leased; drops those leases when done."""
+        """``_promote``'s work, on entries it leased; drops those leases when done."""
         ledger, index = self.ledger, self.ledger.index
         leased = list(eids)
         try:
             if any(not index.tier[e] & IN_CPU for e in eids):
-                await self.host.bring_to_cpu(eids)
+                await self.host.move_up(eids)
             eids = [
                 e
                 for e in eids
@@ -572,7 +586,44 @@ class DeviceTier:
         for g in slots[len(group) :]:
             ledger.gpu_unalloc(g, bb)
 
+    # ----------------------------------------------------------------- holds, drop
+    def holds(self, eid: int) -> bool:
+        return bool(self.ledger.index.tier[eid] & IN_GPU)
+
+    def drop(self, eids: list[int]) -> int:
+        """Drop the GPU copies of ``eids`` that have a copy below and are neither leased nor
+        moving; returns how many went."""
+        ledger, index = self.ledger, self.ledger.index
+        dropped = 0
+        for e in dict.fromkeys(eids):
+            if (
+                index.state[e] == State.COMMITTED
+                and index.tier[e] & IN_GPU
+                and index.tier[e] & BELOW_GPU
+                and not index.leases[e]
+                and e not in self._moving
+            ):
+                ledger.drop_gpu_copy(e)
+                dropped += 1
+        return dropped
+
     # ----------------------------------------------------------------- stats
+    def snapshot(self) -> TierSnapshot | None:
+        if self.pool is None:
+            return None
+        books = self.ledger.gpu_slots
+        return TierSnapshot(
+            "gpu",
+            self.capacity_bytes(),
+            books.used_bytes,
+            len(self.ledger.gpu_policy),
+            self.counters,
+            extra={
+                "clean_below_bytes": float(self.clean_bytes()),
+                "device": float(self.pool.device.index or 0),
+            },
+        )
+
     def clean_bytes(self) -> int:
         index = self.ledger.index
         dsum = self.books.dsum

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from kvstore.daemon.ledger import Ledger
     from kvstore.daemon.namespaces import NamespaceRecord
     from kvstore.daemon.quotas import Usage
+    from kvstore.daemon.tierstats import TierCounters, TierSnapshot
 
 log = logging.getLogger(__name__)
 _io_log = RateLimitedLog(log)  # a failing disk fails every write
@@ -63,11 +64,13 @@ async def _refused_lossy() -> str:
 
 
 class Mover:
-    """See the module docstring. Created by the store; ``start``/``stop`` bracket its life.
+    """The NVMe tier of the tier contract (``tier_contract.Tier``); see the module docstring.
+    Created by the store; ``start``/``stop`` bracket its life.
     ``cpu_room`` makes room in the CPU tier (for promotions); the Mover hands it its
     write-back (``flush``) for dirty victims."""
 
     def __init__(self, ledger: Ledger, cpu_room: CpuRoom) -> None:
+        self.name = "nvme"
         self.ledger = ledger
         self.cpu_room = cpu_room
         self.config = ledger.config.nvme
@@ -96,6 +99,10 @@ class Mover:
             promote=self._promote_prefetched,
             spawn=self._spawn,
         )
+
+    @property
+    def enabled(self) -> bool:
+        return self.ledger.nvme is not None
 
     @property
     def idle(self) -> bool:
@@ -155,9 +162,45 @@ class Mover:
         await tier.close()
 
     async def _flush_all(self, eids: list[int]) -> None:
+        await self.move_down(eids)
+
+    # ----------------------------------------------------------------- the tier contract
+    async def move_down(self, eids: list[int]) -> int:
+        """Write CPU blocks to disk (keeping their CPU copies), a window of ``2 * io_threads``
+        at a time; returns how many of ``eids`` are on disk afterwards."""
         window = 2 * self.config.io_threads
         for i in range(0, len(eids), window):
             await asyncio.gather(*(self.flush(e) for e in eids[i : i + window]))
+        index = self.ledger.index
+        return sum(1 for e in eids if index.state[e] == State.COMMITTED and index.tier[e] & IN_NVME)
+
+    def holds(self, eid: int) -> bool:
+        return bool(self.ledger.index.tier[eid] & IN_NVME)
+
+    def drop(self, eids: list[int]) -> int:
+        """Drop the disk copies of ``eids`` that have a CPU or GPU copy and are neither leased
+        nor being written or promoted (each becomes dirty again); returns how many went."""
+        ledger, index = self.ledger, self.ledger.index
+        dropped = 0
+        for e in dict.fromkeys(eids):
+            if (
+                index.state[e] == State.COMMITTED
+                and index.tier[e] & IN_NVME
+                and index.tier[e] & (IN_CPU | IN_GPU)
+                and not index.leases[e]
+                and e not in self._flushing
+                and e not in self._promoting
+            ):
+                ledger.drop_disk_copy(e)
+                dropped += 1
+        return dropped
+
+    @property
+    def counters(self) -> TierCounters:
+        return self.ledger.nvme_counters
+
+    def snapshot(self) -> TierSnapshot | None:
+        return self.ledger.disk.snapshot()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -445,10 +488,10 @@ class Mover:
         )
 
     # ----------------------------------------------------------------- up: promotion, prefetch
-    async def bring_to_cpu(self, eids: list[int]) -> int:
-        """Promote the blocks of a run that are only on disk; returns how many leading blocks
-        of the run are now in the CPU tier. A block already being promoted (by another reader
-        or a prefetch) is waited for, not read twice."""
+    async def move_up(self, eids: list[int]) -> list[int]:
+        """Promote the blocks of a run that are only on disk; returns the leading run of them
+        now in the CPU tier. A block already being promoted (by another reader or a prefetch)
+        is waited for, not read twice."""
         index = self.ledger.index
         waits: list[asyncio.Future[bool]] = []
         mine: list[int] = []
@@ -466,12 +509,12 @@ class Mover:
             await asyncio.gather(*(asyncio.shield(w) for w in waits))
         for i, eid in enumerate(eids):
             if index.state[eid] != State.COMMITTED or not index.tier[eid] & IN_CPU:
-                return i
-        return len(eids)
+                return eids[:i]
+        return list(eids)
 
     async def _promote_many(self, eids: list[int]) -> list[bool]:
         """Read disk-only blocks of one size into new CPU slots, concurrently. ``eids`` must be
-        distinct and not being promoted already (``bring_to_cpu`` and ``_prefetch`` see to
+        distinct and not being promoted already (``move_up`` and ``_prefetch`` see to
         it). Each read is checked against the key it was started for: an entry deleted (and
         its id perhaps reused) while room was made or the disk was read is not touched."""
         ledger, index, tier = self.ledger, self.ledger.index, self.ledger.nvme

@@ -26,6 +26,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from kvstore.daemon.tier_contract import KeyRun
+from kvstore.daemon.tierstats import TierCounters, TierSnapshot
 from kvstore.index import IN_CPU, IN_REDIS, State
 
 if TYPE_CHECKING:
@@ -43,7 +45,8 @@ MAX_PENDING = 4096  # write-through blocks queued while Redis is down; the oldes
 
 
 class SharedTier:
-    """See the module docstring. Created by the store; ``start``/``stop`` bracket its life."""
+    """The shared tier of the tier contract (``tier_contract.Tier[KeyRun]``); see the module
+    docstring. Created by the store; ``start``/``stop`` bracket its life."""
 
     def __init__(
         self,
@@ -53,6 +56,7 @@ class SharedTier:
     ) -> None:
         """``cpu_room``: makes room in the CPU tier for fetched blocks (``CpuRoom.alloc_cpu``);
         ``on_fetched``: told of blocks fetched and committed (write-back queues them)."""
+        self.name = "redis"
         self.ledger = ledger
         self.cpu_room = cpu_room
         self.on_fetched = on_fetched
@@ -145,11 +149,12 @@ class SharedTier:
             self.skipped += 1
             return 0
 
-    async def fetch(self, record: NamespaceRecord, keys: list[bytes]) -> list[int]:
-        """Copy the leading run of ``keys`` found in Redis into new CPU-tier entries; returns
-        the entry ids of the leading blocks now committed locally (in key order)."""
+    async def move_up(self, wanted: KeyRun) -> list[int]:
+        """Copy the leading run of ``wanted.keys`` found in Redis into new CPU-tier entries;
+        returns the entry ids of the leading blocks now committed locally (in key order)."""
         if self.tier is None:
             return []
+        record, keys = wanted.record, wanted.keys
         from kvstore.tiers.redis import RedisTierUnavailable  # as in contains
 
         ledger, index = self.ledger, self.ledger.index
@@ -224,9 +229,15 @@ class SharedTier:
             self.skipped += 1
         self._wake.set()
 
-    async def demote(self, eids: list[int]) -> None:
-        """Write CPU blocks that are about to leave the last local tier to Redis first; the
-        ones Redis could not take (it is down) are counted in ``dropped_while_down``."""
+    async def move_down(self, eids: list[int]) -> int:
+        """Write CPU blocks that are about to leave the last local tier to Redis first; returns
+        how many of ``eids`` this host has written there. The ones Redis could not take (it is
+        down) are counted in ``dropped_while_down``."""
+        await self._demote(eids)
+        tier = self.ledger.index.tier
+        return sum(1 for e in eids if tier[e] & IN_REDIS)
+
+    async def _demote(self, eids: list[int]) -> None:
         index = self.ledger.index
         todo = [(e, index.ns[e], index.key(e)) for e in eids if not index.tier[e] & IN_REDIS]
         by_size: dict[int, list[tuple[int, int, bytes]]] = {}
@@ -328,6 +339,61 @@ class SharedTier:
         if self.tier is None:
             return {}
         return dict(self.tier.stats())
+
+    # ----------------------------------------------------------------- the rest of the contract
+    def holds(self, eid: int) -> bool:
+        """Whether this host wrote the block to Redis (another host's copy is not known here,
+        and any copy may have expired since)."""
+        return bool(self.ledger.index.tier[eid] & IN_REDIS)
+
+    def drop(self, eids: list[int]) -> int:
+        """Nothing: the values are every host's, and go by TTL or by Redis's own eviction."""
+        return 0
+
+    @property
+    def counters(self) -> TierCounters:
+        """The running totals, brought up to date from the Redis client's own."""
+        c = self.ledger.redis_counters
+        stats = self.stats()
+        c.promotions = self.promotions
+        c.demotions = self.demotions
+        c.checksum_failures = int(stats.get("checksum_failures", 0))
+        c.evictions = int(stats.get("evictions", 0))
+        return c
+
+    def snapshot(self) -> TierSnapshot | None:
+        """What this host wrote (Redis is shared: other hosts' values are not counted); the
+        capacity is ``max_bytes_per_namespace`` (0: unbounded here)."""
+        if self.tier is None:
+            return None
+        stats = self.stats()
+        extra = {k: float(v) for k, v in stats.items() if k in _SNAPSHOT_EXTRAS}
+        extra["skipped_while_down"] = float(self.skipped)
+        extra["dropped_while_down"] = float(self.dropped_while_down)
+        return TierSnapshot(
+            "redis",
+            self.config.max_bytes_per_namespace,
+            int(stats.get("bytes_written", 0)),
+            int(stats.get("puts", 0)),
+            self.counters,
+            up=bool(stats.get("up", False)),
+            extra=extra,
+            logical_bytes=int(stats.get("logical_bytes_written", 0)),
+            stored_bytes=int(stats.get("bytes_written", 0)),
+        )
+
+
+# The Redis client's counters a snapshot shows beside the occupancy.
+_SNAPSHOT_EXTRAS = (
+    "bytes_written",
+    "logical_bytes_written",
+    "bytes_read",
+    "errors",
+    "reconnects",
+    "unavailable",
+    "mac_failures",
+    "lossy_refused",
+)
 
 
 def read_mac_secret(path: str) -> bytes | None:

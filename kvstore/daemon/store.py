@@ -47,7 +47,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.config import DaemonConfig
 from kvstore.daemon.auth import Principal
@@ -66,10 +66,11 @@ from kvstore.daemon.namespaces import (
 )
 from kvstore.daemon.quotas import Quotas
 from kvstore.daemon.shared import SharedTier
-from kvstore.daemon.snapshots import namespace_tier_bytes, tier_snapshots
+from kvstore.daemon.snapshots import namespace_tier_bytes
 from kvstore.daemon.store_parts import AcquireResult, BindResult, ReserveResult
 from kvstore.daemon.store_reads import ReadOps
 from kvstore.daemon.store_spares import SpareOps
+from kvstore.daemon.tier_contract import Tier
 from kvstore.daemon.tierstats import TierCounters, TierSnapshot
 from kvstore.index import BlockIndex
 from kvstore.keys import KEY_BYTES, Namespace
@@ -148,6 +149,9 @@ class BlockStore(ReadOps, SpareOps):
             host=self.mover,
             shared=self.shared,
         )
+        self.cpu_room.bring_up = self.mover.move_up
+        # The four tiers of the tier contract, top down.
+        self.tiers: tuple[Tier[Any], ...] = (self.device, self.cpu_room, self.mover, self.shared)
 
     # Read access to the ledger's parts (Stats, the metrics, the tests); every change to them
     # is a ledger method.
@@ -224,9 +228,8 @@ class BlockStore(ReadOps, SpareOps):
     async def start(self) -> None:
         """Open the NVMe tier (recovering what it holds), connect the shared tier, and start
         background movement."""
-        await self.device.start()
-        await self.mover.start()
-        await self.shared.start()
+        for tier in self.tiers:
+            await tier.start()
 
     async def stop(self) -> None:
         """Write dirty blocks down (bounded by ``drain_timeout_s``), close tiers, unlink."""
@@ -234,9 +237,10 @@ class BlockStore(ReadOps, SpareOps):
             task.cancel()
         for handle in self.ledger.names.handles():
             self.close_handle(handle)
-        await self.device.stop()
-        await self.shared.stop()
-        await self.mover.stop()
+        # The GPU tier first: its dirty blocks go down to the CPU tier, and from there to disk
+        # with the NVMe tier's drain, which comes last; the shared tier's queue is given up.
+        for tier in (self.device, self.shared, self.cpu_room, self.mover):
+            await tier.stop()
         self.close()
 
     def close(self) -> None:
@@ -448,7 +452,7 @@ class BlockStore(ReadOps, SpareOps):
 
     def tier_snapshots(self) -> list[TierSnapshot]:
         """Occupancy and counters of every tier, top down (``Stats``, the metrics)."""
-        return tier_snapshots(self.ledger, self.device, self.shared)
+        return [snap for tier in self.tiers if (snap := tier.snapshot()) is not None]
 
     def namespace_tier_bytes(self) -> dict[bytes, list[tuple[str, int, int, int, str]]]:
         """By namespace fingerprint: (tier, blocks, logical, stored bytes, codec) in the tiers

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from kvstore.daemon.ledger import gather
 from kvstore.daemon.namespaces import Handle, Lease, NamespaceRecord
 from kvstore.daemon.store_parts import AcquireResult, StoreParts, distinct
+from kvstore.daemon.tier_contract import KeyRun
 from kvstore.errors import CapacityError, LeaseExpiredError, UnknownNamespaceError
 from kvstore.index import IN_CPU, IN_GPU, State
 from kvstore.tiers.codecs import decode
@@ -165,8 +166,8 @@ class ReadOps(StoreParts):
             if not gpu:
                 gpu_only = [e for e in eids if tiers[e] & IN_GPU and not tiers[e] & IN_CPU]
                 if gpu_only:
-                    await self.device.to_cpu(gpu_only, partial=True)  # as many as fit
-            await self.mover.bring_to_cpu([e for e in eids if not (gpu and tiers[e] & IN_GPU)])
+                    await self.device.move_down(gpu_only, partial=True)  # as many as fit
+            await self.cpu_room.move_up([e for e in eids if not (gpu and tiers[e] & IN_GPU)])
             ready = len(eids)
             for i, eid in enumerate(eids):
                 servable = tiers[eid] & IN_CPU or (gpu and tiers[eid] & IN_GPU)
@@ -179,7 +180,7 @@ class ReadOps(StoreParts):
             eids = eids[:ready]
             if ready == local_run < len(keys) and self.shared.enabled and not pending:
                 # The local run ended at a missing block: the shared tier may hold the rest.
-                fetched = await self.shared.fetch(record, list(keys[ready:]))
+                fetched = await self.shared.move_up(KeyRun(record, list(keys[ready:])))
                 for eid in fetched:  # committed just now, no await since: lease them at once
                     self.ledger.add_lease(eid)
                     held.append(eid)

@@ -328,7 +328,7 @@ class WriteOps(StoreParts):
         ]
         gpu_only = [e for e, _ in live if not self.ledger.index.tier[e] & (IN_CPU | IN_NVME)]
         if gpu_only:
-            await self.device.to_cpu(gpu_only)
+            await self.device.move_down(gpu_only)
         results = await asyncio.gather(*(self.mover.flush(e, durable=True) for e, _ in live))
         lost = [
             k
