@@ -1,5 +1,6 @@
-"""Making room in the CPU tier: the slots a put, a promotion, a fetch from Redis or a copy down
-from the GPU pool needs, taken from the coldest blocks it may evict.
+"""The CPU tier's side of the tier contract (``tier_contract``), and making room in it: the
+slots a put, a promotion, a fetch from Redis or a copy down from the GPU pool needs, taken from
+the coldest blocks it may evict.
 
 ``CpuRoom.alloc_cpu`` drops clean victims' CPU copies, writes dirty ones down first (through
 the write-back it is handed: ``Mover.flush``, with NVMe) or spills them into the shared tier

@@ -1,14 +1,15 @@
 """The ledger: the one writer of block state.
 
 Block state is the index (key -> entry: namespace, tier bits, slots, checksum, priority, lease
-count), each tier's policy membership (CPU, NVMe), the owners of CPU and disk slots, the slots
-quarantined after an expired reservation, the payload checksums of fp8 CPU copies, the
-presence books (``kvstore.presence`` tables) and the waiters for entries being written. Every
-change to it is one of this class's methods; the tiers own slots and bytes and report here what
-landed (``mark_on_disk``, ``mark_in_cpu``, ``commit_entry`` ...), the movement code owns only the
-queues of work in flight, and the store (``kvstore.daemon.store``) composes the public
-operations out of these methods. Nothing here awaits but ``wait_for_writers``: a transition is
-made whole between two awaits of the one event loop, so no lock is needed.
+count), each tier's policy membership (GPU, CPU, NVMe), the owners of pool, CPU and disk slots
+and the device checksums of GPU copies, the slots quarantined after an expired reservation, the
+payload checksums of fp8 CPU copies, the presence books (``kvstore.presence`` tables) and the
+waiters for entries being written. Every change to it is one of this class's methods; the tiers
+own slots and bytes and report here what landed (``mark_on_disk``, ``mark_in_cpu``,
+``commit_entry`` ...), the movement code owns only the queues of work in flight, and the store
+(``kvstore.daemon.store``) composes the public operations out of these methods. Nothing here
+awaits but ``wait_for_writers``: a transition is made whole between two awaits of the one event
+loop, so no lock is needed.
 
 The GPU pool's books are here too (``pool_slots.PoolSlots``: slot owners and device checksums,
 and the GPU policy): the ``DeviceTier`` makes the copies and reports each one through these

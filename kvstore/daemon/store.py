@@ -1,14 +1,15 @@
 """The daemon's block store: the public operations, composed over the ledger and the tiers.
 
-The parts, bottom up: the ledger (``ledger``: the only writer of block state, with ``namespaces``
-records and handles, ``quotas``, ``cpu_tier`` and ``disk_tier`` slot tables); the tiers, each
-handed the ledger and its neighbours, never the store (``device``: the GPU pool; ``movement``:
-the CPU tier's room-making and the NVMe tier's write-back, promotion and prefetch; ``shared``:
-Redis); the checker (``invariants``) and the Stats views (``snapshots``); and the operations,
-in ``store_reads``, ``store_writes`` and ``store_spares``, which ``BlockStore`` composes with
-namespaces and handles and reaping. Every method runs on the daemon's event loop; bytes move in
-executors (the NVMe tier's IO threads, ``asyncio.to_thread`` for checksums), so the loop never
-blocks on a copy or a disk.
+The parts, bottom up: the ledger (``ledger``: the only writer of block state, with
+``namespaces`` records and handles, ``quotas``, and the ``pool_slots``, ``cpu_tier`` and
+``disk_tier`` slot tables); the four tiers, each keeping the tier contract (``tier_contract``)
+and handed the ledger and its neighbours, never the store (``device``: the GPU pool;
+``cpu_room``: the CPU tier and room in it; ``movement``: the NVMe tier's write-back, promotion
+and prefetch; ``shared``: Redis); the checker (``invariants``) and the Stats views
+(``snapshots``); and the operations, in ``store_reads``, ``store_writes`` and ``store_spares``,
+which ``BlockStore`` composes with namespaces and handles and reaping. Every method runs on the
+daemon's event loop; bytes move in executors (the NVMe tier's IO threads, ``asyncio.to_thread``
+for checksums), so the loop never blocks on a copy or a disk.
 
 Callers. A client opens a namespace and gets a ``Handle``: 16 random bytes, unguessable, known
 only to this daemon instance, alive while the client's OpenNamespace stream is open. Every
