@@ -7,8 +7,15 @@ move a block to another slot, and report its counters and snapshot. It knows not
 block states or eviction policy: the store (``kvstore.daemon.store``), which owns the index
 and every block state transition, tells it what to do; the policy is the store's too.
 
+Which entry holds which slot is kept per slab, in one array of entry ids (``-1``: no entry)
+indexed by slot number (offset - the slab's base) // its class's slot size: 4 bytes a slot
+instead of a dict slot and a boxed offset (about 77 bytes a block at a million blocks). A slab
+changes class only once all its slots are free, so its array is laid out again for its new
+class when the first entry is placed in it after it held none.
+
 Invariants (``check`` asserts them against the index):
-- ``owner`` maps exactly the slots of entries that hold a CPU copy, each to its entry;
+- ``owner`` maps exactly the slots of entries that hold a CPU copy, each to its entry, and
+  ``owned`` counts them;
 - ``used_bytes`` = bytes of the blocks in owned slots + quarantined bytes + slots handed out
   and not yet placed (none when the store is idle);
 - ``clean_bytes`` = bytes of owned blocks that also have a copy on disk.
@@ -19,10 +26,14 @@ between tiers), never a client's.
 
 from __future__ import annotations
 
+from array import array
+
 from kvstore.checksum import block_checksum
 from kvstore.config import CpuTierConfig
 from kvstore.daemon.tierstats import TierCounters, TierSnapshot
-from kvstore.tiers.cpu import HEADER_BYTES, SharedMemoryArena, SlabAllocator
+from kvstore.tiers.cpu import HEADER_BYTES, SLOT_ALIGN, SharedMemoryArena, SlabAllocator
+
+_NO_OWNERS: array[int] = array("i")  # a slab that never held an entry
 
 
 class CpuSlots:
@@ -46,7 +57,17 @@ class CpuSlots:
             self.arena.close()
             raise
         self.counters = TierCounters()
-        self._owner: dict[int, int] = {}  # slot offset -> the entry whose copy is in it
+        self._slab_bytes = self.allocator.slab_bytes
+        # Per slab: (the entry in each slot, -1 for none; the slot size that array is laid out
+        # for; the slab's base offset), and how many of its slots hold an entry. An array whose
+        # slab holds no entry may be laid out for the slab's old class: all of it is -1, so
+        # ``owner`` still reads None through it; ``_lay_out`` renews it before a placement.
+        self._slabs: list[tuple[array[int], int, int]] = [
+            (_NO_OWNERS, SLOT_ALIGN, HEADER_BYTES + i * self._slab_bytes)
+            for i in range(self.allocator.num_slabs)
+        ]
+        self._held = [0] * self.allocator.num_slabs
+        self._owned = 0
         self.used_bytes = 0
         self.clean_bytes = 0  # bytes of blocks here that also have a disk copy
         # How much more its entries are as readers get them than as stored (fp8 payloads of a
@@ -71,32 +92,91 @@ class CpuSlots:
         self.allocator.free(offset, block_bytes)
         self.used_bytes -= block_bytes
 
+    def _slab(self, offset: int) -> int:
+        """The slab of slot ``offset``, laid out for its class. AssertionError if ``offset`` is
+        outside the slabs, or in a slab no class holds (no slot of it was handed out)."""
+        s = (offset - HEADER_BYTES) // self._slab_bytes
+        if offset < HEADER_BYTES or s >= len(self._slabs):
+            raise AssertionError(f"offset {offset} is outside the arena's slabs")
+        if not self._held[s]:
+            self._lay_out(s)
+        return s
+
+    def _lay_out(self, s: int) -> None:
+        """Lay slab ``s``'s array out for its current class. Only while none of its slots holds
+        an entry: a slab changes class only once emptied (back to the pool, or drained)."""
+        info = self.allocator.slab_info(s)
+        if not info.slot_bytes:
+            raise AssertionError(f"slab {s} belongs to no size class: no slot of it is handed out")
+        owners, slot, base = self._slabs[s]
+        if info.slot_bytes != slot or len(owners) != info.slots:
+            self._slabs[s] = (array("i", [-1]) * info.slots, info.slot_bytes, base)
+
     def place(self, eid: int, offset: int, block_bytes: int, clean: bool) -> None:
         """Entry ``eid``'s copy is in slot ``offset`` (from ``alloc``)."""
-        if offset in self._owner:
-            raise AssertionError(f"slot {offset} already holds entry {self._owner[offset]}")
-        self._owner[offset] = eid
+        s = self._slab(offset)
+        owners, slot, base = self._slabs[s]
+        j, rest = divmod(offset - base, slot)
+        if rest or j >= len(owners):
+            raise AssertionError(f"offset {offset} is not a slot of its slab ({slot}-byte slots)")
+        if owners[j] >= 0:
+            raise AssertionError(f"slot {offset} already holds entry {owners[j]}")
+        owners[j] = eid
+        self._held[s] += 1
+        self._owned += 1
         if clean:
             self.clean_bytes += block_bytes
 
     def place_dirty(self, eids: list[int], offsets: list[int]) -> None:
-        """``place`` of each ``eids[j]`` in ``offsets[j]``, none with a disk copy yet."""
-        owner = self._owner
-        if not owner.keys().isdisjoint(offsets) or len(set(offsets)) != len(offsets):
-            taken = next(o for o in offsets if o in owner or offsets.count(o) > 1)
-            raise AssertionError(f"slot {taken} already holds entry {owner.get(taken)}")
-        owner.update(zip(offsets, eids, strict=True))
+        """``place`` of each ``eids[j]`` in ``offsets[j]``, none with a disk copy yet. Nothing
+        is placed if any slot is taken or named twice."""
+        if len(eids) != len(offsets):
+            raise ValueError(f"{len(eids)} entries for {len(offsets)} slots")
+        slabs, held, slab_bytes = self._slabs, self._held, self._slab_bytes
+        last, owners, slot, base = -1, _NO_OWNERS, SLOT_ALIGN, 0
+        for i, (eid, offset) in enumerate(zip(eids, offsets, strict=True)):
+            if last < 0 or not base <= offset < base + slab_bytes:  # another slab
+                last = self._slab(offset)
+                owners, slot, base = slabs[last]
+            j, rest = divmod(offset - base, slot)
+            if rest or j >= len(owners) or owners[j] >= 0:
+                for placed in offsets[:i]:  # all of them were free: free again
+                    self._take(placed)
+                self._owned += i
+                if rest or j >= len(owners):
+                    raise AssertionError(
+                        f"offset {offset} is not a slot of its slab ({slot}-byte slots)"
+                    )
+                if offset in offsets[:i]:
+                    raise AssertionError(f"slot {offset} named twice in one placement")
+                raise AssertionError(f"slot {offset} already holds entry {owners[j]}")
+            owners[j] = eid
+            held[last] += 1
+        self._owned += len(eids)
+
+    def _take(self, offset: int) -> None:
+        """The entry in slot ``offset`` leaves it; KeyError if none is there."""
+        s = (offset - HEADER_BYTES) // self._slab_bytes
+        if offset < HEADER_BYTES or s >= len(self._slabs):
+            raise KeyError(offset)
+        owners, slot, base = self._slabs[s]
+        j, rest = divmod(offset - base, slot)
+        if rest or j >= len(owners) or owners[j] < 0:
+            raise KeyError(offset)
+        owners[j] = -1
+        self._held[s] -= 1
+        self._owned -= 1
 
     def vacate(self, offset: int, block_bytes: int, clean: bool) -> None:
         """The copy in ``offset`` goes: the slot is free again."""
-        del self._owner[offset]
+        self._take(offset)
         if clean:
             self.clean_bytes -= block_bytes
         self.unalloc(offset, block_bytes)
 
     def quarantine(self, offset: int, block_bytes: int) -> None:
         """Take a slot from its entry without freeing it (``release_quarantined`` later)."""
-        del self._owner[offset]
+        self._take(offset)
         self.quarantined_bytes += block_bytes
 
     def release_quarantined(self, offset: int, block_bytes: int) -> None:
@@ -110,7 +190,15 @@ class CpuSlots:
     def owner(self, offset: int) -> int | None:
         """The entry whose copy is in slot ``offset`` (None: free, quarantined, or reserved
         for a copy still in flight)."""
-        return self._owner.get(offset)
+        s = (offset - HEADER_BYTES) // self._slab_bytes
+        if offset < HEADER_BYTES or s >= len(self._slabs):
+            return None
+        owners, slot, base = self._slabs[s]
+        j, rest = divmod(offset - base, slot)
+        if rest or j >= len(owners):
+            return None
+        eid = owners[j]
+        return eid if eid >= 0 else None
 
     def relocate(
         self,
@@ -142,9 +230,9 @@ class CpuSlots:
         if block_checksum(view[new : new + block_bytes], fingerprint, key) != checksum:
             allocator.free(new, block_bytes)
             return -1
+        self._take(old)
         allocator.free(old, block_bytes)
-        del self._owner[old]
-        self._owner[new] = eid
+        self.place(eid, new, block_bytes, clean=False)
         return new
 
     # ----------------------------------------------------------------- reports
@@ -153,7 +241,12 @@ class CpuSlots:
         return self.allocator.capacity_bytes
 
     def owned(self) -> int:
-        return len(self._owner)
+        """Slots that hold an entry. O(1)."""
+        return self._owned
+
+    def owner_bytes(self) -> int:
+        """Bytes of the per-slab owner arrays (what ``owner`` costs in memory)."""
+        return sum(owners.buffer_info()[1] * owners.itemsize for owners, _, _ in self._slabs)
 
     def snapshot(self, blocks: int, reserved_blocks: int) -> TierSnapshot:
         return TierSnapshot(
