@@ -101,6 +101,11 @@ def block_state(store: Any) -> tuple[Any, Any]:
     return owner.index, owner.policy
 
 
+def cpu_slots_of(store: Any) -> Any:
+    """The store's CPU tier (``CpuSlots``: which entry holds which slot)."""
+    return getattr(store, "ledger", store).cpu_slots
+
+
 async def fill_store(store: Any, n: int) -> None:
     from kvstore.keys import Namespace, unpack_keys
     from kvstore.layout import KVLayout
@@ -148,9 +153,10 @@ def _key_maps(value: dict[Any, Any]) -> list[dict[Any, Any]]:
     return [value]
 
 
-def breakdown(index: Any, policy: Any) -> dict[str, Any]:
+def breakdown(index: Any, policy: Any, cpu_slots: Any = None) -> dict[str, Any]:
     """``sys.getsizeof`` of each structure (requested sizes, no allocator rounding). A key's
-    bytes object is shared by its dict slot and the index's key list: counted once."""
+    bytes object is shared by its dict slot and the index's key list: counted once. With
+    ``cpu_slots``, the CPU tier's slot owner arrays too."""
     parts: dict[str, Any] = {}
     for name, value in vars(index).items():
         if isinstance(value, dict):
@@ -170,6 +176,8 @@ def breakdown(index: Any, policy: Any) -> dict[str, Any]:
     parts["index field arrays"] = arrays
     queue, queue_names = _arrays_of(policy)
     parts["lru policy arrays"] = queue
+    if cpu_slots is not None:
+        parts["cpu tier slot owner arrays"] = cpu_slots.owner_bytes()
     parts["_names"] = {"index field arrays": array_names, "lru policy arrays": queue_names}
     return parts
 
@@ -199,9 +207,11 @@ async def child_async(mode: str, method: str, n: int) -> dict[str, Any]:
         else:
             base = rss_bytes()
         t0 = time.perf_counter()
+        slots = None
         if store is not None:
             await fill_store(store, n)
             index, policy = block_state(store)
+            slots = cpu_slots_of(store)
         else:
             index, policy = fill_index(n)
         fill_s = time.perf_counter() - t0
@@ -214,7 +224,7 @@ async def child_async(mode: str, method: str, n: int) -> dict[str, Any]:
             result["sites"] = [[_site(s), s.size_diff] for s in diff[:SITES] if s.size_diff > 0]
         else:
             result["bytes"] = rss_bytes() - base
-            result["breakdown"] = breakdown(index, policy)
+            result["breakdown"] = breakdown(index, policy, slots)
         return result
 
 
