@@ -5,8 +5,9 @@ only ``make setup`` behind it runs the Redis tests instead of skipping them.
 Valkey 9 is the fork of Redis 7.2: it accepts the options the tests start Redis with (``--port
 0``, ``--unixsocket``, ``--save ''``, ``--appendonly no``, ``--requirepass``,
 ``--cluster-enabled``, ``--maxmemory``) and answers every command the Redis tier sends as Redis 7
-does. It is built without TLS, so the TLS tests still need the system's ``redis-server``, and
-the package ships no ``redis-cli``.
+does. It is built without TLS, so the TLS tests put a TLS endpoint of their own in front of it
+(tests/tls_terminator.py), and the package ships no ``redis-cli``, so no test runs one (the
+cluster fixture forms its cluster with redis-py).
 """
 
 from __future__ import annotations

