@@ -141,6 +141,27 @@ async def test_leased_blocks_are_never_evicted(store: BlockStore) -> None:
     assert (await store.reserve(ns, keys(1, start=500))).reservation_id != 0
 
 
+async def test_a_run_is_leased_whole_or_not_at_all(store: BlockStore) -> None:
+    """A read leases its run in one ledger call: a block at its lease limit refuses the read
+    with no lease left on the blocks before it (they stay evictable)."""
+    ns = store.open_namespace(NS)
+    ks = keys(3)
+    await put(store, ns, ks)
+    eids = [e for k in ks if (e := store.ledger.committed(ns.ns_id, k)) is not None]
+    assert len(eids) == 3
+    leases = store.ledger.index.leases
+    leases[eids[2]] = store.ledger.index.MAX_LEASES
+    with pytest.raises(OverflowError, match="read leases"):
+        await store.acquire(ns, ks)
+    assert [leases[e] for e in eids] == [0, 0, store.ledger.index.MAX_LEASES]
+    leases[eids[2]] = 0
+    lease, *_ = await store.acquire(ns, ks)
+    assert [leases[e] for e in eids] == [1, 1, 1]
+    store.release(ns, lease)
+    assert [leases[e] for e in eids] == [0, 0, 0]
+    store.check()
+
+
 async def test_delete_while_leased_keeps_the_slot_until_release(store: BlockStore) -> None:
     ns = store.open_namespace(NS)
     ks = keys(2)

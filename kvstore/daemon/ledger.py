@@ -375,6 +375,29 @@ class Ledger:
         if self.index.drop_lease(eid) == 0 and self.index.state[eid] == State.ORPHAN:
             self.free_entry(eid)
 
+    def add_leases(self, eids: Sequence[int]) -> None:
+        """``add_lease`` of each of ``eids``, in one loop (a read leases a whole run: a call
+        per key would cost more than the bookkeeping). All or none: OverflowError when one of
+        them has ``MAX_LEASES`` already, with no lease taken."""
+        leases, most = self.index.leases, self.index.MAX_LEASES
+        for i, eid in enumerate(eids):
+            if leases[eid] >= most:
+                for taken in eids[:i]:
+                    leases[taken] -= 1
+                raise OverflowError(f"entry {eid} has {most} read leases")
+            leases[eid] += 1
+
+    def drop_leases(self, eids: Sequence[int]) -> None:
+        """``drop_lease`` of each of ``eids``, in one loop."""
+        leases, state = self.index.leases, self.index.state
+        for eid in eids:
+            n = leases[eid]
+            if n == 0:
+                raise AssertionError(f"lease count of entry {eid} would go negative")
+            leases[eid] = n - 1
+            if n == 1 and state[eid] == State.ORPHAN:
+                self.free_entry(eid)
+
     def pin(self, eid: int) -> None:
         """Pin an entry for IO in flight (a write down, a promotion): its slots stay put."""
         self.index.add_lease(eid)
@@ -562,6 +585,8 @@ class Ledger:
     def touch_gpu(self, eids: list[int]) -> None:
         """A read of these entries' GPU copies (those complete and committed)."""
         dsum, state = self.gpu_slots.dsum, self.index.state
+        if not dsum:  # nothing in the pool (or no pool): the common case, at no cost
+            return
         self.gpu_policy.touch([e for e in eids if e in dsum and state[e] == State.COMMITTED])
 
     def _free_gpu_slot(self, eid: int) -> None:

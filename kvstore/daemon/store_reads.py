@@ -157,9 +157,8 @@ class ReadOps(StoreParts):
         # a release or close could reclaim.
         held: list[int] = []
         try:
-            for eid in eids:  # pin the whole run before anything awaits
-                self.ledger.add_lease(eid)
-                held.append(eid)
+            self.ledger.add_leases(eids)  # the whole run, before anything awaits
+            held.extend(eids)
             local_run = len(eids)
             tiers = self.ledger.index.tier
             gpu = gpu and self._maps_pool(handle)
@@ -169,9 +168,10 @@ class ReadOps(StoreParts):
                     await self.device.move_down(gpu_only, partial=True)  # as many as fit
             await self.cpu_room.move_up([e for e in eids if not (gpu and tiers[e] & IN_GPU)])
             ready = len(eids)
+            state = self.ledger.index.state
             for i, eid in enumerate(eids):
                 servable = tiers[eid] & IN_CPU or (gpu and tiers[eid] & IN_GPU)
-                if self.ledger.index.state[eid] != State.COMMITTED or not servable:
+                if state[eid] != State.COMMITTED or not servable:
                     ready = i
                     break
             for eid in held[ready:]:
@@ -195,9 +195,13 @@ class ReadOps(StoreParts):
             raise UnknownNamespaceError("the namespace handle was closed during the call")
         if not eids:
             return AcquireResult(0, [], [], [], pending)
-        on_gpu = [bool(gpu and tiers[e] & IN_GPU) for e in eids]
-        arena_eids = [e for e, g in zip(eids, on_gpu, strict=True) if not g]
-        in_arena = [self.ledger.index.offset[e] for e in arena_eids]
+        index = self.ledger.index
+        if gpu:
+            on_gpu = [bool(tiers[e] & IN_GPU) for e in eids]
+            arena_eids = [e for e, g in zip(eids, on_gpu, strict=True) if not g]
+        else:
+            on_gpu, arena_eids = [False] * len(eids), eids
+        in_arena = list(map(index.offset.__getitem__, arena_eids))
         slabs = self.ledger.quotas.slabs_of(in_arena)
         try:
             # One tenant may pin only its share: the rest of the tier stays evictable.
@@ -225,23 +229,26 @@ class ReadOps(StoreParts):
         )
         self.mover.note_read(eids)
         # Committed only: an entry deleted during an await above is an orphan, out of policies.
+        state = index.state
         self.ledger.policy.touch(
-            [e for e in eids if tiers[e] & IN_CPU and self.ledger.index.state[e] == State.COMMITTED]
+            [e for e in eids if tiers[e] & IN_CPU and state[e] == State.COMMITTED]
         )
         self.device.note_read(eids)
         lease_id = handle.new_id(handle.leases)
         handle.leases[lease_id] = Lease(
             eids, list(keys[: len(eids)]), self._clock() + self.config.lease_ttl_s, pin
         )
-        pool = self.ledger.gpu_slots
-        offsets = [
-            pool.offset[e] if g else self.ledger.index.offset[e]
-            for e, g in zip(eids, on_gpu, strict=True)
-        ]
-        checksums = [
-            pool.dsum[e] if g else self.ledger.index.checksum[e]
-            for e, g in zip(eids, on_gpu, strict=True)
-        ]
+        if arena_eids is eids:  # every block from the arena
+            offsets = in_arena
+            checksums = list(map(index.checksum.__getitem__, eids))
+        else:
+            pool = self.ledger.gpu_slots
+            offsets = [
+                pool.offset[e] if g else index.offset[e] for e, g in zip(eids, on_gpu, strict=True)
+            ]
+            checksums = [
+                pool.dsum[e] if g else index.checksum[e] for e, g in zip(eids, on_gpu, strict=True)
+            ]
         result = AcquireResult(lease_id, offsets, checksums, on_gpu, pending)
         if record.cpu_codec:  # every block is an arena payload (such a namespace has no pool)
             result.codecs = [record.cpu_codec] * len(eids)
@@ -252,8 +259,7 @@ class ReadOps(StoreParts):
         lease = handle.leases.pop(lease_id, None)
         if lease is None:
             raise LeaseExpiredError(f"lease {lease_id} is unknown to this handle or expired")
-        for eid in lease.eids:
-            self.ledger.drop_lease(eid)
+        self.ledger.drop_leases(lease.eids)
         self.ledger.release_pin(lease.pin)
 
     def read_leased(self, handle: Handle, lease_id: int, i: int) -> tuple[bytes, bytes, int, int]:
