@@ -18,45 +18,17 @@ Keys are indexed per namespace: the same 32 bytes in two namespaces are two entr
 seeded by the namespace, so honest clients never collide; a hostile one that computes another
 namespace's keys (its identity is no secret) can then neither shadow nor pre-empt them.
 
-The C heap: each time the key dicts and field arrays outgrow their memory they are copied to a
-larger block and the old one is freed, and glibc keeps the pages of such freed blocks resident
-when they lie inside its heap (about 40 bytes a block at a million blocks, more than the CPU
-tier's slot owners and the LRU's arrays together). So each time the index's capacity has grown
-by a quarter (from 65,536 entries on), it hands those pages back (``malloc_trim``): ~2 ms at a
-million entries, a few dozen times on the way to ten million.
-
 Owned by the daemon's event loop; not thread-safe.
 """
 
 from __future__ import annotations
 
-import ctypes
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from enum import IntEnum
 from types import MappingProxyType
 
 _NO_IDS: Mapping[bytes, int] = MappingProxyType({})
-
-TRIM_FROM = 1 << 16
-"""Capacity (entries) at which the index first gives the C heap's free pages back."""
-TRIM_GROWTH = 1.0625
-"""... and then each time its capacity has grown by this factor."""
-
-
-def _heap_trimmer() -> Callable[[], object]:
-    """glibc's ``malloc_trim(0)``, which returns the pages of free memory anywhere in the C
-    heap to the OS (not only at its top); a no-op on a C library without it."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return lambda: None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return lambda: trim(0)
-
-
-trim_heap = _heap_trimmer()
 
 
 class State(IntEnum):
@@ -88,7 +60,6 @@ class BlockIndex:
         self._count = 0
         self._keys: list[bytes | None] = []
         self._free_ids: list[int] = []
-        self._trim_at = TRIM_FROM  # capacity at which the heap is trimmed next
         self.state = bytearray()
         self.tier = bytearray()
         self.priority = bytearray()
@@ -164,8 +135,6 @@ class BlockIndex:
             self.offset.append(offset)
             self.disk.append(disk)
             self.checksum.append(0)
-            if eid >= self._trim_at:
-                self._grown()
         keys[key] = eid
         self._count += 1
         return eid
@@ -210,15 +179,7 @@ class BlockIndex:
             ids[key] = eid
             eids.append(eid)
         self._count += len(eids)
-        if len(all_keys) > self._trim_at:
-            self._grown()
         return eids
-
-    def _grown(self) -> None:
-        """The capacity passed ``_trim_at``: give back the pages of the copies its growth freed
-        (see the module docstring)."""
-        self._trim_at = int(len(self._keys) * TRIM_GROWTH)
-        trim_heap()
 
     def commit(self, eid: int, checksum: int) -> None:
         if self.state[eid] != State.RESERVED:
