@@ -3,8 +3,10 @@
 Each test gets its own ``redis-server`` on a unix socket (``--port 0 --save '' --appendonly
 no``) in a short private temp dir (unix socket paths are limited to 107 bytes, which pytest's
 tmp_path can exceed), killed and removed at the end. The cluster test starts three nodes on
-free TCP ports of 127.0.0.1 once per module. Everything is skipped with a message if
-``redis-server`` is not installed.
+free TCP ports of 127.0.0.1 once per module and forms the cluster with redis-py (no
+``redis-cli`` needed). The server is ``redis-server`` on PATH, else the dev extra's
+valkey-server (``tests/redis_binary.py``); everything is skipped with a message only when
+neither is installed.
 
 Most behaviour is checked with both drivers: the tier's own RESP client ("resp", the default
 for unix:// and redis://) and redis-py ("redis-py", used for TLS and Cluster).
