@@ -6,8 +6,8 @@ hand-written ``RpcMetrics.observe``; the library's ``labels(m).observe`` and a b
 ``observe``) and one scrape (``render_metrics`` of the RPC figures and every family header; the
 library's ``generate_latest`` of the RPC histogram alone). Medians of 5 runs of the best of 3.
 
-``prometheus_client`` is not a dependency: install it into the venv to run this
-(``pip install prometheus_client``); without it the script says so and exits 77 (skipped).
+``prometheus_client`` is not a dependency of kvstore, only of its dev extra (as the peer
+measured here); without it the script says so and exits 77 (skipped).
 
 ``--smoke``: 200 observations a run; checks the script runs (the test suite runs it so).
 """
