@@ -160,8 +160,8 @@ class BlockIndex:
         """RESERVED entries at ``offsets`` with no key yet (a spare slot's, which ``key_many``
         keys when a Bind names its key): their entry ids, in order. They are in no key map and
         not counted by ``len``. Keying them later only inserts into the namespace's key map;
-        re-keying a placeholder (``rekey_many``) leaves a deleted slot behind in it each time,
-        so the map outgrows its keys: ~84 bytes a key against ~42 at a million keys."""
+        re-keying a placeholder key instead would leave a deleted slot behind in it each time,
+        so the map would outgrow its keys: ~84 bytes a key against ~42 at a million keys."""
         return self._new_entries([None] * len(offsets), ns, tier, offsets, priority)
 
     def _new_entries(
@@ -207,19 +207,6 @@ class BlockIndex:
             raise AssertionError(f"commit of entry {eid} in state {State(self.state[eid]).name}")
         self.state[eid] = State.COMMITTED
         self.checksum[eid] = checksum
-
-    def rekey_many(self, eids: list[int], keys: Sequence[bytes]) -> None:
-        """Give each RESERVED entry ``eids[j]`` the key ``keys[j]`` of its namespace, one no
-        entry has (a spare slot's placeholder entry becomes the entry of the key a Bind gives
-        it)."""
-        ids_of, own, ns = self._ids, self._keys, self.ns
-        for eid, key in zip(eids, keys, strict=True):
-            ids = ids_of[ns[eid]]
-            if key in ids:  # (its state the caller's commit checks, as for any reservation)
-                raise AssertionError(f"rekey of entry {eid} to the key of entry {ids[key]}")
-            del ids[own[eid]]  # type: ignore[arg-type]  # RESERVED: keyed
-            ids[key] = eid
-            own[eid] = key
 
     def key_many(self, eids: list[int], keys: Sequence[bytes]) -> None:
         """Give each unkeyed RESERVED entry ``eids[j]`` (``add_unkeyed_many``) the key

@@ -113,7 +113,7 @@ LEDGER = "kvstore.daemon.ledger"
 STATE_FIELDS = {"index", "payload_sums", "quarantine"}
 MUTATORS = {
     "index": {"add", "add_many", "commit", "drop", "add_lease", "drop_lease", "orphan",
-              "rekey_many"},
+              "add_unkeyed_many", "key_many"},
     "policy": {"insert", "insert_touched", "remove"},
     "nvme_policy": {"insert", "insert_touched", "remove"},
     "gpu_policy": {"insert", "insert_touched", "remove"},

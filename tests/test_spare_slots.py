@@ -9,6 +9,7 @@ written; a refused or reclaimed slot only sends the put the two-call way, never 
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 
@@ -505,3 +506,30 @@ def test_a_reserve_whose_handle_closes_while_it_waits_for_room_is_refused_cleanl
             s.close()
 
     asyncio.run(run())
+
+
+def test_puts_through_spare_slots_leave_the_key_map_no_bigger_than_direct_puts() -> None:
+    """Memory finding: spare entries were keyed by placeholders and re-keyed by their Bind,
+    which left a deleted slot in the namespace's key map per block, so the map (the daemon's
+    largest per-block structure) grew to about twice the size of one holding the same keys.
+    Spare entries now get their key once, at their Bind."""
+    s = store()
+    try:
+        h = s.open_namespace(NS)
+        keys = block_hashes(NS.seed, list(range(16 * 1000)))
+        data = bytes(SMALL_LAYOUT.block_bytes)
+        for i in range(0, 1000, 8):
+            part = keys[i : i + 8]
+            held = spare_of(s, h, len(part))
+            sums = [block_checksum(data, NS.fingerprint, k) for k in part]
+
+            async def bind(part=part, held=held, sums=sums):
+                return await s.bind(h, part, held, sums)
+
+            assert asyncio.run(bind()).committed == len(part)
+        ids = s.ledger.index.ids_of(h.ns_id)
+        assert len(ids) == 1000
+        assert sys.getsizeof(ids) == sys.getsizeof(dict(zip(keys, range(1000), strict=True)))
+        s.check()
+    finally:
+        s.close()

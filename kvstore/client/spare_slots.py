@@ -7,9 +7,9 @@ copy. A client that keeps putting asks, in each commit, for the slots its next p
 gives each slot its key and commits it, and asks for the next ones again.
 
 Why this is safe:
-- the daemon holds spare slots as reservations of this handle, under placeholder keys nobody
-  can name: no reader can see them, and a Bind naming a slot that is not this handle's spare
-  slot is refused with nothing stored;
+- the daemon holds spare slots as reservations of this handle, of entries with no key until
+  a Bind gives them theirs: no reader can see them, and a Bind naming a slot that is not this
+  handle's spare slot is refused with nothing stored;
 - the daemon reclaims unbound ones soon (``BlockStore.spare_ttl_s``) and tells how long the
   client may still write into them (``spare_fresh_s``, half that, counted from when the
   request was sent); a slot past it is dropped here unwritten. Slots reclaimed, and those of a

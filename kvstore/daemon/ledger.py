@@ -129,8 +129,9 @@ class Ledger:
         self.index.add_lease(eid)
 
     def key_spare_entries(self, eids: list[int], keys: Sequence[bytes], priority: int) -> None:
-        """Spare slots' RESERVED entries (keyed by placeholders) take the keys a Bind names."""
-        self.index.rekey_many(eids, keys)
+        """Spare slots' RESERVED entries (unkeyed: ``add_unkeyed_cpu_entries``) take the keys
+        a Bind names."""
+        self.index.key_many(eids, keys)
         prio = self.index.priority
         for eid in eids:
             prio[eid] = priority
@@ -422,6 +423,21 @@ class Ledger:
         """``add_entry`` of each ``keys[j]`` in CPU slot ``slots[j]``, as one batch."""
         record = self.names[ns_id]
         eids = self.index.add_many(keys, ns_id, IN_CPU, slots, priority)
+        self.cpu_slots.place_dirty(eids, slots)
+        n = len(eids)
+        self.quotas.charge_cpu(record, n * record.cpu_bytes)
+        if record.cpu_codec:
+            self.cpu_slots.payload_savings += n * (record.block_bytes - record.cpu_bytes)
+        record.entries += n
+        self._reserved_blocks += n
+        return eids
+
+    def add_unkeyed_cpu_entries(self, ns_id: int, slots: list[int], priority: int) -> list[int]:
+        """``add_cpu_entries`` of entries with no key yet: spare slots, which a Bind keys
+        (``key_spare_entries``). Keyed only then, they cost the key map nothing meanwhile (a
+        placeholder key re-keyed would leave a deleted slot behind in it each time)."""
+        record = self.names[ns_id]
+        eids = self.index.add_unkeyed_many(ns_id, IN_CPU, slots, priority)
         self.cpu_slots.place_dirty(eids, slots)
         n = len(eids)
         self.quotas.charge_cpu(record, n * record.cpu_bytes)

@@ -96,8 +96,8 @@ class Reservation:
     # Its expiry was brought forward to make room for another handle (``pin_grace_s``): its
     # slots are quarantined for that long, not ``reservation_ttl_s``, once it expires.
     shortened: bool = False
-    # Spare slots reserved ahead of a put (``BlockStore.grant_spare``): its entries are keyed
-    # by placeholders until a Bind gives each its key and commits it. Always ``shortened``.
+    # Spare slots reserved ahead of a put (``BlockStore.grant_spare``): its entries have no
+    # key until a Bind gives each its key and commits it. Always ``shortened``.
     spare: bool = False
     addresses: list[int] = field(default_factory=list)  # a spare one's, in ``eids`` order
 

@@ -115,9 +115,9 @@ class BlockStore(ReadOps, SpareOps):
         self.config = config
         self.limits = config.limits
         self._clock = clock
-        # Spare slots are RESERVED entries keyed by placeholders until a Bind keys them: a
-        # secret prefix (no client can name one, so none can wait on or collide with it) and
-        # a count.
+        # Spare slots are RESERVED entries with no key until a Bind keys them; the reserve
+        # that makes them is given stand-in keys: a secret prefix (no client can name one, so
+        # none can wait on or collide with it) and a count.
         self._spare_prefix = secrets.token_bytes(KEY_BYTES - 8)
         self._spare_count = itertools.count()
         self._spare_tasks: set[asyncio.Task[None]] = set()  # grant_spare_soon's

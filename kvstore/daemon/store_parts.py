@@ -77,9 +77,10 @@ class StoreParts:
     mover: Mover
     shared: SharedTier
     device: DeviceTier
-    # Spare slots (``SpareOps``): RESERVED entries keyed by placeholders until a Bind keys
-    # them, under a secret prefix and a count; the bytes all handles hold, of those expired
-    # and still quarantined (a heap of (until, bytes)) and of grants under way.
+    # Spare slots (``SpareOps``): RESERVED entries with no key until a Bind keys them
+    # (reserved under stand-in keys: a secret prefix and a count); the bytes all handles
+    # hold, of those expired and still quarantined (a heap of (until, bytes)) and of grants
+    # under way.
     _spare_prefix: bytes
     _spare_count: itertools.count[int]
     _spare_tasks: set[asyncio.Task[None]]

@@ -1,6 +1,6 @@
 """Spare slots: a put in one call. A client in a run of puts holds arena slots reserved ahead
-for it (RESERVED entries keyed by secret placeholders); its put copies into them and ``bind``
-keys and commits them in one call. Bounded per handle and for the whole tier, quarantined
+for it (RESERVED entries with no key, invisible to every lookup); its put copies into them and
+``bind`` keys and commits them in one call. Bounded per handle and for the whole tier, quarantined
 when they expire (a late copy lands in no other block)."""
 
 from __future__ import annotations

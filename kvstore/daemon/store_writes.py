@@ -47,7 +47,7 @@ class WriteOps(StoreParts):
                 f"this handle holds {len(handle.reservations)} reservations "
                 "(limits.max_reservations_per_handle): commit or abort some first"
             )
-        if not spare:  # spare slots' keys are placeholders: their Bind spends the keys
+        if not spare:  # spare slots' keys are stand-ins: their Bind spends the keys
             self.ledger.quotas.take_keys(record, len(keys), handle.payer)
         self.ledger.quotas.check_pin(record, "reservations", 0)
         if not record.entries and record.namespace is not None:
@@ -108,7 +108,7 @@ class WriteOps(StoreParts):
             for offset in slots:
                 self.ledger.cpu_unalloc(offset, bb)
             raise
-        rid = self._add_reservation(handle, keys, todo, slots, priority, offsets)
+        rid = self._add_reservation(handle, keys, todo, slots, priority, offsets, spare=spare)
         if spare:
             reservation = handle.reservations[rid]
             reservation.spare = True
@@ -129,9 +129,11 @@ class WriteOps(StoreParts):
         priority: int,
         offsets: list[int],
         gpu: bool = False,
+        spare: bool = False,
     ) -> int:
         """RESERVED entries for ``keys[todo[j]]`` in ``slots[j]`` (arena or, ``gpu``, pool
-        slots), noted in ``offsets``; returns the new reservation's id. No await."""
+        slots), noted in ``offsets``; returns the new reservation's id. ``spare``: the keys
+        are stand-ins and the entries get none until a Bind names theirs. No await."""
         ns_id = handle.ns_id
         if gpu:
             eids = []
@@ -140,8 +142,12 @@ class WriteOps(StoreParts):
                 self.ledger.place_in_gpu(eid, offset)
                 eids.append(eid)
         else:
-            eids = self.ledger.add_cpu_entries(
-                [keys[i] for i in todo], ns_id, slots[: len(todo)], priority
+            eids = (
+                self.ledger.add_unkeyed_cpu_entries(ns_id, slots[: len(todo)], priority)
+                if spare
+                else self.ledger.add_cpu_entries(
+                    [keys[i] for i in todo], ns_id, slots[: len(todo)], priority
+                )
             )
         for i, offset in zip(todo, slots, strict=False):
             offsets[i] = offset
