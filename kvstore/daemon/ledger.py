@@ -421,23 +421,23 @@ class Ledger:
         self, keys: list[bytes], ns_id: int, slots: list[int], priority: int
     ) -> list[int]:
         """``add_entry`` of each ``keys[j]`` in CPU slot ``slots[j]``, as one batch."""
-        record = self.names[ns_id]
         eids = self.index.add_many(keys, ns_id, IN_CPU, slots, priority)
-        self.cpu_slots.place_dirty(eids, slots)
-        n = len(eids)
-        self.quotas.charge_cpu(record, n * record.cpu_bytes)
-        if record.cpu_codec:
-            self.cpu_slots.payload_savings += n * (record.block_bytes - record.cpu_bytes)
-        record.entries += n
-        self._reserved_blocks += n
+        self._count_reserved_in_cpu(self.names[ns_id], eids, slots)
         return eids
 
     def add_unkeyed_cpu_entries(self, ns_id: int, slots: list[int], priority: int) -> list[int]:
         """``add_cpu_entries`` of entries with no key yet: spare slots, which a Bind keys
         (``key_spare_entries``). Keyed only then, they cost the key map nothing meanwhile (a
         placeholder key re-keyed would leave a deleted slot behind in it each time)."""
-        record = self.names[ns_id]
         eids = self.index.add_unkeyed_many(ns_id, IN_CPU, slots, priority)
+        self._count_reserved_in_cpu(self.names[ns_id], eids, slots)
+        return eids
+
+    def _count_reserved_in_cpu(
+        self, record: NamespaceRecord, eids: list[int], slots: list[int]
+    ) -> None:
+        """New RESERVED entries ``eids`` of ``record``'s namespace hold CPU ``slots``: their
+        owners, quota charges, payload savings and counts."""
         self.cpu_slots.place_dirty(eids, slots)
         n = len(eids)
         self.quotas.charge_cpu(record, n * record.cpu_bytes)
@@ -445,7 +445,6 @@ class Ledger:
             self.cpu_slots.payload_savings += n * (record.block_bytes - record.cpu_bytes)
         record.entries += n
         self._reserved_blocks += n
-        return eids
 
     def commit_entry(self, eid: int, checksum: int) -> None:
         """RESERVED -> COMMITTED: the one place an entry becomes visible."""
