@@ -27,6 +27,7 @@ from test_store import NS, make_store, put
 
 from kvstore import AsyncKVStoreClient, KVStoreClient, Namespace, block_hashes
 from kvstore.client import presence_link
+from kvstore.errors import CapacityError
 from kvstore.presence import (
     MAX_SPARSENESS,
     MIN_CAPACITY,
@@ -694,13 +695,20 @@ def test_the_tables_places_are_where_the_daemon_keeps_each_block(ops) -> None:
             for op, start, n in ops:
                 ks = all_keys[start : start + n]
                 if op == "put":
-                    await put(store, handle, ks, fill=start + 1)
+                    try:
+                        await put(store, handle, ks, fill=start + 1)
+                    except CapacityError as exc:  # the tier is all leased: refused, none kept
+                        assert "max_pinned" in str(exc) or "leased" in str(exc), exc
                 elif op == "delete":
                     store.delete(handle, ks)
                 elif op == "lease":
-                    result = await store.acquire(handle, ks)
-                    if result.lease_id:
-                        leases.append(result.lease_id)
+                    try:
+                        result = await store.acquire(handle, ks)
+                    except CapacityError as exc:  # past the tenant's pinned share: refused
+                        assert "max_pinned" in str(exc), exc
+                    else:
+                        if result.lease_id:
+                            leases.append(result.lease_id)
                 elif leases:
                     store.release(handle, leases.pop(0))
                 store.check()
