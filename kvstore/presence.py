@@ -102,9 +102,14 @@ def table_bytes(capacity: int) -> int:
     return HEADER_BYTES + ARRAYS * (capacity + WINDOW) * 8
 
 
-def _capacity_for(entries: int) -> int:
+def _capacity_for(entries: int, load: float = MAX_LOAD / 2) -> int:
+    """The smallest capacity that holds ``entries`` at most ``load`` full. A table rebuilt
+    (grown, or cleared of removed slots) is at most a quarter full, so the next rebuild is as
+    many adds or removes away as it holds; one built whole from a namespace's keys may be half
+    full: it is rebuilt at its first add past that, and costs half the memory until then (at a
+    million keys, 50 bytes a key instead of 101)."""
     capacity = MIN_CAPACITY
-    while entries > capacity * MAX_LOAD / 2:  # built at most a quarter full
+    while entries > capacity * load:
         capacity *= 2
     return capacity
 
@@ -129,7 +134,7 @@ class PresenceTable:
     def _build(
         self, fps: np.ndarray, places: np.ndarray | None = None, sums: np.ndarray | None = None
     ) -> None:
-        self._open(_capacity_for(len(fps)))
+        self._open(_capacity_for(len(fps), MAX_LOAD))
         self._fill(fps, places, sums)
 
     def _open(self, capacity: int) -> None:
