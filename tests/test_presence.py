@@ -943,3 +943,25 @@ def test_keys_sharing_a_fingerprint_merged_by_a_rebuild_set_overflow() -> None:
     assert not PresenceTable([os.urandom(32), a]).overflow
     table = PresenceTable([a, b])
     assert table.overflow
+
+
+def test_a_table_built_whole_is_at_most_half_full_and_finds_every_key() -> None:
+    """Memory finding: a table built from a namespace's keys was sized a quarter full, twice
+    what the same keys take in a table grown to them (101 bytes a key at a million keys)."""
+    keys = block_hashes(NS.seed, list(range(16 * 1500)))
+    table = PresenceTable(keys)
+    try:
+        assert table.capacity == 4096  # 1,500 keys: half full at most, not a quarter
+        assert not table.overflow and table.count == 1500
+        view = view_of(table)
+        assert view.leading(b"".join(keys)) == 1500
+        view.close()
+        more = block_hashes(NS.seed, list(range(16 * 1500, 16 * 2100)))
+        grown = table.add_many(more)  # past half full: rebuilt, at most a quarter full
+        assert grown is not table and grown.count == 2100 and grown.capacity >= 4 * 2100
+        table = grown
+        view = view_of(table)
+        assert view.leading(b"".join(keys + more)) == 2100
+        view.close()
+    finally:
+        table.retire()
