@@ -946,8 +946,9 @@ def test_keys_sharing_a_fingerprint_merged_by_a_rebuild_set_overflow() -> None:
 
 
 def test_a_table_built_whole_is_at_most_half_full_and_finds_every_key() -> None:
-    """Memory finding: a table built from a namespace's keys was sized a quarter full, twice
-    what the same keys take in a table grown to them (101 bytes a key at a million keys)."""
+    """Memory finding: tables were built and rebuilt a quarter full, so a table built from a
+    namespace's keys, or grown past half full, took four times its keys' slots, not two (at
+    a million keys 101 bytes a key instead of 50)."""
     keys = block_hashes(NS.seed, list(range(16 * 1500)))
     table = PresenceTable(keys)
     try:
@@ -957,8 +958,8 @@ def test_a_table_built_whole_is_at_most_half_full_and_finds_every_key() -> None:
         assert view.leading(b"".join(keys)) == 1500
         view.close()
         more = block_hashes(NS.seed, list(range(16 * 1500, 16 * 2100)))
-        grown = table.add_many(more)  # past half full: rebuilt, at most a quarter full
-        assert grown is not table and grown.count == 2100 and grown.capacity >= 4 * 2100
+        grown = table.add_many(more)  # past half full: rebuilt twice as big, not four times
+        assert grown is not table and grown.count == 2100 and grown.capacity == 8192
         table = grown
         view = view_of(table)
         assert view.leading(b"".join(keys + more)) == 2100
