@@ -755,3 +755,65 @@ async def test_the_pool_takes_a_second_block_size_after_the_first_filled_it() ->
         s.check()
     finally:
         await s.stop()
+
+
+async def test_a_block_deleted_while_its_copy_down_waits_for_room_leaks_no_cpu_slot() -> None:
+    """Review finding: the copy down took its CPU slots, then (deleted meanwhile, the entry an
+    orphan with no key) failed on the key its checksum is bound to, and the slots never went
+    back: an internal error for the reader and CPU bytes lost for good."""
+    s = make_store(gpu_blocks=4, cpu_blocks=16)
+    await s.start()
+    try:
+        ns = s.open_namespace(NS)
+        ks = keys(1)
+        assert await put_gpu(s, ns, ks, [1]) == 1
+        await settle(s)
+        eid = s.index.get(ns.ns_id, ks[0])
+        assert eid is not None
+        used_before = s.ledger.cpu_slots.used_bytes
+        room = s.device.cpu_room
+
+        async def room_then_delete(*args, **kwargs):  # another call runs while room is made
+            slots = await room(*args, **kwargs)
+            s.delete(ns, ks)
+            return slots
+
+        s.device.cpu_room = room_then_delete
+        assert await s.device.move_down([eid]) == 0
+        s.device.cpu_room = room
+        await settle(s)
+        assert s.ledger.cpu_slots.used_bytes == used_before
+        assert s.index.get(ns.ns_id, ks[0]) is None
+        s.check()
+    finally:
+        await s.stop()
+
+
+async def test_a_block_deleted_while_its_promotion_waits_for_room_leaks_no_pool_slot() -> None:
+    """Review finding, the same going up: the pool slots made for a block deleted meanwhile
+    were never given back."""
+    s = make_store(gpu_blocks=4, cpu_blocks=16)
+    await s.start()
+    try:
+        ns = s.open_namespace(NS)
+        ks = keys(1)
+        rid, offsets, _ = await s.reserve(ns, ks)
+        s.arena.view[offsets[0] : offsets[0] + BB] = block(7).tobytes()
+        s.commit(ns, rid, [xxh(block(7), ks[0])])
+        eid = s.index.get(ns.ns_id, ks[0])
+        assert eid is not None
+        alloc = s.device.alloc
+
+        async def alloc_then_delete(*args, **kwargs):
+            slots = await alloc(*args, **kwargs)
+            s.delete(ns, ks)
+            return slots
+
+        s.device.alloc = alloc_then_delete  # type: ignore[method-assign]
+        assert await s.device.move_up([eid]) == []
+        s.device.alloc = alloc  # type: ignore[method-assign]
+        await settle(s)
+        assert s.ledger.gpu_slots.used_bytes == 0
+        s.check()
+    finally:
+        await s.stop()

@@ -379,10 +379,15 @@ class DeviceTier:
                     )
                 except CapacityError:
                     slots = []
-                group = group[: len(slots)]
+                group, slots = self._still_wanted(
+                    group,
+                    slots,
+                    lambda e: not index.tier[e] & IN_CPU and e in self.books.dsum,
+                    lambda c: ledger.cpu_unalloc(c, bb),
+                )
                 moves = [
                     (self.books.offset[e], c, self.books.dsum[e], self._seed(e))
-                    for e, c in zip(group, slots, strict=False)
+                    for e, c in zip(group, slots, strict=True)
                 ]
                 try:
                     sums = await asyncio.to_thread(self._copy_down, bb, moves) if moves else []
@@ -404,8 +409,6 @@ class DeviceTier:
                         self.counters.demotions += 1
                         results[e] = True
                         landed.append(e)
-                for c in slots[len(group) :]:
-                    ledger.cpu_unalloc(c, bb)
                 if landed:
                     # New in the CPU tier: the tiers below take it from here (write-through).
                     self.host.note_committed(landed)
@@ -560,10 +563,15 @@ class DeviceTier:
     async def _up_group(self, bb: int, group: list[int], results: dict[int, bool]) -> None:
         ledger, index = self.ledger, self.ledger.index
         slots = await self.alloc(bb, len(group), partial=True)
-        group = group[: len(slots)]
+        group, slots = self._still_wanted(
+            group,
+            slots,
+            lambda e: bool(index.tier[e] & IN_CPU) and not index.tier[e] & IN_GPU,
+            lambda g: ledger.gpu_unalloc(g, bb),
+        )
         moves = [
             (index.offset[e], g, index.checksum[e], self._seed(e))
-            for e, g in zip(group, slots, strict=False)
+            for e, g in zip(group, slots, strict=True)
         ]
         try:
             sums = await asyncio.to_thread(self._copy_up, bb, moves) if moves else []
@@ -583,8 +591,29 @@ class DeviceTier:
                 ledger.complete_gpu_copy(e, dsum)
                 self.counters.promotions += 1
                 results[e] = True
-        for g in slots[len(group) :]:
-            ledger.gpu_unalloc(g, bb)
+
+    def _still_wanted(
+        self,
+        group: list[int],
+        slots: list[int],
+        wanted: Callable[[int], bool],
+        give_back: Callable[[int], None],
+    ) -> tuple[list[int], list[int]]:
+        """The entries of ``group`` still committed and ``wanted`` after the await that made
+        ``slots`` for them (one each, in order; fewer when room was short), with their slots;
+        the other slots go back. An entry deleted during that await is an orphan: it has no
+        key to check a copy against, and its slot would leak."""
+        index = self.ledger.index
+        kept: list[int] = []
+        kept_slots: list[int] = []
+        for i, slot in enumerate(slots):
+            e = group[i] if i < len(group) else -1
+            if e >= 0 and index.state[e] == State.COMMITTED and wanted(e):
+                kept.append(e)
+                kept_slots.append(slot)
+            else:
+                give_back(slot)
+        return kept, kept_slots
 
     # ----------------------------------------------------------------- holds, drop
     def holds(self, eid: int) -> bool:
