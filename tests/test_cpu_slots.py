@@ -239,3 +239,19 @@ def test_random_slot_traffic_keeps_owners_equal_to_a_dict(ops: list[tuple[str, i
         assert slots.allocator.unassigned_slabs == slots.allocator.num_slabs
     finally:
         slots.close()
+
+
+def test_place_dirty_places_nothing_when_a_later_slot_is_in_no_class() -> None:
+    """Review finding: a batch whose later slot lies in a slab no class holds raised before
+    the undo, leaving the earlier slots owned and ``owned()`` short of them."""
+    s = CpuSlots(CONFIG)
+    try:
+        a = alloc(s, 4096)
+        last_slab = HEADER_BYTES + (s.allocator.num_slabs - 1) * s.allocator.slab_bytes
+        with pytest.raises(AssertionError, match="size class"):
+            s.place_dirty([1, 2], [a, last_slab])
+        assert s.owner(a) is None and s.owned() == 0
+        s.place_dirty([1], [a])  # the slot is still free to place
+        assert s.owner(a) == 1 and s.owned() == 1
+    finally:
+        s.close()

@@ -136,13 +136,15 @@ class CpuSlots:
         last, owners, slot, base = -1, _NO_OWNERS, SLOT_ALIGN, 0
         for i, (eid, offset) in enumerate(zip(eids, offsets, strict=True)):
             if last < 0 or not base <= offset < base + slab_bytes:  # another slab
-                last = self._slab(offset)
+                try:
+                    last = self._slab(offset)
+                except AssertionError:
+                    self._unplace(offsets[:i])
+                    raise
                 owners, slot, base = slabs[last]
             j, rest = divmod(offset - base, slot)
             if rest or j >= len(owners) or owners[j] >= 0:
-                for placed in offsets[:i]:  # all of them were free: free again
-                    self._take(placed)
-                self._owned += i
+                self._unplace(offsets[:i])
                 if rest or j >= len(owners):
                     raise AssertionError(
                         f"offset {offset} is not a slot of its slab ({slot}-byte slots)"
@@ -153,6 +155,12 @@ class CpuSlots:
             owners[j] = eid
             held[last] += 1
         self._owned += len(eids)
+
+    def _unplace(self, placed: list[int]) -> None:
+        """Undo a ``place_dirty`` that placed ``placed`` (all free before it) and then failed."""
+        for offset in placed:
+            self._take(offset)
+        self._owned += len(placed)
 
     def _take(self, offset: int) -> None:
         """The entry in slot ``offset`` leaves it; KeyError if none is there."""

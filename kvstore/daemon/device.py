@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -383,7 +384,7 @@ class DeviceTier:
                     group,
                     slots,
                     lambda e: not index.tier[e] & IN_CPU and e in self.books.dsum,
-                    lambda c: ledger.cpu_unalloc(c, bb),
+                    functools.partial(ledger.cpu_unalloc, block_bytes=bb),
                 )
                 moves = [
                     (self.books.offset[e], c, self.books.dsum[e], self._seed(e))
