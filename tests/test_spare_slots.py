@@ -21,7 +21,14 @@ from kvstore import AsyncKVStoreClient, KVStoreClient, Namespace, block_hashes
 from kvstore.checksum import block_checksum
 from kvstore.client._common import translate_error
 from kvstore.client.spare_slots import SpareSlots
-from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig, Quota, TenantQuota
+from kvstore.config import (
+    CpuTierConfig,
+    DaemonConfig,
+    GpuTierConfig,
+    NvmeTierConfig,
+    Quota,
+    TenantQuota,
+)
 from kvstore.daemon.store import BlockStore
 from kvstore.errors import (
     CapacityError,
@@ -533,3 +540,32 @@ def test_puts_through_spare_slots_leave_the_key_map_no_bigger_than_direct_puts()
         s.check()
     finally:
         s.close()
+
+
+def test_a_durable_commit_naming_a_spare_reservation_is_refused_cleanly(tmp_path) -> None:
+    """Review finding: with durable puts, a commit naming a spare reservation's id (never
+    handed out, but a peer may send any id) read the keys of its entries, which have none
+    until their Bind: an internal error instead of the refusal every other commit gets."""
+    config = DaemonConfig(
+        gpu=GpuTierConfig(enabled="off"),
+        cpu=CpuTierConfig(capacity_bytes=64 * SMALL_LAYOUT.block_bytes, prefault=False),
+        nvme=NvmeTierConfig(
+            path=str(tmp_path), capacity_bytes=64 * SMALL_LAYOUT.block_bytes, durable_puts=True
+        ),
+    )
+    s = BlockStore(config)
+
+    async def run() -> None:
+        await s.start()
+        try:
+            h = s.open_namespace(NS)
+            rid = await s.grant_spare(h, 4)
+            assert rid and h.reservations[rid].spare
+            with pytest.raises(LeaseExpiredError, match="unknown to this handle"):
+                await s.commit_durably(h, rid, [0] * 4)
+            assert h.reservations[rid].spare  # still the handle's, untouched
+            s.check()
+        finally:
+            await s.stop()
+
+    asyncio.run(run())

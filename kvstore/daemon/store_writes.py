@@ -283,6 +283,8 @@ class WriteOps(StoreParts):
         blocks are then readable but not durable, and the caller may retry the put)."""
         durable = self.config.nvme.durable_puts and self.ledger.nvme is not None
         reservation = handle.reservations.get(reservation_id) if durable else None
+        if reservation is not None and reservation.spare:  # its entries have no key yet:
+            reservation = None  # ``commit`` refuses the id, as it never was handed out
         eids = list(reservation.eids) if reservation is not None else []
         keys = [self.ledger.index.key(e) for e in eids]
         committed = self.commit(
