@@ -158,7 +158,7 @@ async def test_gpu_tier_moves_up_and_down_with_exact_bytes(started: BlockStore) 
     store.cpu_room.drop([eids[2]])  # its CPU copy goes: the GPU holds the only one
     assert store.ledger.index.tier[eids[2]] & (IN_CPU | IN_GPU) == IN_GPU
     assert gpu.drop([eids[2]]) == 0  # the only copy is never dropped
-    assert await gpu.move_down([eids[2]]) == 1
+    assert await gpu.move_down([eids[2], eids[2]]) == 1
     assert cpu_bytes(store, eids[2]) == block(3)
     assert gpu.counters.demotions == 1
 
@@ -193,6 +193,9 @@ async def test_cpu_and_nvme_tiers_move_blocks_across_their_edge(started: BlockSt
     assert await cpu.move_down(eids[:2]) == 2
     assert await nvme.move_down(eids) == 4
     assert all(nvme.holds(e) for e in eids)
+    # Each block counts once, however often it is named.
+    assert await nvme.move_down([eids[0], eids[0]]) == 1
+    assert await cpu.move_down([eids[1], eids[1]]) == 1
 
     # The CPU copies go (each has its disk copy); up again, the bytes are exact.
     assert cpu.drop(eids) == 4
@@ -251,6 +254,7 @@ async def test_the_shared_tier_moves_blocks_by_key_up_and_by_entry_down(
         assert await shared.move_down(eids[:1]) == 1
         assert await store.cpu_room.move_down(eids) == 3
         assert all(shared.holds(e) for e in eids)
+        assert await shared.move_down([eids[0], eids[0]]) == 1
         assert shared.drop(eids) == 0  # every host's values: this host drops none
 
         # The blocks leave this host; up again by key, they become local entries, exact.

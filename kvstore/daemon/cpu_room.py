@@ -289,7 +289,11 @@ class CpuRoom:
             below = IN_REDIS
         else:
             return 0
-        return sum(1 for e in eids if index.state[e] == State.COMMITTED and index.tier[e] & below)
+        return sum(
+            1
+            for e in dict.fromkeys(eids)
+            if index.state[e] == State.COMMITTED and index.tier[e] & below
+        )
 
     def holds(self, eid: int) -> bool:
         return bool(self.ledger.index.tier[eid] & IN_CPU)

@@ -510,6 +510,11 @@ class DeviceTier:
         """Promote blocks into the pool (from the CPU tier, bringing disk-only ones to the CPU
         first); returns the leading run of them in the pool afterwards."""
         await self._promote(eids)
+        # Blocks another call was moving (up, or down: a copy down keeps the GPU copy) are
+        # waited for, not skipped.
+        waits = [self._moving[e] for e in eids if e in self._moving]
+        if waits:
+            await asyncio.gather(*(asyncio.shield(w) for w in waits))
         index = self.ledger.index
         for i, e in enumerate(eids):
             if index.state[e] != State.COMMITTED or not index.tier[e] & IN_GPU:

@@ -172,7 +172,11 @@ class Mover:
         for i in range(0, len(eids), window):
             await asyncio.gather(*(self.flush(e) for e in eids[i : i + window]))
         index = self.ledger.index
-        return sum(1 for e in eids if index.state[e] == State.COMMITTED and index.tier[e] & IN_NVME)
+        return sum(
+            1
+            for e in dict.fromkeys(eids)
+            if index.state[e] == State.COMMITTED and index.tier[e] & IN_NVME
+        )
 
     def holds(self, eid: int) -> bool:
         return bool(self.ledger.index.tier[eid] & IN_NVME)

@@ -234,8 +234,12 @@ class SharedTier:
         how many of ``eids`` this host has written there. The ones Redis could not take (it is
         down) are counted in ``dropped_while_down``."""
         await self._demote(eids)
-        tier = self.ledger.index.tier
-        return sum(1 for e in eids if tier[e] & IN_REDIS)
+        index = self.ledger.index
+        return sum(
+            1
+            for e in dict.fromkeys(eids)
+            if index.state[e] == State.COMMITTED and index.tier[e] & IN_REDIS
+        )
 
     async def _demote(self, eids: list[int]) -> None:
         index = self.ledger.index

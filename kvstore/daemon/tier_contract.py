@@ -23,12 +23,12 @@ The primitives, in pairs:
     ``move_up`` copies blocks one level up and returns the leading run of them now there: the
     run stops at the first block that did not land (corrupt, gone meanwhile, no room).
     ``move_down`` copies blocks one level down, keeping the copy above, and returns how many of
-    them have the copy below afterwards. Both are idempotent: a block already there counts, a
-    block on its way is waited for, never copied twice. Every copy is verified against the
-    block's checksum, bound to its key and namespace; one that fails is a miss, counted, never
-    data. Blocks are named by entry id, except going up from a tier this host does not index
-    (Redis, shared by every host): those are named by key (``KeyRun``) and become entries as
-    they land.
+    them (each block once, however often it is named) have the copy below afterwards. Both are
+    idempotent: a block already there counts, a block on its way is waited for, never copied
+    twice. Every copy is verified against the block's checksum, bound to its key and namespace;
+    one that fails is a miss, counted, never data. Blocks are named by entry id, except going up
+    from a tier this host does not index (Redis, shared by every host): those are named by key
+    (``KeyRun``) and become entries as they land.
 
 ``holds`` / ``drop``
     ``holds`` says whether the tier has a copy of an entry. ``drop`` removes the tier's copies
