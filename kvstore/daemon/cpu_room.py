@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Container, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from kvstore.daemon.room import TierSlots, make_room
+from kvstore.daemon.tier_contract import count_in, droppable, leading_in
 from kvstore.errors import CapacityError, UnknownNamespaceError
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, IN_REDIS, State
 
@@ -272,10 +273,7 @@ class CpuRoom:
         index = self.ledger.index
         if any(not index.tier[e] & IN_CPU for e in eids):
             await self.bring_up(eids)
-        for i, e in enumerate(eids):
-            if index.state[e] != State.COMMITTED or not index.tier[e] & IN_CPU:
-                return eids[:i]
-        return list(eids)
+        return leading_in(index, eids, IN_CPU)
 
     async def move_down(self, eids: list[int]) -> int:
         """Write CPU blocks to the tier below, keeping their CPU copies: to disk with an NVMe
@@ -289,11 +287,7 @@ class CpuRoom:
             below = IN_REDIS
         else:
             return 0
-        return sum(
-            1
-            for e in dict.fromkeys(eids)
-            if index.state[e] == State.COMMITTED and index.tier[e] & below
-        )
+        return count_in(index, eids, below)
 
     def holds(self, eid: int) -> bool:
         return bool(self.ledger.index.tier[eid] & IN_CPU)
@@ -301,19 +295,10 @@ class CpuRoom:
     def drop(self, eids: list[int]) -> int:
         """Drop the CPU copies of ``eids`` that have a disk or GPU copy and are neither leased
         nor being written down; returns how many went."""
-        ledger, index = self.ledger, self.ledger.index
-        dropped = 0
-        for e in dict.fromkeys(eids):
-            if (
-                index.state[e] == State.COMMITTED
-                and index.tier[e] & IN_CPU
-                and index.tier[e] & (IN_NVME | IN_GPU)
-                and not index.leases[e]
-                and e not in self.writing
-            ):
-                ledger.drop_cpu_copy(e)
-                dropped += 1
-        return dropped
+        gone = droppable(self.ledger.index, eids, IN_CPU, IN_NVME | IN_GPU, self.writing)
+        for e in gone:
+            self.ledger.drop_cpu_copy(e)
+        return len(gone)
 
     @property
     def counters(self) -> TierCounters:

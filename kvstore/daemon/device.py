@@ -40,6 +40,7 @@ from kvstore import kernels
 from kvstore.checksum import checksum_seed, seeded_checksum
 from kvstore.daemon.prefetch import Prefetcher
 from kvstore.daemon.room import TierSlots, make_room
+from kvstore.daemon.tier_contract import count_in, droppable, leading_in
 from kvstore.daemon.tierstats import TierCounters, TierSnapshot
 from kvstore.daemon.writeback import bytes_to_clean, pick_writeback
 from kvstore.errors import CapacityError
@@ -365,7 +366,7 @@ class DeviceTier:
                 await self._shielded(self._down_batch(batch, partial, results))
         if waits:
             await asyncio.gather(*(asyncio.shield(w) for w in waits))
-        return sum(1 for e in eids if index.state[e] == State.COMMITTED and index.tier[e] & IN_CPU)
+        return count_in(index, eids, IN_CPU)
 
     async def _down_batch(self, eids: list[int], partial: bool, results: dict[int, bool]) -> None:
         ledger, index = self.ledger, self.ledger.index
@@ -515,11 +516,7 @@ class DeviceTier:
         waits = [self._moving[e] for e in eids if e in self._moving]
         if waits:
             await asyncio.gather(*(asyncio.shield(w) for w in waits))
-        index = self.ledger.index
-        for i, e in enumerate(eids):
-            if index.state[e] != State.COMMITTED or not index.tier[e] & IN_GPU:
-                return eids[:i]
-        return list(eids)
+        return leading_in(self.ledger.index, eids, IN_GPU)
 
     async def _promote(self, eids: list[int]) -> bool:
         """``move_up``'s work: True when every one of ``eids`` is in the pool afterwards."""
@@ -628,19 +625,10 @@ class DeviceTier:
     def drop(self, eids: list[int]) -> int:
         """Drop the GPU copies of ``eids`` that have a copy below and are neither leased nor
         moving; returns how many went."""
-        ledger, index = self.ledger, self.ledger.index
-        dropped = 0
-        for e in dict.fromkeys(eids):
-            if (
-                index.state[e] == State.COMMITTED
-                and index.tier[e] & IN_GPU
-                and index.tier[e] & BELOW_GPU
-                and not index.leases[e]
-                and e not in self._moving
-            ):
-                ledger.drop_gpu_copy(e)
-                dropped += 1
-        return dropped
+        gone = droppable(self.ledger.index, eids, IN_GPU, BELOW_GPU, self._moving)
+        for e in gone:
+            self.ledger.drop_gpu_copy(e)
+        return len(gone)
 
     # ----------------------------------------------------------------- stats
     def snapshot(self) -> TierSnapshot | None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore.checksum import block_checksum
 from kvstore.daemon.cpu_room import CpuRoom
 from kvstore.daemon.prefetch import Prefetcher
+from kvstore.daemon.tier_contract import count_in, droppable, leading_in
 from kvstore.daemon.writeback import bytes_to_clean, pick_writeback
 from kvstore.index import IN_CPU, IN_GPU, IN_NVME, State
 from kvstore.ratelog import RateLimitedLog
@@ -156,13 +157,10 @@ class Mover:
         # Write dirty blocks down so a restart finds them: coldest first, within the budget.
         dirty = [e for e in self.ledger.policy.order() if not self.ledger.index.tier[e] & IN_NVME]
         try:
-            await asyncio.wait_for(self._flush_all(dirty), self.ledger.config.drain_timeout_s)
+            await asyncio.wait_for(self.move_down(dirty), self.ledger.config.drain_timeout_s)
         except TimeoutError:
             log.warning("drain timed out; %d dirty blocks may not be on disk", len(dirty))
         await tier.close()
-
-    async def _flush_all(self, eids: list[int]) -> None:
-        await self.move_down(eids)
 
     # ----------------------------------------------------------------- the tier contract
     async def move_down(self, eids: list[int]) -> int:
@@ -171,12 +169,7 @@ class Mover:
         window = 2 * self.config.io_threads
         for i in range(0, len(eids), window):
             await asyncio.gather(*(self.flush(e) for e in eids[i : i + window]))
-        index = self.ledger.index
-        return sum(
-            1
-            for e in dict.fromkeys(eids)
-            if index.state[e] == State.COMMITTED and index.tier[e] & IN_NVME
-        )
+        return count_in(self.ledger.index, eids, IN_NVME)
 
     def holds(self, eid: int) -> bool:
         return bool(self.ledger.index.tier[eid] & IN_NVME)
@@ -184,20 +177,11 @@ class Mover:
     def drop(self, eids: list[int]) -> int:
         """Drop the disk copies of ``eids`` that have a CPU or GPU copy and are neither leased
         nor being written or promoted (each becomes dirty again); returns how many went."""
-        ledger, index = self.ledger, self.ledger.index
-        dropped = 0
-        for e in dict.fromkeys(eids):
-            if (
-                index.state[e] == State.COMMITTED
-                and index.tier[e] & IN_NVME
-                and index.tier[e] & (IN_CPU | IN_GPU)
-                and not index.leases[e]
-                and e not in self._flushing
-                and e not in self._promoting
-            ):
-                ledger.drop_disk_copy(e)
-                dropped += 1
-        return dropped
+        busy = self._flushing.keys() | self._promoting.keys()
+        gone = droppable(self.ledger.index, eids, IN_NVME, IN_CPU | IN_GPU, busy)
+        for e in gone:
+            self.ledger.drop_disk_copy(e)
+        return len(gone)
 
     @property
     def counters(self) -> TierCounters:
@@ -511,10 +495,7 @@ class Mover:
             await self._promote_many(mine)
         if waits:
             await asyncio.gather(*(asyncio.shield(w) for w in waits))
-        for i, eid in enumerate(eids):
-            if index.state[eid] != State.COMMITTED or not index.tier[eid] & IN_CPU:
-                return eids[:i]
-        return list(eids)
+        return leading_in(index, eids, IN_CPU)
 
     async def _promote_many(self, eids: list[int]) -> list[bool]:
         """Read disk-only blocks of one size into new CPU slots, concurrently. ``eids`` must be

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from kvstore.daemon.tier_contract import KeyRun
+from kvstore.daemon.tier_contract import KeyRun, count_in
 from kvstore.daemon.tierstats import TierCounters, TierSnapshot
 from kvstore.index import IN_CPU, IN_REDIS, State
 
@@ -234,12 +234,7 @@ class SharedTier:
         how many of ``eids`` this host has written there. The ones Redis could not take (it is
         down) are counted in ``dropped_while_down``."""
         await self._demote(eids)
-        index = self.ledger.index
-        return sum(
-            1
-            for e in dict.fromkeys(eids)
-            if index.state[e] == State.COMMITTED and index.tier[e] & IN_REDIS
-        )
+        return count_in(self.ledger.index, eids, IN_REDIS)
 
     async def _demote(self, eids: list[int]) -> None:
         index = self.ledger.index

@@ -48,12 +48,16 @@ awaits, so no tier takes a lock.
 
 from __future__ import annotations
 
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
+
+from kvstore.index import State
 
 if TYPE_CHECKING:
     from kvstore.daemon.namespaces import NamespaceRecord
     from kvstore.daemon.tierstats import TierCounters, TierSnapshot
+    from kvstore.index import BlockIndex
 
 Blocks = TypeVar("Blocks", contravariant=True)
 
@@ -92,3 +96,39 @@ class Tier(Protocol[Blocks]):
     def counters(self) -> TierCounters: ...
 
     def snapshot(self) -> TierSnapshot | None: ...
+
+
+# What the tiers' primitives report, read from the index the same way by every tier (``bit``:
+# the tier's ``IN_*`` bit of ``index.tier``).
+def leading_in(index: BlockIndex, eids: Sequence[int], bit: int) -> list[int]:
+    """The leading run of ``eids`` committed with a copy in the tier of ``bit`` (``move_up``)."""
+    state, tier = index.state, index.tier
+    for i, e in enumerate(eids):
+        if state[e] != State.COMMITTED or not tier[e] & bit:
+            return list(eids[:i])
+    return list(eids)
+
+
+def count_in(index: BlockIndex, eids: Sequence[int], bit: int) -> int:
+    """How many of ``eids``, each once, are committed with a copy in the tier of ``bit``
+    (``move_down``)."""
+    state, tier = index.state, index.tier
+    return sum(1 for e in dict.fromkeys(eids) if state[e] == State.COMMITTED and tier[e] & bit)
+
+
+def droppable(
+    index: BlockIndex, eids: Sequence[int], bit: int, elsewhere: int, busy: Container[int]
+) -> list[int]:
+    """The entries of ``eids``, each once, whose copy in the tier of ``bit`` may go (``drop``):
+    committed, with a copy in a tier of ``elsewhere`` too, unleased, and not in ``busy`` (the
+    tier's copies in flight)."""
+    state, tier, leases = index.state, index.tier, index.leases
+    return [
+        e
+        for e in dict.fromkeys(eids)
+        if state[e] == State.COMMITTED
+        and tier[e] & bit
+        and tier[e] & elsewhere
+        and not leases[e]
+        and e not in busy
+    ]
