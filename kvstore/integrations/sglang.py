@@ -1,0 +1,730 @@
+"""kvstore as the L3 storage of SGLang's hierarchical cache (HiCache): a ``HiCacheStorage``.
+
+```
+python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+    '{"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
+      "class_name": "KVStoreHiCacheStorage", "interface_v1": 1}'
+```
+
+SGLang's own factory loads the class by name and builds it as it builds every dynamic backend
+(``KVStoreHiCacheStorage(storage_config, kwargs)``), then registers the host pool
+(``register_mem_pool_host``). ``"interface_v1": 1`` makes SGLang's cache controller use the
+zero-copy calls (``batch_get_v1``/``batch_set_v1``); without it the controller copies each page
+into a flat tensor first and calls ``batch_get``/``batch_set``, which work too. SGLang >= 0.5.6.
+
+Options (the extra config; SGLang's own keys are ignored, an unknown one is warned about):
+
+* ``address``: the daemon (default ``$KVSTORE_ADDRESS``, else the daemon's default socket).
+* ``tenant``, ``token``: the tenant the pages belong to, and the credential the daemon asks for.
+* ``model``, ``revision``: which engines share pages. Default: SGLang's model name (its
+  ``--model-path``, tagged by SGLang with the pool's page format where it has one of its own),
+  no revision. Give engines of different weights behind one name their own ``revision``.
+* ``timeout_s`` (5.0): the deadline of each call to the daemon; ``retry_after_s`` (2.0): after
+  a failure the store is left alone that long (every page a miss, every write False), so a daemon
+  that is down costs SGLang nothing but the first deadline.
+* ``priority`` (0): the eviction priority of the pages written.
+
+What is stored, and under which keys:
+
+* One kvstore block per SGLang page: the bytes of the page as SGLang's own flat page holds them
+  (``host_pool.get_data_page(index, flat=True)``, what SGLang's ``HiCacheFile`` writes), in a
+  raw-bytes kvstore layout (``uint8``, ``page_bytes`` a block).
+* The key is SGLang's page hash (64 hex digits of a SHA-256 chain over every token of the
+  prefix, seeded with the request's ``extra_key``/``cache_salt``), as its 32 bytes.
+* The namespace adds what the key leaves out: the model, tenant, tensor-parallel rank and size,
+  pipeline stage, attention context-parallel rank, and the page format (host pool class,
+  layout, dtype, page shape: layers, heads, head size, tokens per page), so pages of two models,
+  two TP layouts, two host layouts or two tenants never meet. An MLA model's KV is the same on
+  every TP rank: all ranks use one namespace (rank 0 of 1), and SGLang's controller writes from
+  one rank only (``HiCacheStorageConfig.is_storage_writer``), as for its own backends.
+* Pages live in the daemon, so a restarted SGLang (a new backend) finds what the last stored.
+
+Copies: each call copies straight between SGLang's host pool and the daemon's shared memory,
+one copy each way, in the contiguous pieces the host layout offers (one or two per page for
+``page_first``, ``page_first_direct`` and ``page_head``; one per layer and K/V for
+``layer_first``), each checksummed as it is copied (the source on a write, the copy on a read,
+against the key and namespace it is read for): a page that fails its check is a miss.
+
+Failure: the store is a cache. A page of the wrong size, a key that is not 64 hex digits, a host
+pool this backend cannot read, a daemon that is down or answers late: SGLang sees a miss
+(``False``, ``None``, a shorter leading run), never an exception from these calls and never
+another page's bytes. Each kind of problem is logged once as a warning.
+
+Not supported: the ``batch_*_v2`` calls of hybrid models' side pools (Mamba, SWA, DSA indexer
+pools): the base class's ``NotImplementedError``, which SGLang's controller logs and treats as a
+miss; host layouts whose ``get_data_page`` is not a view of the pool (their pages go through a
+flat copy: two copies each way).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "kvstore.integrations.sglang needs SGLang >= 0.5.6 (`make sglang-env` builds an "
+        "environment with sglang==0.5.23)"
+    ) from exc
+
+from kvstore.address import default_address
+from kvstore.client._parallel import each_block
+from kvstore.client.sync import KVStoreClient
+from kvstore.errors import KVStoreError
+from kvstore.integrations.sglang_pages import (
+    HostPages,
+    PageFormat,
+    copy_in_hashing,
+    copy_out_hashing,
+    describe_pool,
+    page_key,
+    slot_array,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SGLANG_KEYS = frozenset(
+    {"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"}
+)
+"""Keys of the extra config that SGLang reads itself."""
+
+MAX_KNOWN_KEYS = 1 << 20
+"""Keys ``clear`` remembers (written or read by this process): ~150 MiB at most."""
+
+MAX_BATCH_BYTES = 64 << 20
+"""Pages per reservation or lease are bounded by bytes: a batch of SGLang's 128 pages of
+several MiB each goes in parts, so no call pins more of the CPU tier than this at once."""
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """The extra config's kvstore options (module docstring)."""
+
+    address: str
+    tenant: str = ""
+    token: str | None = None
+    model: str = ""
+    revision: str = ""
+    timeout_s: float = 5.0
+    retry_after_s: float = 2.0
+    priority: int = 0
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> tuple[BackendOptions, list[str]]:
+        """The options, and the unknown keys (neither SGLang's nor ours)."""
+        extra = dict(extra or {})
+        names = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(k for k in extra if k not in names and k not in SGLANG_KEYS)
+        address = extra.get("address") or default_address()
+        opts = cls(
+            address=str(address),
+            tenant=str(extra.get("tenant", "")),
+            token=extra.get("token"),
+            model=str(extra.get("model", "")),
+            revision=str(extra.get("revision", "")),
+            timeout_s=float(extra.get("timeout_s", 5.0)),
+            retry_after_s=float(extra.get("retry_after_s", 2.0)),
+            priority=int(extra.get("priority", 0)),
+        )
+        if opts.timeout_s <= 0 or opts.retry_after_s < 0:
+            raise ValueError("timeout_s must be positive and retry_after_s not negative")
+        return opts, unknown
+
+
+class _Counters:
+    """What the backend did since it started (``counters()``) and, for SGLang's storage
+    metrics, per call since the last ``get_stats``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.totals = {
+            "hits": 0,
+            "misses": 0,
+            "bytes_read": 0,
+            "bytes_written": 0,
+            "pages_written": 0,
+            "pages_present": 0,
+            "write_failures": 0,
+            "errors": 0,
+        }
+        self.prefetch_pgs: list[int] = []
+        self.backup_pgs: list[int] = []
+        self.prefetch_bandwidth: list[float] = []
+        self.backup_bandwidth: list[float] = []
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for name, n in counts.items():
+                self.totals[name] += n
+
+
+class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's class
+    """An SGLang HiCache L3 backend over a kvstore daemon (module docstring).
+
+    SGLang's cache controller calls it from several threads at once (backup, prefetch query,
+    prefetch IO); each thread gets its own kvstore client (clients are not thread-safe and are
+    cheap), opened on first use. Every public call returns SGLang's failure value rather than
+    raise."""
+
+    def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
+        self.storage_config = storage_config
+        self.options, unknown = BackendOptions.from_extra(storage_config.extra_config)
+        if unknown:
+            logger.warning("kvstore HiCache backend: unknown extra config keys %s", unknown)
+        self.is_mla = bool(getattr(storage_config, "is_mla_model", False))
+        self.enable_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+        self.mem_pool_host: Any = None
+        self.pages: HostPages | None = None
+        self.fmt: PageFormat | None = None
+        self.model = ""
+        self.revision = ""
+        self.tp_rank, self.tp_size = 0, 1
+        self.stats = _Counters()
+        self._local = threading.local()
+        self._clients: list[KVStoreClient] = []
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._warned: set[str] = set()
+        self._closed = False
+        self._known: dict[bytes, None] = {}  # keys written or read, oldest first (``clear``)
+
+    # ------------------------------------------------------------------ set-up
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Learn the host pool's page format and derive the namespace from it. A pool whose
+        pages cannot be stored leaves the backend answering misses (with a warning)."""
+        self.mem_pool_host = mem_pool_host
+        self._close_clients()
+        try:
+            fmt = describe_pool(mem_pool_host)
+        except Exception as exc:
+            self.fmt = self.pages = None
+            self._warn(
+                "pool", "kvstore HiCache backend cannot store this host pool's pages: %s", exc
+            )
+            return
+        self.fmt = fmt
+        self.pages = HostPages(mem_pool_host, fmt) if fmt.zero_copy else None
+        cfg = self.storage_config
+        if self.is_mla:
+            # The same KV on every TP rank: one namespace for all (per DCP shard).
+            self.tp_rank = int(getattr(cfg, "dcp_rank", 0) or 0)
+            self.tp_size = int(getattr(cfg, "dcp_size", 1) or 1)
+        else:
+            self.tp_rank, self.tp_size = int(cfg.tp_rank), int(cfg.tp_size)
+        shard = [fmt.description]
+        if int(getattr(cfg, "pp_size", 1) or 1) > 1:
+            shard.append(f"pp{cfg.pp_rank}of{cfg.pp_size}")
+        if int(getattr(cfg, "attn_cp_size", 1) or 1) > 1:
+            shard.append(f"cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}")
+        if self.is_mla:
+            shard.append("mla")
+        page = "sglang-page:v1:" + ":".join(shard)
+        self.revision = f"{self.options.revision}|{page}" if self.options.revision else page
+        self.model = self.options.model or str(cfg.model_name or "") or "sglang"
+        logger.info(
+            "kvstore HiCache backend: %s, namespace %s@%s tp%d/%d, %d-byte pages%s",
+            self.options.address,
+            self.model,
+            self.revision,
+            self.tp_rank,
+            self.tp_size,
+            fmt.page_bytes,
+            "" if fmt.zero_copy else " (through flat page copies)",
+        )
+
+    # ------------------------------------------------------------------ clients
+    def _client(self) -> KVStoreClient | None:
+        """This thread's client, opened on first use; None while the store is left alone."""
+        client: KVStoreClient | None = getattr(self._local, "client", None)
+        if client is not None:
+            return client
+        fmt = self.fmt
+        if fmt is None or self._closed:
+            self._warn("nopool", "kvstore HiCache backend has no host pool it can read: misses")
+            return None
+        if time.monotonic() < self._down_until:
+            return None
+        try:
+            client = KVStoreClient(
+                self.options.address,
+                layout=fmt.layout,
+                model=self.model,
+                revision=self.revision,
+                tenant=self.options.tenant,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
+                priority=self.options.priority,
+                timeout_s=self.options.timeout_s,
+                token=self.options.token,
+            )
+        except (KVStoreError, OSError, ValueError) as exc:
+            self._failed("connect", exc)
+            return None
+        with self._lock:
+            self._clients.append(client)
+        self._local.client = client
+        if "down" in self._warned:
+            logger.info("kvstore reachable again at %s", self.options.address)
+            self._warned.discard("down")
+        return client
+
+    def _with_client(self, what: str, call: Callable[[KVStoreClient], T], default: T) -> T:
+        """``call(client)``, or ``default`` when the store is left alone or the call failed.
+        A failure drops this thread's client (the next call opens a new one after
+        ``retry_after_s``)."""
+        client = self._client()
+        if client is None:
+            return default
+        try:
+            return call(client)
+        except Exception as exc:  # never into SGLang's controller threads
+            self._drop_client(client)
+            self._failed(what, exc)
+            return default
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.stats.add(errors=1)
+        self._warn(
+            "down",
+            "kvstore HiCache backend: %s failed, pages are misses for %.1fs: %s",
+            what,
+            self.options.retry_after_s,
+            exc,
+        )
+        self._down_until = time.monotonic() + self.options.retry_after_s
+
+    def _warn(self, kind: str, message: str, *args: Any) -> None:
+        """Log a warning once per kind (once per outage for ``down``)."""
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(message, *args)
+
+    def _drop_client(self, client: KVStoreClient) -> None:
+        if getattr(self._local, "client", None) is client:
+            self._local.client = None
+        with self._lock:
+            if client in self._clients:
+                self._clients.remove(client)
+        try:
+            client.close()
+        except Exception:
+            logger.debug("closing a kvstore client failed", exc_info=True)
+
+    def _close_clients(self) -> None:
+        with self._lock:
+            clients, self._clients = self._clients, []
+        self._local = threading.local()
+        for client in clients:
+            try:
+                client.close()
+            except Exception:
+                logger.debug("closing a kvstore client failed", exc_info=True)
+
+    # ------------------------------------------------------------------ keys
+    def _keys(self, keys: Sequence[object]) -> list[bytes]:
+        """The kvstore keys of the leading run of well-formed, distinct SGLang keys."""
+        out: list[bytes] = []
+        seen: set[bytes] = set()
+        for key in keys:
+            k = page_key(key)
+            if k is None:
+                self._warn(
+                    "key", "kvstore HiCache backend: key %r is not 64 hex digits: a miss", key
+                )
+                break
+            if k in seen:
+                break
+            seen.add(k)
+            out.append(k)
+        return out
+
+    def _batches(self, n: int) -> list[tuple[int, int]]:
+        assert self.fmt is not None
+        per = max(1, MAX_BATCH_BYTES // self.fmt.page_bytes)
+        return [(i, min(n, i + per)) for i in range(0, n, per)]
+
+    # ------------------------------------------------------------------ existence
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many leading pages are stored (in any tier of the daemon)."""
+        kv = self._keys(keys)
+        if not kv:
+            return 0
+        return int(self._with_client("lookup", lambda c: c.lookup(kv), 0))
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # ------------------------------------------------------------------ zero-copy (v1)
+    def _host_pages(self, keys: Sequence[object], host_indices: Any) -> list[int] | None:
+        """The host index of each key's page, or None (with a warning) if the indices do not
+        hold one page per key."""
+        fmt = self.fmt
+        if fmt is None:
+            self._warn("nopool", "kvstore HiCache backend has no host pool it can read: misses")
+            return None
+        try:
+            n = int(host_indices.numel())
+        except AttributeError:
+            n = len(host_indices)
+        if n != len(keys) * fmt.page_size:
+            self._warn(
+                "indices",
+                "kvstore HiCache backend: %d host indices for %d pages of %d tokens",
+                n,
+                len(keys),
+                fmt.page_size,
+            )
+            return None
+        flat = host_indices.tolist() if hasattr(host_indices, "tolist") else list(host_indices)
+        return [int(flat[i * fmt.page_size]) for i in range(len(keys))]
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        """Store page i (at ``host_indices[i * page_size]``) under ``keys[i]``, copied straight
+        from the host pool into the daemon's shared memory. Per page: stored (or already
+        there)."""
+        results = [False] * len(keys)
+        starts = self._host_pages(keys, host_indices)
+        if starts is None or not keys:
+            return results
+        kv = self._keys(keys)
+        began = time.perf_counter()
+        done = self._with_client("write", lambda c: self._write(c, kv, starts), 0)
+        self._remember(kv[:done])
+        for i in range(done):
+            results[i] = True
+        self._note_write(done, len(keys), began)
+        return results
+
+    def _write(self, client: KVStoreClient, kv: list[bytes], starts: list[int]) -> int:
+        """Write the pages of ``kv`` (host pages ``starts``); how many leading ones are
+        stored."""
+        done = 0
+        for lo, hi in self._batches(len(kv)):
+            done += self._write_batch(client, kv[lo:hi], starts[lo:hi])
+            if done < hi:
+                break
+        return done
+
+    def _write_batch(self, client: KVStoreClient, kv: list[bytes], starts: list[int]) -> int:
+        fmt = self.fmt
+        assert fmt is not None
+        reservation = client.reserve(kv)
+        try:
+            if reservation.indices:
+                self._fill(reservation, starts)
+        except BaseException:
+            reservation.abort()
+            raise
+        new = len(reservation.indices)
+        reservation.commit()
+        self.stats.add(
+            pages_written=new,
+            pages_present=len(kv) - new,
+            bytes_written=new * fmt.page_bytes,
+        )
+        return len(kv)
+
+    def _fill(self, reservation: Any, starts: list[int]) -> None:
+        """Copy the pages a reservation asks for into its slots, with their checksums."""
+        fmt = self.fmt
+        assert fmt is not None
+        nbytes = fmt.page_bytes
+        if reservation.codec or self.pages is None:
+            # Slots that take an encoded payload (a ``cpu`` codec), or a pool whose pages
+            # are not views: the page through a flat copy, then the client's own fill.
+            rows = torch.empty((len(starts), nbytes), dtype=torch.uint8)
+            for i in reservation.indices:
+                rows[i] = self._flat_page(starts[i])
+            reservation.fill_from(rows)
+            return
+        pages = self.pages
+        arena = reservation.arena
+        work = [
+            (
+                pages.pieces(starts[i]),
+                slot_array(arena, address, nbytes, write=True),
+                seed,
+            )
+            for i, address, seed in zip(
+                reservation.indices, reservation.offsets_new, reservation.seeds_new, strict=True
+            )
+        ]
+        sums = [0] * len(work)
+
+        def copy(j: int) -> None:
+            pieces, slot, seed = work[j]
+            sums[j] = copy_in_hashing(slot, pieces, seed)
+
+        each_block(len(work), len(work) * nbytes, copy)
+        reservation.use_checksums(sums)
+
+    def _flat_page(self, start: int) -> torch.Tensor:
+        page = self.mem_pool_host.get_data_page(start, flat=True)
+        return page.contiguous().view(torch.uint8).reshape(-1)
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        """Fill page i (at ``host_indices[i * page_size]``) from ``keys[i]``, copied straight
+        from the daemon's shared memory into the host pool. Per page: loaded intact. Only the
+        target pages are written; a page after the first miss may hold partial bytes and is
+        reported False."""
+        results = [False] * len(keys)
+        starts = self._host_pages(keys, host_indices)
+        if starts is None or not keys:
+            return results
+        kv = self._keys(keys)
+        began = time.perf_counter()
+        done = self._with_client("read", lambda c: self._read(c, kv, starts), 0)
+        self._remember(kv[:done])
+        for i in range(done):
+            results[i] = True
+        self._note_read(done, len(keys), began)
+        return results
+
+    def _read(self, client: KVStoreClient, kv: list[bytes], starts: list[int]) -> int:
+        done = 0
+        for lo, hi in self._batches(len(kv)):
+            done += self._read_batch(client, kv[lo:hi], starts[lo:hi])
+            if done < hi:
+                break
+        return done
+
+    def _read_batch(self, client: KVStoreClient, kv: list[bytes], starts: list[int]) -> int:
+        fmt = self.fmt
+        assert fmt is not None
+        nbytes = fmt.page_bytes
+        lease = client.acquire(kv)
+        try:
+            n = len(lease)
+            if not n:
+                return 0
+            if lease.codecs or any(lease.on_gpu) or self.pages is None:
+                rows = torch.empty((n, nbytes), dtype=torch.uint8)
+                intact = lease.copy_into(rows)
+                for i in range(intact):
+                    self._set_flat_page(starts[i], rows[i])
+                return int(intact)
+            pages = self.pages
+            work = [
+                (
+                    slot_array(lease.arena, lease.offsets[i], nbytes, write=False),
+                    pages.pieces(starts[i]),
+                    lease.seeds[i],
+                    lease.checksums[i],
+                )
+                for i in range(n)
+            ]
+            ok = [True] * n
+
+            def copy(j: int) -> None:
+                slot, pieces, seed, expected = work[j]
+                ok[j] = copy_out_hashing(slot, pieces, seed) == expected
+
+            each_block(n, n * nbytes, copy)
+            return ok.index(False) if False in ok else n
+        finally:
+            lease.release()
+
+    def _set_flat_page(self, start: int, row: torch.Tensor) -> None:
+        dummy = self.mem_pool_host.get_dummy_flat_data_page()
+        dummy.view(torch.uint8).copy_(row)
+        self.mem_pool_host.set_from_flat_data_page(start, dummy)
+
+    # ------------------------------------------------------------------ flat pages
+    def _rows_of(self, tensor: Any) -> torch.Tensor | None:
+        """``tensor`` (one flat page) as one raw block ``[1, *block_shape]``, or None (with a
+        warning) if it is not a contiguous CPU tensor of one page's bytes."""
+        fmt = self.fmt
+        if fmt is None or not isinstance(tensor, torch.Tensor):
+            return None
+        if (
+            tensor.device.type != "cpu"
+            or not tensor.is_contiguous()
+            or tensor.numel() * tensor.element_size() != fmt.page_bytes
+        ):
+            self._warn(
+                "size",
+                "kvstore HiCache backend: a page of %s bytes (expected %d): a miss",
+                tensor.numel() * tensor.element_size(),
+                fmt.page_bytes,
+            )
+            return None
+        return tensor.view(-1).view(torch.uint8).view(1, *fmt.layout.block_shape)
+
+    def get(
+        self, key: str, target_location: Any = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
+        """Fill ``target_location`` (a flat page, e.g. ``get_dummy_flat_data_page()``) with
+        the page of ``key``; it, or None on a miss."""
+        got = self.batch_get([key], [target_location])
+        return got[0]
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        results: list[torch.Tensor | None] = [None] * len(keys)
+        targets = list(target_locations or [])
+        kv = self._keys(keys)
+        rows = []
+        for k, target in zip(kv, targets, strict=False):
+            row = self._rows_of(target)
+            if row is None:
+                break
+            rows.append((k, target, row))
+        if not rows:
+            return results
+        began = time.perf_counter()
+
+        def read(client: KVStoreClient) -> int:
+            got = 0
+            for k, _, row in rows:
+                if client.get([k], out=row).shape[0] != 1:
+                    break
+                got += 1
+            return got
+
+        done = self._with_client("read", read, 0)
+        self._remember([k for k, _, _ in rows[:done]])
+        for i in range(done):
+            results[i] = rows[i][1]
+        self._note_read(done, len(keys), began)
+        return results
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        """Store ``value`` (one flat page, as ``get_data_page(index, flat=True)`` gives)."""
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """Store ``values[i]`` (flat pages) under ``keys[i]``; True if every one is stored."""
+        values = list(values or [])
+        if not keys or len(values) != len(keys):
+            return False
+        kv = self._keys(keys)
+        rows = [self._rows_of(v) for v in values[: len(kv)]]
+        good = [r for r in rows if r is not None]
+        if len(kv) != len(keys) or len(good) != len(keys):
+            return False
+        fmt = self.fmt
+        assert fmt is not None
+        began = time.perf_counter()
+
+        def write(client: KVStoreClient) -> int:
+            stored = client.put(kv, torch.cat(good), priority=self.options.priority)
+            self.stats.add(
+                pages_written=int(stored),
+                pages_present=len(kv) - int(stored),
+                bytes_written=int(stored) * fmt.page_bytes,
+            )
+            return len(kv)
+
+        done = self._with_client("write", write, 0)
+        self._remember(kv[:done])
+        self._note_write(done, len(keys), began)
+        return done == len(keys)
+
+    # ------------------------------------------------------------------ housekeeping
+    def _note_read(self, done: int, asked: int, began: float) -> None:
+        fmt = self.fmt
+        nbytes = done * (fmt.page_bytes if fmt else 0)
+        self.stats.add(hits=done, misses=asked - done, bytes_read=nbytes)
+        if self.enable_metrics and done:
+            with self.stats.lock:
+                self.stats.prefetch_pgs.append(done)
+                elapsed = max(time.perf_counter() - began, 1e-9)
+                self.stats.prefetch_bandwidth.append(nbytes / elapsed / 1e9)
+
+    def _note_write(self, done: int, asked: int, began: float) -> None:
+        fmt = self.fmt
+        self.stats.add(write_failures=asked - done)
+        if self.enable_metrics and done:
+            with self.stats.lock:
+                self.stats.backup_pgs.append(done)
+                elapsed = max(time.perf_counter() - began, 1e-9)
+                nbytes = done * (fmt.page_bytes if fmt else 0)
+                self.stats.backup_bandwidth.append(nbytes / elapsed / 1e9)
+
+    def counters(self) -> dict[str, int]:
+        """Totals since start: pages hit and missed by reads, bytes read and written, pages
+        written (new) and found present, pages a write did not store, failed calls."""
+        with self.stats.lock:
+            return dict(self.stats.totals)
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` (pages and GB/s per prefetch and backup call since the
+        last call), as its metrics collector expects; None when metrics are off."""
+        if not self.enable_metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics()
+        s = self.stats
+        with s.lock:
+            metrics.prefetch_pgs.extend(s.prefetch_pgs)
+            metrics.backup_pgs.extend(s.backup_pgs)
+            metrics.prefetch_bandwidth.extend(s.prefetch_bandwidth)
+            metrics.backup_bandwidth.extend(s.backup_bandwidth)
+            s.prefetch_pgs.clear()
+            s.backup_pgs.clear()
+            s.prefetch_bandwidth.clear()
+            s.backup_bandwidth.clear()
+        return metrics
+
+    def delete(self, keys: list[str]) -> int:
+        """Delete the pages of ``keys`` from every tier; how many were there."""
+        kv = [k for k in (page_key(key) for key in keys) if k is not None]
+        if not kv:
+            return 0
+        return int(self._with_client("delete", lambda c: c.delete(list(dict.fromkeys(kv))), 0))
+
+    def clear(self) -> None:
+        """Delete the pages this backend wrote or read (the last ``MAX_KNOWN_KEYS``) from the
+        daemon. The daemon has no call that empties a namespace: pages an earlier SGLang
+        process stored, and this one never touched, stay until the daemon evicts them."""
+        with self._lock:
+            known, self._known = list(self._known), {}
+
+        def delete(client: KVStoreClient) -> int:
+            return sum(client.delete(known[lo : lo + 1024]) for lo in range(0, len(known), 1024))
+
+        self._with_client("clear", delete, 0)
+        self._warn(
+            "clear",
+            "kvstore HiCache backend: clear() deleted the pages this process wrote or read; "
+            "pages of earlier processes stay until the daemon evicts them",
+        )
+
+    def _remember(self, kv: Sequence[bytes]) -> None:
+        """Note keys for ``clear``: the most recent ``MAX_KNOWN_KEYS``."""
+        with self._lock:
+            known = self._known
+            for k in kv:
+                known.pop(k, None)
+                known[k] = None
+            while len(known) > MAX_KNOWN_KEYS:
+                del known[next(iter(known))]
+
+    def close(self) -> None:
+        self._closed = True
+        self._close_clients()
