@@ -1,0 +1,664 @@
+"""Replay of the Mooncake FAST'25 synthetic trace at storage level: hit rate and request rate.
+
+The trace (``../shared/data/synthetic_trace.jsonl.gz``, beside this repository; ``--trace``
+names another) lists 3,993 requests by the 512-token prefix blocks of their prompts. Each block
+is one store block (16 KiB by default) under a chained key: a block's key depends on its whole
+prefix of ids (``_trace_sim``). Per request the replay reads the leading run of stored blocks
+and puts the rest, every block's bytes derived from its key and every hit's bytes checked:
+
+* kvstore, one real daemon per eviction policy it offers (``lru``, ``prefix``, ``priority``),
+  CPU tier only, capacity ``--capacity-frac`` (10%) of the trace's distinct blocks in bytes,
+  started empty. A request is ``get(keys, out)`` (the acquire path: lookup and read in one
+  call, or none when the client's presence table already knows every block's place), then
+  ``put`` of the blocks after the leading run (one call into spare slots, or reserve +
+  commit): at most three round trips.
+* Redis (redis-py, pipelined) on a ``redis-server`` with ``maxmemory`` = the same bytes and
+  ``allkeys-lru``, started empty: a pipeline of EXISTS (which does not touch a key's LRU
+  clock) finds the leading run, then one pipeline GETs it and SETs the rest. Two round trips.
+* an exact simulation of a block LRU of the same byte capacity over the same request order
+  (and of kvstore's prefix-aware order), with the same semantics: the leading run is read (a
+  touch, in prefix order), then the new blocks after it are put; blocks already stored
+  further on are left alone (kvstore's put deduplicates them without a touch). And the
+  unbounded cache: the hit rate no capacity can beat.
+
+Reported: prefix block-hit rate (blocks found in their request's leading run / blocks asked
+for) of each against the simulation and the bound; requests/s (requests / the time spent in
+store calls: building blocks and checking them is left out) and p50/p99 request latency; a
+request's time against a single-thread memcpy of its bytes measured in the same run; the blocks
+each store held at the end, and how much of Redis's memory is per-key overhead
+(``used_memory / (keys x block bytes)``). Figures are medians over ``--runs`` rounds; a round
+replays every store once, in a fixed order.
+
+Redis's eviction at replay speed: ``allkeys-lru`` is an approximation. Each eviction samples
+``maxmemory-samples`` (5) keys into a pool of 16 candidates and evicts the one idle longest,
+and idleness is read off a 24-bit LRU clock that ticks once every 1,000 ms
+(``LRU_CLOCK_RESOLUTION``). A replay at full speed touches the whole cache within a few
+seconds, so most keys share one or two clock values and the choice among them is close to
+random: hot prefixes go as readily as cold tails. Redis also stores a 16 KiB value in a
+20 KiB jemalloc size class (16 KiB plus the sds header, rounded up), so the same bytes hold
+about 20% fewer blocks.
+
+``--sweep``: hit rate against capacity (5-40% of the distinct blocks) for each kvstore policy,
+the LRU simulation and the unbounded bound, one run each, plotted to ``--plot`` (a PNG, with
+matplotlib; without it the plot is skipped and the table stays).
+
+``--smoke``: the first 200 requests, a tiny capacity, one run: checks the script runs, every
+hit still verified; its figures mean nothing.
+
+    .venv/bin/python benchmarks/bench_trace.py [--runs 3] [--capacity-frac 0.1] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from _harness import (
+    SKIP_EXIT,
+    KVStoreDaemon,
+    RedisServer,
+    Reporter,
+    benchmark_name,
+    emit,
+    expect,
+    fmt_size,
+    parse_args,
+    percentile,
+    print_header,
+    redis_server_path,
+    run_main,
+)
+from _trace_sim import (
+    BlockContent,
+    Chain,
+    SimResult,
+    default_trace_path,
+    distinct_blocks,
+    half_hit_rates,
+    load_trace,
+    simulate,
+)
+
+from kvstore import KVLayout, KVStoreClient
+from kvstore.config.tiers import POLICIES
+from kvstore.errors import CapacityError
+
+SWEEP_FRACS = (0.05, 0.10, 0.20, 0.30, 0.40)
+SMOKE_REQUESTS = 200
+MODEL = "bench-trace"
+LRU_TARGET = 0.99  # issue #32: kvstore's LRU >= 0.99x the exact simulation
+
+
+def layout_for(block_bytes: int) -> KVLayout:
+    """A bf16 layout of ``block_bytes`` per block: 4 KiB per layer (16 tokens x 64 dims x K,V)."""
+    if block_bytes % 4096 or block_bytes <= 0:
+        raise ValueError(f"block size must be a positive multiple of 4 KiB, got {block_bytes}")
+    layout = KVLayout(num_layers=block_bytes // 4096, num_kv_heads=1, head_dim=64, block_size=16)
+    assert layout.block_bytes == block_bytes
+    return layout
+
+
+@dataclass
+class Replay:
+    """One store's pass over the requests."""
+
+    store: str
+    hits: list[int] = field(default_factory=list)  # per request: blocks of its leading run
+    latency_s: list[float] = field(default_factory=list)  # per request: time in store calls
+    held_at_end: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def hit_rate(self, blocks: int) -> float:
+        return sum(self.hits) / blocks if blocks else 0.0
+
+    @property
+    def requests_per_s(self) -> float:
+        total = sum(self.latency_s)
+        return len(self.latency_s) / total if total > 0 else float("inf")
+
+
+def progress(rep: Reporter, label: str, i: int, chains: list[Chain], r: Replay) -> None:
+    if (i + 1) % 1000 == 0 and i + 1 < len(chains):
+        asked = sum(len(c.keys) for c in chains[: i + 1])
+        rep.line(
+            f"    {label}: {i + 1}/{len(chains)} requests, hit rate {sum(r.hits) / asked:.3f}, "
+            f"{r.requests_per_s:.0f} req/s"
+        )
+
+
+# --------------------------------------------------------------------------- kvstore
+def replay_kvstore(
+    chains: list[Chain],
+    content: BlockContent,
+    capacity_bytes: int,
+    policy: str,
+    rep: Reporter,
+    label: str,
+    no_spare: bool = False,
+) -> Replay:
+    """One pass through a fresh daemon (CPU tier only, ``policy``; ``no_spare``: with
+    ``limits.max_spare = 0``, so no slots are held ahead for puts). A put the daemon refuses
+    (CapacityError) is counted in ``extra["puts_refused"]`` and the replay goes on."""
+    layout = layout_for(content.block_bytes)
+    bb = content.block_bytes
+    longest = max(len(c.keys) for c in chains)
+    src = np.empty((longest, bb), dtype=np.uint8)
+    out = np.zeros((longest, bb), dtype=np.uint8)
+    src_t = torch.from_numpy(src).view(layout.dtype).view(longest, *layout.block_shape)
+    out_t = torch.from_numpy(out).view(layout.dtype).view(longest, *layout.block_shape)
+    result = Replay(f"kvstore {policy}" + (", max_spare 0" if no_spare else ""))
+    stored = refused = 0
+    refused_first: int | None = None
+    daemon_args = ["--gpu", "off"]
+    with contextlib.ExitStack() as stack:
+        if no_spare:
+            cfg = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbench-trace-"))
+            path = os.path.join(cfg, "daemon.toml")
+            with open(path, "w") as f:
+                f.write('[limits]\nmax_spare = "0"\n')
+            daemon_args += ["--config", path]
+        daemon = stack.enter_context(
+            KVStoreDaemon(capacity_bytes, policy=policy, extra_args=daemon_args)
+        )
+        kv = stack.enter_context(
+            KVStoreClient(daemon.address, layout=layout, model=MODEL, transport="shm")
+        )
+        for i, chain in enumerate(chains):
+            keys = list(chain.keys)
+            n = len(keys)
+            content.fill(keys, src)
+            t0 = time.perf_counter()
+            m = kv.get(keys, out=out_t[:n]).shape[0]
+            if m < n:
+                try:
+                    stored += kv.put(keys[m:], src_t[m:n])
+                except CapacityError:
+                    refused += 1
+                    refused_first = i if refused_first is None else refused_first
+            result.latency_s.append(time.perf_counter() - t0)
+            result.hits.append(m)
+            # Untimed: every hit holds the bytes derived from its key.
+            expect(
+                np.array_equal(out[:m], src[:m]),
+                f"{label}: request {i}: a block read back differs from the one put",
+            )
+            progress(rep, label, i, chains, result)
+        cpu = next(t for t in kv.stats().tiers if t.name == "cpu")
+        result.held_at_end = int(cpu.blocks)
+        result.extra = {
+            "blocks_stored": stored,
+            "evictions": int(cpu.evictions),
+            "tier_capacity_bytes": int(cpu.capacity_bytes),
+            "tier_used_bytes": int(cpu.used_bytes),
+            "spare_binds": int(getattr(getattr(kv, "_spare", None), "binds", 0)),
+            "puts_refused": refused,
+            "first_refused_request": refused_first,
+        }
+    return result
+
+
+# --------------------------------------------------------------------------- Redis
+def redis_info(r: Any) -> dict[str, int]:
+    mem, stats = r.info("memory"), r.info("stats")
+    return {
+        "used_memory": int(mem["used_memory"]),
+        "keys": int(r.dbsize()),
+        "evicted_keys": int(stats["evicted_keys"]),
+    }
+
+
+def replay_redis(
+    chains: list[Chain], content: BlockContent, capacity_bytes: int, rep: Reporter, label: str
+) -> Replay:
+    """One pass through a fresh redis-server (``maxmemory`` = ``capacity_bytes``,
+    ``allkeys-lru``) driven by redis-py: EXISTS pipeline, then GET + SET pipeline."""
+    import redis
+
+    bb = content.block_bytes
+    longest = max(len(c.keys) for c in chains)
+    src = np.empty((longest, bb), dtype=np.uint8)
+    result = Replay("redis allkeys-lru")
+    args = ["--maxmemory", str(capacity_bytes), "--maxmemory-policy", "allkeys-lru"]
+    with RedisServer(extra_args=args) as server:
+        r = redis.Redis(unix_socket_path=server.socket_path, socket_read_size=1 << 20)
+        try:
+            empty = redis_info(r)
+            for i, chain in enumerate(chains):
+                keys = chain.keys
+                n = len(keys)
+                content.fill(keys, src)
+                t0 = time.perf_counter()
+                pipe = r.pipeline(transaction=False)
+                for k in keys:
+                    pipe.exists(k)
+                found = pipe.execute()
+                m = 0
+                while m < n and found[m]:
+                    m += 1
+                pipe = r.pipeline(transaction=False)
+                for k in keys[:m]:
+                    pipe.get(k)
+                for j in range(m, n):
+                    pipe.set(keys[j], memoryview(src[j]))
+                replies = pipe.execute()
+                result.latency_s.append(time.perf_counter() - t0)
+                got = 0
+                while got < m and replies[got] is not None:
+                    got += 1
+                result.hits.append(got)
+                for j in range(got):  # untimed
+                    expect(
+                        replies[j] == src[j].tobytes(),
+                        f"{label}: request {i}: a value read back differs from the one set",
+                    )
+                progress(rep, label, i, chains, result)
+            end = redis_info(r)
+            cfg = r.config_get("maxmemory-samples")
+        finally:
+            r.close()
+    result.held_at_end = end["keys"]
+    result.extra = {
+        "used_memory": end["used_memory"],
+        "used_memory_empty": empty["used_memory"],
+        "evicted_keys": end["evicted_keys"],
+        "memory_per_block_bytes": (end["used_memory"] / end["keys"]) if end["keys"] else None,
+        "used_over_payload": (end["used_memory"] / (end["keys"] * bb)) if end["keys"] else None,
+        "over_payload_less_empty": (
+            (end["used_memory"] - empty["used_memory"]) / (end["keys"] * bb)
+            if end["keys"]
+            else None
+        ),
+        "maxmemory_samples": int(cfg.get("maxmemory-samples", 0)),
+    }
+    return result
+
+
+# --------------------------------------------------------------------------- memcpy
+def memcpy_block_s(block_bytes: int, working_set: int) -> float:
+    """Median time of a single-thread ``np.copyto`` of one block, over a working set beyond
+    the caches (median over batches of 32 copies, divided by 32)."""
+    n = max(working_set // block_bytes // 32, 1) * 32
+    src = np.random.default_rng(1).integers(0, 256, (n, block_bytes), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    samples = []
+    for _ in range(2):
+        for lo in range(0, n, 32):
+            t0 = time.perf_counter()
+            for i in range(lo, lo + 32):
+                np.copyto(dst[i], src[i])
+            samples.append((time.perf_counter() - t0) / 32)
+    expect(np.array_equal(dst, src), "memcpy copied other bytes")
+    return statistics.median(samples)
+
+
+# --------------------------------------------------------------------------- summaries
+def capacity_for(frac: float, distinct: int, longest: int) -> int:
+    """Blocks a cache of ``frac`` of the distinct blocks holds: at least the longest request
+    (a put must fit)."""
+    return max(int(frac * distinct), longest)
+
+
+def summarize_runs(
+    runs: list[Replay], chains: list[Chain], memcpy_s: float, block_bytes: int
+) -> dict[str, Any]:
+    """Medians over the runs of one store."""
+    blocks = sum(len(c.keys) for c in chains)
+    rates = [r.hit_rate(blocks) for r in runs]
+    best = runs[0]
+    # A request moves its hits out and the rest in: that many blocks of memcpy.
+    memcpy_req = [len(c.keys) * memcpy_s for c in chains]
+    out: dict[str, Any] = {
+        "hit_rate": statistics.median(rates),
+        "hit_rates": rates,
+        "hit_rate_halves": half_hit_rates(best.hits, chains),
+        "requests_per_s": statistics.median(r.requests_per_s for r in runs),
+        "p50_ms": statistics.median(percentile(r.latency_s, 0.5) * 1e3 for r in runs),
+        "p99_ms": statistics.median(percentile(r.latency_s, 0.99) * 1e3 for r in runs),
+        "time_over_memcpy": statistics.median(sum(r.latency_s) / sum(memcpy_req) for r in runs),
+        "held_at_end": statistics.median(r.held_at_end for r in runs),
+        "held_bytes_at_end": statistics.median(r.held_at_end for r in runs) * block_bytes,
+        "extra": runs[-1].extra,
+    }
+    return out
+
+
+def rate(x: float) -> str:
+    """A hit rate as the tables print it (four decimals: the differences are small)."""
+    return f"{x:.4f}"
+
+
+def sim_dict(s: SimResult) -> dict[str, Any]:
+    return {
+        "hit_rate": s.hit_rate,
+        "hit_rate_halves": s.half_hit_rates(),
+        "capacity_blocks": s.capacity_blocks,
+        "held_at_end": s.held_at_end,
+    }
+
+
+TABLE_HEADERS = (
+    "store",
+    "hit rate",
+    "blocks at end",
+    "x LRU sim",
+    "req/s",
+    "p50 ms",
+    "p99 ms",
+    "x memcpy",
+)
+SIM_ROWS = (
+    ("unbounded", "unbounded cache (bound)"),
+    ("lru", "exact LRU simulation"),
+    ("lru_dedup", "  the same, put leaves stored blocks alone"),
+    ("prefix", "exact prefix-aware simulation"),
+)
+
+
+def simulations(chains: list[Chain], cap: int) -> dict[str, SimResult]:
+    """The references: textbook LRU (a put of a stored block is a use of it), LRU with
+    kvstore's put semantics (stored blocks deduplicated, untouched), kvstore's prefix-aware
+    order (with its put semantics), and the unbounded cache."""
+    return {
+        "unbounded": simulate(chains, None),
+        "lru": simulate(chains, cap, "lru"),
+        "lru_dedup": simulate(chains, cap, "lru", put_touches=False),
+        "prefix": simulate(chains, cap, "prefix", put_touches=False),
+    }
+
+
+def report(
+    rep: Reporter,
+    chains: list[Chain],
+    cap: int,
+    bb: int,
+    runs: int,
+    sims: dict[str, SimResult],
+    stores: dict[str, dict[str, Any]],
+) -> dict[str, Any] | None:
+    """Print the replay's tables; returns the LRU-against-simulation verdict (None without
+    an LRU replay)."""
+    sim_lru = sims["lru"].hit_rate
+    sim_dedup = sims["lru_dedup"].hit_rate
+    rows: list[list[Any]] = []
+    for key, label in SIM_ROWS:
+        s = sims[key]
+        rows.append([label, rate(s.hit_rate), s.held_at_end, s.hit_rate / sim_lru] + [None] * 4)
+    for name, st in stores.items():
+        rows.append(
+            [
+                name,
+                rate(st["hit_rate"]),
+                st["held_at_end"],
+                st["hit_rate"] / sim_lru,
+                st["requests_per_s"],
+                st["p50_ms"],
+                st["p99_ms"],
+                st["time_over_memcpy"],
+            ]
+        )
+    rep.table(
+        f"Replay of {len(chains)} requests, capacity {cap} blocks of {fmt_size(bb)}; medians "
+        f"of {runs} run(s)",
+        TABLE_HEADERS,
+        rows,
+    )
+    redis_rps = stores.get("redis allkeys-lru", {}).get("requests_per_s")
+    ratio_rows: list[list[Any]] = []
+    if redis_rps:
+        for name, st in stores.items():
+            if name.startswith("kvstore"):
+                ratio_rows.append(
+                    [f"{name}: req/s / redis req/s", st["requests_per_s"] / redis_rps]
+                )
+    lru = stores.get("kvstore lru")
+    verdict_: dict[str, Any] | None = None
+    if lru is not None:
+        value = lru["hit_rate"] / sim_lru
+        status = "PASS" if value >= LRU_TARGET else "MISS"
+        dedup = lru["hit_rate"] / sim_dedup
+        verdict_ = {"value": value, "over_dedup_sim": dedup, "target": LRU_TARGET, "status": status}
+        ratio_rows.append([f"kvstore lru hit rate / LRU sim (>= {LRU_TARGET}: {status})", value])
+        ratio_rows.append(["kvstore lru hit rate / LRU sim, put leaves stored alone", dedup])
+    if ratio_rows:
+        rep.table("Ratios", ["ratio", "x"], ratio_rows)
+    halves = [[name, *map(rate, st["hit_rate_halves"])] for name, st in stores.items()]
+    halves += [[label.strip(), *map(rate, sims[k].half_hit_rates())] for k, label in SIM_ROWS]
+    rep.table("Hit rate by half of the trace", ["store", "first half", "second half"], halves)
+    red = stores.get("redis allkeys-lru")
+    if red is not None:
+        ex = red["extra"]
+        rep.line(
+            f"  redis: {red['held_at_end']:.0f} keys held at the end ({cap} fit the bytes), "
+            f"used_memory {ex['used_memory'] / (1 << 20):.1f} MiB = "
+            f"{ex['used_over_payload']:.3f} x keys x block bytes "
+            f"({ex['memory_per_block_bytes']:.0f} B per block; "
+            f"{ex['over_payload_less_empty']:.3f} x without the empty server's "
+            f"{ex['used_memory_empty'] / (1 << 20):.1f} MiB); allkeys-lru samples "
+            f"{ex['maxmemory_samples']} keys per eviction on a 1 s LRU clock"
+        )
+    for name, st in stores.items():
+        refused = st["extra"].get("puts_refused")
+        if refused:
+            rep.line(
+                f"  {name}: {refused} puts refused (CapacityError), the first at request "
+                f"{st['extra']['first_refused_request']}"
+            )
+    return verdict_
+
+
+# --------------------------------------------------------------------------- sweep
+def run_sweep(
+    chains: list[Chain],
+    content: BlockContent,
+    distinct: int,
+    policies: list[str],
+    no_spare: bool,
+    rep: Reporter,
+    plot_path: str,
+) -> dict[str, Any]:
+    """Hit rate at each capacity of ``SWEEP_FRACS``: the simulations and one replay per kvstore
+    policy (and, with ``no_spare``, LRU with ``limits.max_spare = 0``)."""
+    longest = max(len(c.keys) for c in chains)
+    blocks = sum(len(c.keys) for c in chains)
+    runs = [(p, False) for p in policies] + ([("lru", True)] if no_spare else [])
+    rows = []
+    points: list[dict[str, Any]] = []
+    for frac in SWEEP_FRACS:
+        cap = capacity_for(frac, distinct, longest)
+        sims = simulations(chains, cap)
+        point: dict[str, Any] = {"capacity_frac": frac, "capacity_blocks": cap}
+        point.update({f"sim_{k}": v.hit_rate for k, v in sims.items()})
+        for policy, bare in runs:
+            name = f"kvstore_{policy}" + ("_no_spare" if bare else "")
+            label = f"sweep {frac:.0%} {name}"
+            r = replay_kvstore(chains, content, cap * content.block_bytes, policy, rep, label, bare)
+            point[name] = r.hit_rate(blocks)
+            point[f"{name}_held"] = r.held_at_end
+            point[f"{name}_puts_refused"] = r.extra["puts_refused"]
+        if "kvstore_lru" in point:
+            point["lru_over_sim"] = point["kvstore_lru"] / point["sim_lru"]
+        points.append(point)
+        rep.line(f"  sweep {frac:.0%} ({cap} blocks) done")
+        row = [f"{frac:.0%} ({cap})", rate(point["sim_lru"]), rate(point["sim_prefix"])]
+        row += [rate(point[f"kvstore_{p}" + ("_no_spare" if b else "")]) for p, b in runs]
+        row += [point.get("lru_over_sim"), rate(point["sim_unbounded"])]
+        rows.append(row)
+    heads = ["capacity (blocks)", "LRU sim", "prefix sim"]
+    heads += [f"kvstore {p}" + (", max_spare 0" if b else "") for p, b in runs]
+    heads += ["kv lru / sim", "unbounded"]
+    rep.table(
+        "Sweep: hit rate against capacity (share of distinct blocks), one run each", heads, rows
+    )
+    plotted = plot_sweep(points, runs, plot_path, rep) if plot_path else None
+    return {"points": points, "plot": plotted}
+
+
+def plot_sweep(
+    points: list[dict[str, Any]], runs: list[tuple[str, bool]], path: str, rep: Reporter
+) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        rep.line("  plot skipped: matplotlib is not installed here (the table above has it)")
+        return None
+    xs = [100 * p["capacity_frac"] for p in points]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(xs, [p["sim_unbounded"] for p in points], "k--", label="unbounded cache")
+    ax.plot(xs, [p["sim_lru"] for p in points], "k-o", label="exact LRU simulation")
+    for policy, bare in runs:
+        name = f"kvstore_{policy}" + ("_no_spare" if bare else "")
+        label = f"kvstore {policy}" + (", max_spare 0" if bare else "")
+        ax.plot(xs, [p[name] for p in points], marker="x", label=label)
+    ax.set_xlabel("CPU tier capacity, % of the trace's distinct blocks")
+    ax.set_ylabel("prefix block-hit rate")
+    ax.set_title("FAST'25 synthetic trace replayed at storage level")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    rep.line(f"  plot written to {path}")
+    return path
+
+
+# --------------------------------------------------------------------------- main
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default=None, help="trace file (default: the synthetic trace)")
+    p.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--capacity-frac", type=float, default=None, help="CPU tier / distinct blocks")
+    p.add_argument("--block-kib", type=int, default=16, help="block size (multiple of 4)")
+    p.add_argument("--runs", type=int, default=None, help="rounds (medians over them)")
+    p.add_argument("--policies", default=",".join(POLICIES), help="kvstore policies to replay")
+    p.add_argument("--no-redis", action="store_true", help="leave the Redis peer out")
+    p.add_argument(
+        "--skip-no-spare",
+        action="store_true",
+        help="leave out the LRU replay with limits.max_spare = 0 (no slots held ahead for puts)",
+    )
+    p.add_argument("--sweep", action="store_true", help="hit rate against capacity, plotted")
+    p.add_argument("--plot", default="var/trace-sweep.png", help="PNG of the sweep ('' for none)")
+
+
+def skip_missing_trace(args: argparse.Namespace, path: Path) -> int:
+    """The trace is not here: measure nothing and say so, with the harness's skip status."""
+    reason = f"the trace {path} is not here (--trace names another)"
+    print(f"SKIPPED ({benchmark_name()}): needs file:{path}: {reason}", file=sys.stderr)
+    emit({"skipped": {"needs": f"file:{path}", "reason": reason}}, args)
+    return SKIP_EXIT
+
+
+def main() -> int:
+    args = parse_args(__doc__.split("\n\n")[0], add_args)
+    trace = Path(args.trace) if args.trace else default_trace_path()
+    if not trace.exists():
+        return skip_missing_trace(args, trace)
+    limit = args.requests or (SMOKE_REQUESTS if args.smoke else None)
+    frac = args.capacity_frac or (0.05 if args.smoke else 0.10)
+    runs = args.runs or (1 if args.quick else 3)
+    policies = [p for p in args.policies.split(",") if p]
+    for p in policies:
+        if p not in POLICIES:
+            raise SystemExit(f"unknown policy {p!r}; kvstore offers {', '.join(POLICIES)}")
+    use_redis = not args.no_redis
+    if use_redis and redis_server_path() is None:
+        raise RuntimeError("redis-server not found: the Redis peer is part of the run (--no-redis)")
+    rep = Reporter(args.json)
+    if not args.json:
+        print_header("bench_trace", args)
+    started = time.monotonic()
+
+    chains = load_trace(trace, limit)
+    distinct = distinct_blocks(chains)
+    longest = max(len(c.keys) for c in chains)
+    blocks = sum(len(c.keys) for c in chains)
+    bb = args.block_kib << 10
+    content = BlockContent(bb)
+    cap = capacity_for(frac, distinct, longest)
+    capacity_bytes = cap * bb
+    rep.line(
+        f"  trace {trace.name}: {len(chains)} requests, {blocks} blocks asked, {distinct} "
+        f"distinct, longest request {longest}; {fmt_size(bb)} blocks"
+    )
+    rep.line(
+        f"  capacity {cap} blocks = {capacity_bytes / (1 << 20):.1f} MiB "
+        f"({cap / distinct:.1%} of the distinct blocks"
+        + (f"; raised from {frac:.0%} to fit the longest request" if cap > frac * distinct else "")
+        + f"), {runs} run(s), policies {', '.join(policies)}"
+    )
+
+    sims = simulations(chains, cap)
+    memcpy_s = memcpy_block_s(bb, (4 if args.smoke else 64) << 20)
+    rep.line(f"  memcpy of one block (np.copyto, 1 thread): {memcpy_s * 1e6:.2f} us")
+
+    per_store: dict[str, list[Replay]] = {}
+
+    def note(r: Replay, label: str) -> None:
+        per_store.setdefault(r.store, []).append(r)
+        refused = r.extra.get("puts_refused")
+        rep.line(
+            f"  {label}: hit rate {r.hit_rate(blocks):.4f}, {r.requests_per_s:.0f} req/s, "
+            f"{r.held_at_end} blocks held" + (f", {refused} puts refused" if refused else "")
+        )
+
+    for run in range(runs):
+        for policy in policies:
+            label = f"kvstore {policy} run {run + 1}"
+            note(replay_kvstore(chains, content, capacity_bytes, policy, rep, label), label)
+        if not args.skip_no_spare and "lru" in policies:
+            label = f"kvstore lru, max_spare 0, run {run + 1}"
+            r = replay_kvstore(chains, content, capacity_bytes, "lru", rep, label, no_spare=True)
+            note(r, label)
+        if use_redis:
+            label = f"redis run {run + 1}"
+            note(replay_redis(chains, content, capacity_bytes, rep, label), label)
+    stores = {name: summarize_runs(rs, chains, memcpy_s, bb) for name, rs in per_store.items()}
+    status = report(rep, chains, cap, bb, runs, sims, stores)
+
+    sweep = None
+    if args.sweep:
+        no_spare = not args.skip_no_spare and "lru" in policies
+        sweep = run_sweep(chains, content, distinct, policies, no_spare, rep, args.plot)
+    elapsed = time.monotonic() - started
+    rep.line(f"elapsed {elapsed:.0f}s; load {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    emit(
+        {
+            "trace": trace.name,
+            "requests": len(chains),
+            "blocks": blocks,
+            "distinct_blocks": distinct,
+            "block_bytes": bb,
+            "capacity_frac": frac,
+            "capacity_blocks": cap,
+            "capacity_bytes": capacity_bytes,
+            "runs": runs,
+            "memcpy_block_us": memcpy_s * 1e6,
+            "simulation": {k: sim_dict(v) for k, v in sims.items()},
+            "stores": stores,
+            "lru_over_sim": status,
+            "sweep": sweep,
+            "elapsed_s": elapsed,
+        },
+        args,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(AttributeError):
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    run_main(main)
