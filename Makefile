@@ -10,7 +10,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint pytest proto kernels bench clean vllm-env test-vllm bench-vllm fuzz
+.PHONY: setup demo test lint pytest proto kernels bench clean vllm-env test-vllm bench-vllm fuzz \
+	sglang-env test-sglang
 
 setup: $(STAMP)
 
@@ -27,7 +28,7 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m kvstore demo
 
-test: setup lint pytest test-vllm
+test: setup lint pytest test-vllm test-sglang
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -53,6 +54,18 @@ test-vllm: vllm-env
 	$(VLLM_PY) -m pytest -q tests/vllm_connector
 	$(PY) -m pytest -q tests/test_bench_smoke.py -k vllm
 
+# The SGLang HiCache backend's tests run against SGLang's real pools, cache controller and
+# backend factory in .venv-sglang (sglang pins a transformers that conflicts with ours, and
+# CUDA-only packages HiCache's storage path does not need); scripts/sglang_env.sh builds it
+# once (~2 minutes) and is a no-op after that.
+SGLANG_PY := .venv-sglang/bin/python
+
+sglang-env:
+	scripts/sglang_env.sh
+
+test-sglang: sglang-env
+	$(SGLANG_PY) -m pytest -q tests/sglang_backend
+
 bench-vllm: vllm-env
 	$(VLLM_PY) benchmarks/bench_vllm.py
 	$(VLLM_PY) benchmarks/bench_vllm_binding.py
@@ -76,4 +89,4 @@ bench: setup
 	done
 
 clean:
-	rm -rf $(VENV) .venv-vllm build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm .venv-sglang build *.egg-info .pytest_cache .mypy_cache .ruff_cache
