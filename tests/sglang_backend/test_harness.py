@@ -15,6 +15,9 @@ if importlib.util.find_spec("sglang") is None:
         "SGLang is not installed (make test-sglang builds .venv-sglang)", allow_module_level=True
     )
 
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
 from .conftest import MHA_LAYOUTS, MLA_LAYOUTS, Controller
 
 pytestmark = pytest.mark.timeout(300)
@@ -96,9 +99,67 @@ def test_a_wrong_byte_is_seen(
     before = c.snapshot()
     start = c.page_starts(src)[1]
     page = c.host.get_data_page(start, flat=True).clone()
-    flipped = page.view(-1).view(__import__("torch").uint8)
+    flipped = page.view(-1).view(torch.uint8)
     flipped[7] ^= 0x40
     c.host.set_from_flat_data_page(start, page)
     assert c.read_pages(src) != written
     assert c.changed_outside(before, src[: c.page_size])
     assert not c.changed_outside(before, src)
+
+
+class PagesInADict(HiCacheStorage):
+    """The smallest zero-copy (``interface_v1``) backend: pages kept in a dict, copied from and
+    to the registered host pool at ``host_indices[i * page_size]``. The flat-page calls fail, so
+    a test using it shows the controller took the v1 path."""
+
+    def __init__(self, storage_config: Any, kwargs: Any) -> None:
+        self.pages: dict[str, Any] = {}
+        self.v1_calls: list[str] = []
+
+    def batch_set_v1(self, keys: Any, host_indices: Any, extra_info: Any = None) -> list[bool]:
+        host, step = self.mem_pool_host, self.mem_pool_host.page_size
+        for i, key in enumerate(keys):
+            self.pages[key] = host.get_data_page(host_indices[i * step], flat=True).clone()
+        self.v1_calls.append("batch_set_v1")
+        return [True] * len(keys)
+
+    def batch_get_v1(self, keys: Any, host_indices: Any, extra_info: Any = None) -> list[bool]:
+        host, step = self.mem_pool_host, self.mem_pool_host.page_size
+        found = []
+        for i, key in enumerate(keys):
+            if key in self.pages:
+                host.set_from_flat_data_page(host_indices[i * step], self.pages[key])
+            found.append(key in self.pages)
+        self.v1_calls.append("batch_get_v1")
+        return found
+
+    def batch_exists(self, keys: Any, extra_info: Any = None) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.pages:
+            n += 1
+        return n
+
+    def exists(self, key: str) -> bool:
+        return key in self.pages
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the flat-page path was taken")
+
+    batch_get = set = batch_set = get
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "legacy"])
+def test_the_zero_copy_path_reaches_a_dynamic_backend(
+    kind: str, make_pools: Any, make_controller: Any
+) -> None:
+    config = {
+        "backend_name": "pages-in-a-dict",
+        "module_path": __name__,
+        "class_name": "PagesInADict",
+        "interface_v1": 1,
+    }
+    c = make_controller(make_pools("page_first_direct"), config, kind=kind)
+    assert type(c.backend).__name__ == "PagesInADict"
+    assert c.backend.mem_pool_host is c.host
+    _round_trip(c, seed=6)
+    assert c.backend.v1_calls == ["batch_set_v1", "batch_get_v1"]
