@@ -430,7 +430,7 @@ def report(
         ratio_rows.append([f"kvstore lru hit rate / LRU sim (>= {LRU_TARGET}: {status})", value])
         ratio_rows.append(["kvstore lru hit rate / LRU sim, put leaves stored alone", dedup])
     if ratio_rows:
-        rep.table("Ratios", ["ratio", "x"], ratio_rows)
+        rep.table("Ratios", ["ratio", "x"], [[k, f"{v:.3f}"] for k, v in ratio_rows])
     halves = [[name, *map(rate, st["hit_rate_halves"])] for name, st in stores.items()]
     halves += [[label.strip(), *map(rate, sims[k].half_hit_rates())] for k, label in SIM_ROWS]
     rep.table("Hit rate by half of the trace", ["store", "first half", "second half"], halves)
@@ -491,7 +491,8 @@ def run_sweep(
         rep.line(f"  sweep {frac:.0%} ({cap} blocks) done")
         row = [f"{frac:.0%} ({cap})", rate(point["sim_lru"]), rate(point["sim_prefix"])]
         row += [rate(point[f"kvstore_{p}" + ("_no_spare" if b else "")]) for p, b in runs]
-        row += [point.get("lru_over_sim"), rate(point["sim_unbounded"])]
+        over = point.get("lru_over_sim")
+        row += [f"{over:.3f}" if over is not None else None, rate(point["sim_unbounded"])]
         rows.append(row)
     heads = ["capacity (blocks)", "LRU sim", "prefix sim"]
     heads += [f"kvstore {p}" + (", max_spare 0" if b else "") for p, b in runs]
@@ -515,19 +516,27 @@ def plot_sweep(
         rep.line("  plot skipped: matplotlib is not installed here (the table above has it)")
         return None
     xs = [100 * p["capacity_frac"] for p in points]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, ax2) = plt.subplots(
+        2, 1, figsize=(7, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+    )
     ax.plot(xs, [p["sim_unbounded"] for p in points], "k--", label="unbounded cache")
     ax.plot(xs, [p["sim_lru"] for p in points], "k-o", label="exact LRU simulation")
+    ax2.axhline(1.0, color="k", lw=1)
+    ax2.axhline(LRU_TARGET, color="k", ls=":", lw=1, label=f"{LRU_TARGET} x simulation")
     for policy, bare in runs:
         name = f"kvstore_{policy}" + ("_no_spare" if bare else "")
         label = f"kvstore {policy}" + (", max_spare 0" if bare else "")
         ax.plot(xs, [p[name] for p in points], marker="x", label=label)
-    ax.set_xlabel("CPU tier capacity, % of the trace's distinct blocks")
+        ax2.plot(xs, [p[name] / p["sim_lru"] for p in points], marker="x", label=label)
     ax.set_ylabel("prefix block-hit rate")
     ax.set_title("FAST'25 synthetic trace replayed at storage level")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
+    ax2.set_xlabel("CPU tier capacity, % of the trace's distinct blocks")
+    ax2.set_ylabel("hit rate / LRU simulation")
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
