@@ -62,6 +62,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         [
             "kvstore.daemon",
             "kvstore.daemon.auth",
+            "kvstore.daemon.block_events",
             "kvstore.daemon.namespaces",
             "kvstore.daemon.quotas",
             "kvstore.daemon.tierstats",

@@ -29,6 +29,7 @@ from kvstore.client._common import (
     open_session,
     translate_error,
 )
+from kvstore.client.block_watch import AsyncBlockWatch
 from kvstore.client.core import Blocking, Call, ClientCore, Fetch, Op
 from kvstore.client.leases import AsyncReadLease, AsyncWriteReservation
 from kvstore.client.local_stub import AsyncLocalStub
@@ -231,6 +232,12 @@ class AsyncKVStoreClient(ClientCore):
 
     async def stats(self) -> pb.StatsResponse:
         return await self._run(self._stats())
+
+    def watch_blocks(self) -> AsyncBlockWatch:
+        """``KVStoreClient.watch_blocks`` for asyncio: ``async for events in watch``."""
+        if self._stub is None:
+            raise KVStoreError("client is not open: use `await client.open()` or `async with`")
+        return AsyncBlockWatch(self._stub.WatchBlocks(pb.WatchBlocksRequest(handle=self._handle)))
 
     # ------------------------------------------------------------------ paged caches
     async def offload(

@@ -30,6 +30,7 @@ from kvstore.client._common import (
     open_session,
     translate_error,
 )
+from kvstore.client.block_watch import BlockWatch
 from kvstore.client.core import Blocking, Call, ClientCore, Fetch, Op
 from kvstore.client.leases import ReadLease, WriteReservation
 from kvstore.client.local_stub import LocalStub
@@ -231,6 +232,14 @@ class KVStoreClient(ClientCore):
 
     def stats(self) -> pb.StatsResponse:
         return self._run(self._stats())
+
+    def watch_blocks(self) -> BlockWatch:
+        """Which tiers hold each block of this namespace, as that changes: an iterator of
+        ``BlockEvents``, the first a snapshot of the whole namespace (and so is any later one
+        with ``reset``: the watch fell behind). It blocks between events; ``close()`` it from
+        any thread. It ends when this client closes; a daemon restart ends it with
+        ``UnknownNamespaceError`` (watch again from a new client)."""
+        return BlockWatch(self._stub.WatchBlocks(pb.WatchBlocksRequest(handle=self._handle)))
 
     # ------------------------------------------------------------------ paged caches
     def offload(

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from kvstore.config import DaemonConfig
+from kvstore.daemon.block_events import BlockEventFeed
 from kvstore.daemon.cpu_tier import CpuSlots
 from kvstore.daemon.disk_tier import DiskSlots
 from kvstore.daemon.namespaces import NamespaceRecord, NamespaceTable
@@ -114,6 +115,8 @@ class Ledger:
         # Waiters for the commit (or the end) of RESERVED entries, by entry id.
         self._written: dict[int, asyncio.Future[None]] = {}
         self._reserved_blocks = 0
+        # Clients watching namespaces learn each change of a committed block's tiers.
+        self.feed = BlockEventFeed()
 
     def close(self) -> None:
         for record in self.names.records():
@@ -456,6 +459,7 @@ class Ledger:
         record.blocks += 1
         self._presence_add(record, (eid,))
         self._note_written(eid)
+        self._tell(eid)
 
     def commit_cpu_entries(self, eids: list[int], checksums: Sequence[int]) -> None:
         """``_commit_entry`` of a CPU reservation's entries (one namespace), then the policy's
@@ -482,6 +486,9 @@ class Ledger:
         if self._written:  # someone waits for a block being written
             for eid in eids:
                 self._note_written(eid)
+        if self.feed.watched:
+            key, told = index.key, self._tiers_told
+            self.feed.note_many(index.ns[eids[0]], ((key(e), told(e)) for e in eids))
 
     def commit_recovered(self, eid: int, checksum: int, disk_slot: int) -> None:
         """Make a block found on disk at start-up (a RESERVED entry just added) visible."""
@@ -506,6 +513,7 @@ class Ledger:
             raise AssertionError(f"dropping the only copy of entry {eid}")
         self._free_cpu_slot(eid)
         self.policy.remove(eid)
+        self._tell(eid)
 
     def drop_disk_copy(self, eid: int) -> None:
         """Free an entry's disk slot; it must have a CPU or GPU copy (it becomes dirty again)."""
@@ -513,6 +521,7 @@ class Ledger:
             raise AssertionError(f"dropping the only copy of entry {eid}")
         self._free_disk_slot(eid)
         self.nvme_policy.remove(eid)
+        self._tell(eid)
 
     def _free_cpu_slot(self, eid: int) -> None:
         clean = bool(self.index.tier[eid] & IN_NVME)
@@ -554,10 +563,12 @@ class Ledger:
         if self.index.tier[eid] & IN_CPU:
             self.cpu_slots.note_clean(self.cpu_bytes_of(eid), clean=True)
         self.nvme_policy.insert(eid, self.index.priority[eid])
+        self._tell(eid)
 
     def mark_in_redis(self, eid: int) -> None:
         """This host wrote the block to the shared tier."""
         self.index.tier[eid] |= IN_REDIS
+        self._tell(eid)
 
     # ----------------------------------------------------------------- the GPU pool
     def attach_pool(self, allocator: SlabAllocator) -> None:
@@ -589,6 +600,7 @@ class Ledger:
         """The entry's GPU copy is whole, with device checksum ``dsum``: eviction may pick it."""
         self.gpu_slots.complete(eid, dsum)
         self.gpu_policy.insert(eid, self.index.priority[eid])
+        self._tell(eid)
 
     def drop_gpu_copy(self, eid: int) -> None:
         """Drop a GPU copy that has a copy below (the block stays stored there)."""
@@ -596,6 +608,7 @@ class Ledger:
             raise AssertionError(f"dropping the only copy of entry {eid}")
         self.gpu_policy.remove(eid)
         self._free_gpu_slot(eid)
+        self._tell(eid)
 
     def touch_gpu(self, eids: list[int]) -> None:
         """A read of these entries' GPU copies (those complete and committed)."""
@@ -654,6 +667,7 @@ class Ledger:
         self.index.tier[eid] |= IN_CPU
         self.policy.insert(eid, self.index.priority[eid])
         self._presence_locate(eid)
+        self._tell(eid)
 
     def forget(self, eid: int) -> None:
         """Remove a committed entry from every tier (evicted from the last tier holding it, or
@@ -672,6 +686,8 @@ class Ledger:
         record.blocks -= 1
         if record.presence is not None:
             record.presence.remove(self.index.key(eid))
+        if self.feed.watched:
+            self.feed.note(self.index.ns[eid], self.index.key(eid), 0)  # gone from every tier
         if self.index.leases[eid]:
             self.index.orphan(eid)
         else:
@@ -714,6 +730,26 @@ class Ledger:
         record.entries -= 1
         self.names.maybe_free(record)
         self.maybe_forget_books(record)
+
+    # ----------------------------------------------------------------- block events
+    def _tiers_told(self, eid: int) -> int:
+        """The tiers a watcher is told hold a committed entry: a GPU copy once it is whole."""
+        tiers = self.index.tier[eid] & (IN_CPU | IN_NVME | IN_REDIS)
+        return tiers | IN_GPU if eid in self.gpu_slots.dsum else tiers
+
+    def _tell(self, eid: int) -> None:
+        """The watchers of a committed entry's namespace learn its tiers now."""
+        if self.feed.watched and self.index.state[eid] == State.COMMITTED:
+            self.feed.note(self.index.ns[eid], self.index.key(eid), self._tiers_told(eid))
+
+    def block_tiers(self, ns_id: int) -> list[tuple[bytes, int]]:
+        """Every committed block of a namespace with its tiers: a watcher's snapshot."""
+        state, told = self.index.state, self._tiers_told
+        return [
+            (key, told(eid))
+            for key, eid in self.index.ids_of(ns_id).items()
+            if state[eid] == State.COMMITTED
+        ]
 
     @property
     def reserved_blocks(self) -> int:

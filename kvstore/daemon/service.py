@@ -194,6 +194,10 @@ def remaining_s(context: grpc.aio.ServicerContext) -> float:
     return 3600.0 if left is None else max(0.0, left - 0.05)
 
 
+WATCH_BATCH_BLOCKS = 4096
+"""Blocks per WatchBlocks message (~136 KiB): a snapshot of a large namespace goes in parts."""
+
+
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     """Implements ``kvstore.v1.KVStore`` over one ``BlockStore``."""
 
@@ -546,6 +550,46 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 self.store.release(handle, lease_id)
             except LeaseExpiredError:  # expired while the client was slow: already dropped
                 pass
+
+    async def WatchBlocks(
+        self, request: pb.WatchBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.BlockEventBatch]:
+        try:
+            principal = self.auth.principal(context)
+            _caller.set(principal)
+            _check_decoded(request, "WatchBlocks")
+            handle = self._handle(request.handle)
+            watcher = self.store.watch_blocks(handle, caller_key(principal))
+        except Exception as exc:
+            await abort_with(context, "WatchBlocks", exc)
+            return
+        step = WATCH_BATCH_BLOCKS
+        try:
+            while True:
+                closing = asyncio.ensure_future(self._closing.wait())
+                waiting = asyncio.ensure_future(watcher.wait())
+                try:
+                    await asyncio.wait((closing, waiting), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    closing.cancel()
+                    waiting.cancel()
+                if watcher.closed or self._closing.is_set():
+                    return  # the handle closed (or the daemon stops): the watch ends with it
+                reset, changes = self.store.watched_batch(watcher)
+                # A snapshot goes out whole before any later change (those queue meanwhile);
+                # a slow reader holds this loop at ``yield``, and its queue overflows into a
+                # reset rather than growing.
+                for start in range(0, max(1, len(changes)), step):
+                    part = changes[start : start + step]
+                    yield pb.BlockEventBatch(
+                        reset=reset and start == 0,
+                        snapshot_end=reset and start + step >= len(changes),
+                        keys=b"".join(key for key, _ in part),
+                        tiers=bytes(tiers for _, tiers in part),
+                        resets=watcher.resets,
+                    )
+        finally:
+            self.store.unwatch_blocks(watcher)
 
     @_rpc
     async def Prefetch(self, request, context):

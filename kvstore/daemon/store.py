@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.config import DaemonConfig
 from kvstore.daemon.auth import Principal
+from kvstore.daemon.block_events import Watcher
 from kvstore.daemon.cpu_room import CpuRoom
 from kvstore.daemon.cpu_tier import CpuSlots
 from kvstore.daemon.device import DeviceTier, make_device_pool
@@ -73,6 +74,7 @@ from kvstore.daemon.store_reads import ReadOps
 from kvstore.daemon.store_spares import SpareOps
 from kvstore.daemon.tier_contract import Tier
 from kvstore.daemon.tierstats import TierCounters, TierSnapshot
+from kvstore.errors import UnknownNamespaceError
 from kvstore.index import BlockIndex
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.policy import EvictionPolicy
@@ -245,8 +247,25 @@ class BlockStore(ReadOps, SpareOps):
         self.close()
 
     def close(self) -> None:
+        self.ledger.feed.close()
         self.device.close()  # first: it unpins the arena the ledger's CPU slots unmap
         self.ledger.close()
+
+    # ----------------------------------------------------------------- block events
+    def watch_blocks(self, handle: Handle, who: str) -> Watcher:
+        """A watch of ``handle``'s namespace by caller ``who``: it learns each change of a
+        committed block's tiers, starting with a snapshot, and ends with the handle."""
+        if handle.closed:
+            raise UnknownNamespaceError("the namespace handle is closed: open it again")
+        return self.ledger.feed.watch(handle.ns_id, handle, who)
+
+    def unwatch_blocks(self, watcher: Watcher) -> None:
+        self.ledger.feed.unwatch(watcher)
+
+    def watched_batch(self, watcher: Watcher) -> tuple[bool, list[tuple[bytes, int]]]:
+        """(reset, [(key, tiers)]): a snapshot of the watched namespace if the watcher is
+        new or fell behind, else the changes since its last batch (``Watcher.take``)."""
+        return watcher.take(self.ledger.block_tiers)
 
     # ----------------------------------------------------------------- namespaces and handles
     def open_namespace(
@@ -324,6 +343,7 @@ class BlockStore(ReadOps, SpareOps):
         if handle.closed:
             return 0, 0
         handle.closed = True
+        self.ledger.feed.close_owner(handle)
         reservations = list(handle.reservations.values())
         leases = list(handle.leases.values())
         handle.reservations.clear()

@@ -468,3 +468,23 @@ class StatsResponse(_message.Message):
     namespaces_omitted: int
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., open_handles: _Optional[int] = ..., namespaces_omitted: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+
+class WatchBlocksRequest(_message.Message):
+    __slots__ = ("handle",)
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    def __init__(self, handle: _Optional[bytes] = ...) -> None: ...
+
+class BlockEventBatch(_message.Message):
+    __slots__ = ("reset", "snapshot_end", "keys", "tiers", "resets")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_END_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    RESETS_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    snapshot_end: bool
+    keys: bytes
+    tiers: bytes
+    resets: int
+    def __init__(self, reset: _Optional[bool] = ..., snapshot_end: _Optional[bool] = ..., keys: _Optional[bytes] = ..., tiers: _Optional[bytes] = ..., resets: _Optional[int] = ...) -> None: ...

@@ -99,6 +99,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.WatchBlocks = channel.unary_stream(
+                '/kvstore.v1.KVStore/WatchBlocks',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.WatchBlocksRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.BlockEventBatch.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -191,6 +196,16 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchBlocks(self, request, context):
+        """Which tiers hold each block of the handle's namespace, as that changes: what a KV-aware
+        router needs. The stream opens with a snapshot of the whole namespace; a watcher that falls
+        behind (its queue of changes overflows) gets a fresh snapshot instead of the lost changes.
+        It ends when the handle closes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -258,6 +273,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'WatchBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchBlocks,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.WatchBlocksRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.BlockEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -611,6 +631,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Stats',
             kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/WatchBlocks',
+            kvstore_dot_v1_dot_kvstore__pb2.WatchBlocksRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.BlockEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -272,7 +272,7 @@ class Daemon:
                     yield r
 
             return await method(stream(), context)
-        if name in ("OpenNamespace", "GetBlocks"):
+        if SERVICE.methods_by_name[name].server_streaming:
             replies = []
             stream = method(requests[0], context)
             try:
@@ -280,6 +280,8 @@ class Daemon:
                     replies.append(reply)
                     if name == "OpenNamespace":
                         break  # the handle lives while the stream does: closed right here
+                    if name == "WatchBlocks" and reply.snapshot_end:
+                        break  # it waits for changes from here on: the first snapshot will do
             finally:
                 await stream.aclose()
             return replies
