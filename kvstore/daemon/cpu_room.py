@@ -104,9 +104,13 @@ class CpuRoom:
         domain: int = 0,
         record: NamespaceRecord | None = None,
         held_bytes: int = 0,
+        keep: Container[int] = frozenset(),
     ) -> list[int]:
         """Allocate ``n`` CPU slots, making room as needed: drop clean victims' CPU copies,
         write dirty ones down first (or drop them when there is no tier below).
+
+        ``keep``: entries this call must not evict, as if leased (the blocks a put found
+        stored: evicting them to make room for its missing ones would make them missing too).
 
         ``record``: the namespace the slots are for. Past its namespace's or its tenant's
         ``quota_cpu`` (counting ``held_bytes`` it already got for the same call), that
@@ -121,7 +125,7 @@ class CpuRoom:
         a victim, since dropping it would make that GPU block dirty again (churn, no room won).
         """
         ledger, index = self.ledger, self.ledger.index
-        keep = keep_gpu_copies and ledger.nvme is None
+        keep_gpu = keep_gpu_copies and ledger.nvme is None
 
         flushing = self.writing
 
@@ -130,7 +134,7 @@ class CpuRoom:
             # write (flush() joins the one in flight) and then drops only its CPU copy. Any
             # other lease (a reader, a promotion) protects it.
             leases = index.leases[eid] - (1 if eid in flushing else 0)
-            return leases > 0 or (keep and bool(index.tier[eid] & IN_GPU))
+            return leases > 0 or (keep_gpu and bool(index.tier[eid] & IN_GPU)) or eid in keep
 
         shared = self.spill
 

@@ -32,8 +32,9 @@ class WriteOps(StoreParts):
         ``gpu``: the writer maps the GPU pool and would rather write there (a device-to-device
         copy); the slots come from the pool when it can make room for all of them, else from
         the CPU arena. All or nothing: when the CPU tier cannot make room for every new key (the
-        rest is leased or being written) nothing is reserved and CapacityError says how many
-        slots were missing. Keys another client is writing are waited for (at most ``wait_s``,
+        rest is leased, being written, or the call's own keys found stored, which are never
+        evicted for its new ones) nothing is reserved and CapacityError says how many slots
+        were missing. Keys another client is writing are waited for (at most ``wait_s``,
         default ``limits.write_wait_s``), so that a put returning means the block is readable;
         those still being written then are counted in ``pending``.
         """
@@ -76,13 +77,17 @@ class WriteOps(StoreParts):
                     record, "reservations", len(todo) * bb, [], self._bound(handle)
                 )
                 # Making room may wait for dirty victims to reach the disk; other calls run
-                # meanwhile and may reserve some of these keys, hence the loop.
+                # meanwhile and may reserve some of these keys, hence the loop. The call's
+                # keys found stored are no victims: evicting one would only add it to the
+                # keys to reserve (a chain whose first block went and whose rest is the
+                # coldest in the tier was evicted whole, one round at a time, then refused).
                 slots += await self.cpu_room.alloc_cpu(
                     bb,
                     len(todo) - len(slots),
                     domain=record.domain,
                     record=record,
                     held_bytes=len(slots) * bb,
+                    keep=() if spare else self._stored(record.ns_id, keys),
                 )
             else:
                 raise CapacityError("cpu tier full: the keys to reserve kept changing")
@@ -187,6 +192,11 @@ class WriteOps(StoreParts):
         if not todo:
             return 0
         return self._add_reservation(handle, keys, todo, slots, priority, offsets, gpu=True)
+
+    def _stored(self, ns_id: int, keys: Sequence[bytes]) -> set[int]:
+        """The entries of ``keys`` that are indexed (stored or being written)."""
+        ids = self.ledger.index.ids_of(ns_id)
+        return {e for e in map(ids.get, keys) if e is not None}
 
     def _new_positions(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
         """Positions of the keys to write: not indexed, first occurrence in the call."""
