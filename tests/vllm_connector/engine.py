@@ -66,6 +66,12 @@ def main() -> None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": spec["connector"],
         }
+    if spec.get("kv_events"):  # vLLM's KV events, published on a ZMQ endpoint
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=spec["kv_events"]
+        )
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     result: dict = {"startup_s": time.perf_counter() - t0, "phases": [], "workers": _workers()}
@@ -76,6 +82,8 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no {phase['wait_for']}")
                 time.sleep(0.05)
+        if phase.get("sleep_s"):
+            time.sleep(phase["sleep_s"])
         if phase.get("chat"):
             result["phases"].append(_chat(llm, phase["chat"], SamplingParams, TokensPrompt))
             continue

@@ -263,11 +263,18 @@ def test_scheduler_side_lookups_loads_salts_and_events(daemon_factory) -> None:
     # Blocks a worker reports newly stored become BlockStored events for a KV-aware router.
     sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
     events = list(sched.take_events())
-    assert all(isinstance(e, BlockStored) and e.medium == "kvstore" for e in events)
-    assert [e.block_hashes[0] for e in events] == list(r1.block_hashes)
+    assert all(isinstance(e, BlockStored) and e.medium == "CPU" for e in events)
+    # vLLM's block hashes as its own events publish them (64-bit ints by default).
+    assert [e.block_hashes[0] for e in events] == _published(r1.block_hashes)
     assert [e.token_ids for e in events] == [ids[0:32], ids[32:64], ids[64:96]]
     assert list(sched.take_events()) == []
     sched.stores.close()
+
+
+def _published(hashes) -> list:
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return [maybe_convert_block_hash(h) for h in hashes]
 
 
 def _alloc(sched, req, first_block: int) -> list[bytes]:
@@ -319,7 +326,7 @@ def test_event_map_forgets_settled_transfers_and_keeps_pending_ones(tmp_path: Pa
     )
     events = list(sched.take_events())
     assert [type(e) for e in events] == [BlockRemoved]
-    assert events[0].block_hashes == [r1.block_hashes[2]]
+    assert events[0].block_hashes == _published(r1.block_hashes[2:])
     assert len(sched.announce) == 0
     stats = sched.take_stats()
     assert stats is None or stats.data["events_dropped"] == 0  # nothing dropped
@@ -345,7 +352,7 @@ def test_event_map_past_its_bound_drops_the_oldest_and_counts_them(tmp_path: Pat
     )
     events = list(sched.take_events())
     assert all(isinstance(e, BlockStored) for e in events)
-    assert [e.block_hashes[0] for e in events] == [r1.block_hashes[2], *r2.block_hashes]
+    assert [e.block_hashes[0] for e in events] == _published([r1.block_hashes[2], *r2.block_hashes])
 
 
 def test_a_block_in_two_jobs_stays_until_both_settle_and_is_told_once(tmp_path: Path) -> None:

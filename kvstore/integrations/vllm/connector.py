@@ -176,7 +176,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:
-            self._scheduler.stores.close()
+            self._scheduler.close()
 
     # ------------------------------------------------------------------ scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 from kvstore.client.sync import KVStoreClient
+from kvstore.integrations.vllm.events import EventRelay
 from kvstore.integrations.vllm.identity import AdapterKeys, StoreIdentity, store_key
 from kvstore.integrations.vllm.metadata import (
     KVStoreConnectorMetadata,
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-MEDIUM = "kvstore"
+MEDIUM = "CPU"
+"""The medium of events told from workers' reports (no block watch: vLLM's KV events are off)."""
 
 MAX_PENDING_EVENTS = 65536
 
@@ -45,6 +47,8 @@ class _Pending:
     parent: Any
     tokens: list[int]
     lora: Any
+    extra_keys: Any
+    """vLLM's extra keys of the block, as its own events publish them (None: none)."""
     waiting: int
     """Settle reports still expected: one per worker per job naming the block."""
     told: str = ""
@@ -91,6 +95,14 @@ class _Scheduler:
         self.reporters = max(1, int(getattr(pc, "world_size", 1) or 1))
         self.hash_block_size = vllm_config.cache_config.block_size
         self.adapters = AdapterKeys()
+        # With vLLM's KV events on, the daemon's block events say what is stored where.
+        self.relay: EventRelay | None = None
+        if _kv_events_on(vllm_config):
+            self.relay = EventRelay(
+                self.block_size,
+                self.max_pending,
+                on_dropped=lambda n: self.stats.add("events_dropped", n),
+            )
 
     def access(self, request: Request, count: bool = False) -> tuple[str, bytes] | None:
         """The tenant of the request's blocks and what its LoRA adapter adds to their keys;
@@ -189,22 +201,35 @@ class _Scheduler:
         )
         state.load = job
         for i, key in enumerate(job.keys):
-            self._remember(request, start + i, key)
+            self._remember(request, start + i, key, state.tenant)
         self.pending_loads.append(job)
 
-    def _remember(self, request: Request, index: int, key: bytes) -> None:
+    def _remember(self, request: Request, index: int, key: bytes, tenant: str) -> None:
         hashes = request.block_hashes
         bs = self.block_size
-        parent = hashes[index - 1] if index > 0 else None
-        lora = request.lora_request.lora_name if request.lora_request else None
         pending = self.announce.get(key)
         if pending is not None:
             # The same block in another job (a shared prefix): one entry, settled by both.
             pending.waiting += self.reporters
             self.announce.move_to_end(key)
+            if self.relay is not None:
+                self.relay.remember(key, pending)
             return
+        parent = _external(hashes[index - 1]) if index > 0 else None
+        lora = request.lora_request.lora_name if request.lora_request else None
         tokens = list(request.all_token_ids[index * bs : (index + 1) * bs])
-        self.announce[key] = _Pending(hashes[index], parent, tokens, lora, self.reporters)
+        pending = _Pending(
+            _external(hashes[index]),
+            parent,
+            tokens,
+            lora,
+            _extra_keys(request, index * bs, (index + 1) * bs),
+            self.reporters,
+        )
+        self.announce[key] = pending
+        if self.relay is not None:
+            self.relay.remember(key, pending)
+            self.relay.watch(tenant, self.stores.of(tenant).new_client)
         while len(self.announce) > self.max_pending:
             self.announce.popitem(last=False)
             self.stats.add("events_dropped")
@@ -247,7 +272,7 @@ class _Scheduler:
             start = state.saved
             keys = self.keys_of(req, start, stop, state.adapter)
             for i, key in enumerate(keys):
-                self._remember(req, start + i, key)
+                self._remember(req, start + i, key, state.tenant)
             meta.saves.append(
                 SaveJob(req_id, keys, list(block_ids[start:stop]), tenant=state.tenant)
             )
@@ -281,6 +306,14 @@ class _Scheduler:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, KVStoreWorkerMetadata):
             return
+        if self.relay is not None:  # the daemon's events tell what is stored where
+            for key in meta.settled:
+                info = self.announce.get(key)
+                if info is not None:
+                    info.waiting -= 1
+                    if info.waiting <= 0:
+                        del self.announce[key]
+            return
         for key in meta.stored:
             info = self.announce.get(key)
             if info is not None and info.told != "stored":  # once, whatever the TP ranks say
@@ -294,6 +327,7 @@ class _Scheduler:
                         lora_id=None,
                         medium=MEDIUM,
                         lora_name=info.lora,
+                        extra_keys=info.extra_keys,
                     )
                 )
         for key in meta.missing:
@@ -310,7 +344,44 @@ class _Scheduler:
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self.events = self.events, []
+        if self.relay is not None:
+            events.extend(self.relay.take())
         return events
+
+    def close(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
+        self.stores.close()
 
     def take_stats(self) -> KVStoreConnectorStats | None:
         return self.stats.take()
+
+
+def _kv_events_on(vllm_config: Any) -> bool:
+    config = getattr(vllm_config, "kv_events_config", None)
+    return bool(config is not None and getattr(config, "enable_kv_cache_events", False))
+
+
+def _external(block_hash: Any) -> Any:
+    """A block hash as vLLM's own events publish it (bytes, or an int with
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
+    try:
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    except ImportError:  # a vLLM without it publishes the hash as it is
+        return block_hash
+    return maybe_convert_block_hash(block_hash)
+
+
+def _extra_keys(request: Request, start: int, stop: int) -> Any:
+    """The block's extra keys (LoRA name, multimodal inputs, cache salt...) in the untagged
+    form vLLM's own ``BlockStored`` events carry; None where this vLLM cannot say."""
+    try:
+        from vllm.v1.core.kv_cache_utils import (
+            generate_block_hash_extra_keys,
+            to_event_extra_keys,
+        )
+
+        keys, _ = generate_block_hash_extra_keys(request, start, stop, 0)
+        return to_event_extra_keys([keys])
+    except Exception:  # an older vLLM, or a request it cannot describe: no extra keys
+        return None

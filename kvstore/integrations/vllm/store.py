@@ -42,19 +42,8 @@ class _Store:
             return self._client
         if time.monotonic() < self._down_until:
             return None
-        ident = self.ident
         try:
-            self._client = KVStoreClient(
-                self.cfg.address,
-                layout=ident.layout,
-                model=ident.model,
-                revision=ident.revision,
-                tenant=ident.tenant,
-                tp_rank=ident.tp_rank,
-                tp_size=ident.tp_size,
-                timeout_s=self.timeout_s,
-                token=self.token,
-            )
+            self._client = self.new_client()
         except (KVStoreError, OSError) as exc:
             self.failed("connect", exc)
             return None
@@ -62,6 +51,22 @@ class _Store:
             logger.info("kvstore reachable again at %s", self._client.address)
             self._warned = False
         return self._client
+
+    def new_client(self) -> KVStoreClient:
+        """A new client of this store's namespace (one per thread: ``client`` is this
+        thread's)."""
+        ident = self.ident
+        return KVStoreClient(
+            self.cfg.address,
+            layout=ident.layout,
+            model=ident.model,
+            revision=ident.revision,
+            tenant=ident.tenant,
+            tp_rank=ident.tp_rank,
+            tp_size=ident.tp_size,
+            timeout_s=self.timeout_s,
+            token=self.token,
+        )
 
     def with_client(
         self,
