@@ -230,6 +230,10 @@ class AsyncKVStoreClient(ClientCore):
     async def delete(self, keys: Sequence[bytes]) -> int:
         return await self._run(self._delete(keys))
 
+    async def clear(self) -> int:
+        """``KVStoreClient.clear``."""
+        return await self._run(self._clear())
+
     async def stats(self) -> pb.StatsResponse:
         return await self._run(self._stats())
 

@@ -282,6 +282,19 @@ class ClientCore:
         )
         return int(reply.deleted)
 
+    def _clear(self) -> Op[int]:
+        deleted = 0
+        while True:  # the daemon deletes a bounded number per call
+            reply = yield Call(
+                "Delete",
+                lambda: pb.DeleteRequest(
+                    handle=self._handle, all_blocks=True, release_leases=self._take_releases()
+                ),
+            )
+            deleted += int(reply.deleted)
+            if not reply.more:
+                return deleted
+
     def _stats(self) -> Op[pb.StatsResponse]:
         return (yield Call("Stats", pb.StatsRequest))
 

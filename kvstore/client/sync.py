@@ -230,6 +230,12 @@ class KVStoreClient(ClientCore):
     def delete(self, keys: Sequence[bytes]) -> int:
         return self._run(self._delete(keys))
 
+    def clear(self) -> int:
+        """Delete every block of this namespace (every client's: the namespace is shared by
+        all who open it); returns how many. Blocks being read go when their reads end; copies
+        in the shared Redis tier stay until they expire."""
+        return self._run(self._clear())
+
     def stats(self) -> pb.StatsResponse:
         return self._run(self._stats())
 

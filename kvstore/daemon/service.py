@@ -611,11 +611,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Delete(self, request, context):
-        deleted = self.store.delete(
-            self._handle(request.handle, write=True, release=request.release_leases),
-            self._keys(request.keys),
-        )
-        return pb.DeleteResponse(deleted=deleted)
+        handle = self._handle(request.handle, write=True, release=request.release_leases)
+        if request.all_blocks:
+            if request.keys:
+                raise ValueError("a Delete of all_blocks names no keys")
+            deleted, more = self.store.delete_all(handle)
+            return pb.DeleteResponse(deleted=deleted, more=more)
+        return pb.DeleteResponse(deleted=self.store.delete(handle, self._keys(request.keys)))
 
     @_rpc
     async def Stats(self, request, context):

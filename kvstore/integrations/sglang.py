@@ -99,9 +99,6 @@ SGLANG_KEYS = frozenset(
 )
 """Keys of the extra config that SGLang reads itself."""
 
-MAX_KNOWN_KEYS = 1 << 20
-"""Keys ``clear`` remembers (written or read by this process): ~150 MiB at most."""
-
 MAX_BATCH_BYTES = 64 << 20
 """Pages per reservation or lease are bounded by bytes: a batch of SGLang's 128 pages of
 several MiB each goes in parts, so no call pins more of the CPU tier than this at once."""
@@ -197,7 +194,6 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
         self._down_until = 0.0
         self._warned: set[str] = set()
         self._closed = False
-        self._known: dict[bytes, None] = {}  # keys written or read, oldest first (``clear``)
 
     # ------------------------------------------------------------------ set-up
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -402,7 +398,6 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
         kv = self._keys(keys)
         began = time.perf_counter()
         done = self._with_client("write", lambda c: self._write(c, kv, starts), 0)
-        self._remember(kv[:done])
         for i in range(done):
             results[i] = True
         self._note_write(done, len(keys), began)
@@ -489,7 +484,6 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
         kv = self._keys(keys)
         began = time.perf_counter()
         done = self._with_client("read", lambda c: self._read(c, kv, starts), 0)
-        self._remember(kv[:done])
         for i in range(done):
             results[i] = True
         self._note_read(done, len(keys), began)
@@ -598,7 +592,6 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
             return got
 
         done = self._with_client("read", read, 0)
-        self._remember([k for k, _, _ in rows[:done]])
         for i in range(done):
             results[i] = rows[i][1]
         self._note_read(done, len(keys), began)
@@ -640,7 +633,6 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
             return len(kv)
 
         done = self._with_client("write", write, 0)
-        self._remember(kv[:done])
         self._note_write(done, len(keys), began)
         return done == len(keys)
 
@@ -699,31 +691,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
         return int(self._with_client("delete", lambda c: c.delete(list(dict.fromkeys(kv))), 0))
 
     def clear(self) -> None:
-        """Delete the pages this backend wrote or read (the last ``MAX_KNOWN_KEYS``) from the
-        daemon. The daemon has no call that empties a namespace: pages an earlier SGLang
-        process stored, and this one never touched, stay until the daemon evicts them."""
-        with self._lock:
-            known, self._known = list(self._known), {}
-
-        def delete(client: KVStoreClient) -> int:
-            return sum(client.delete(known[lo : lo + 1024]) for lo in range(0, len(known), 1024))
-
-        self._with_client("clear", delete, 0)
-        self._warn(
-            "clear",
-            "kvstore HiCache backend: clear() deleted the pages this process wrote or read; "
-            "pages of earlier processes stay until the daemon evicts them",
-        )
-
-    def _remember(self, kv: Sequence[bytes]) -> None:
-        """Note keys for ``clear``: the most recent ``MAX_KNOWN_KEYS``."""
-        with self._lock:
-            known = self._known
-            for k in kv:
-                known.pop(k, None)
-                known[k] = None
-            while len(known) > MAX_KNOWN_KEYS:
-                del known[next(iter(known))]
+        """Delete every page of this backend's namespace from the daemon (SGLang's "clear
+        storage"), whoever stored it: pages of earlier SGLang processes too. Copies in the
+        daemon's shared Redis tier stay until they expire."""
+        self._with_client("clear", lambda client: client.clear(), 0)
 
     def close(self) -> None:
         self._closed = True

@@ -327,20 +327,24 @@ class PrefetchResponse(_message.Message):
     def __init__(self, queued: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
-    __slots__ = ("handle", "keys", "release_leases")
+    __slots__ = ("handle", "keys", "all_blocks", "release_leases")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    ALL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     keys: bytes
+    all_blocks: bool
     release_leases: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., all_blocks: _Optional[bool] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
-    __slots__ = ("deleted",)
+    __slots__ = ("deleted", "more")
     DELETED_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     deleted: int
-    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+    more: bool
+    def __init__(self, deleted: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

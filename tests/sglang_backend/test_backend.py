@@ -408,14 +408,23 @@ def test_a_daemon_that_stops_and_comes_back(tmp_path: Path) -> None:
         d.stop()
 
 
-def test_clear_deletes_the_pages_it_wrote(daemon: DaemonProcess) -> None:
+def test_clear_deletes_every_page_of_its_namespace_and_no_other(daemon: DaemonProcess) -> None:
     pool = mha_pool("page_first")
     fill_random(pool, seed=12)
-    backend = make_backend(pool, daemon.address, model="clear")
+    earlier = make_backend(pool, daemon.address, model="clear")
+    other = make_backend(pool, daemon.address, model="not-cleared")
+    keys = keys_of("clear", 3)
     try:
-        keys = keys_of("clear", 3)
-        assert backend.batch_set_v1(keys, pages(1, 3)) == [True] * 3
+        assert earlier.batch_set_v1(keys, pages(1, 3)) == [True] * 3
+        assert other.batch_set_v1(keys, pages(1, 3)) == [True] * 3
+    finally:
+        earlier.close()
+    backend = make_backend(pool, daemon.address, model="clear")  # a later SGLang process
+    try:
+        assert backend.batch_exists(keys) == 3
         backend.clear()
         assert backend.batch_exists(keys) == 0
+        assert other.batch_exists(keys) == 3
     finally:
         backend.close()
+        other.close()
