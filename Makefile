@@ -65,6 +65,7 @@ sglang-env:
 
 test-sglang: sglang-env
 	$(SGLANG_PY) -m pytest -q tests/sglang_backend
+	$(PY) -m pytest -q tests/test_bench_smoke.py -k sglang
 
 bench-vllm: vllm-env
 	$(VLLM_PY) benchmarks/bench_vllm.py
