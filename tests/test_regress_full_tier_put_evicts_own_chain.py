@@ -60,20 +60,21 @@ def test_a_put_whose_stored_chain_is_the_coldest_writes_only_its_missing_block(
 def test_with_spare_slots_a_put_whose_stored_chain_is_the_coldest_writes_only_what_is_missing(
     daemon_factory,
 ) -> None:
-    # 32 slots; a handle may hold 2 spare slots (1/16 of the tier), made by evicting.
-    d = daemon_factory(cpu_capacity=f"{32 * BLOCK}", slab=f"{4 * BLOCK}", extra=LONG_GRACE)
+    # 256 slots; once the tier is full, spare slots are made by evicting for at most 2 blocks
+    # (1/128 of the tier).
+    d = daemon_factory(cpu_capacity=f"{256 * BLOCK}", slab=f"{4 * BLOCK}", extra=LONG_GRACE)
     first = random_blocks(SMALL_LAYOUT, 10, seed=4)
     second = random_blocks(SMALL_LAYOUT, 10, seed=5)
-    others = random_blocks(SMALL_LAYOUT, 23, seed=6)
+    others = random_blocks(SMALL_LAYOUT, 247, seed=6)
     with client(d) as kv:
         chain = kv.hash_tokens(tokens(10))
-        other = kv.hash_tokens(tokens(23, offset=100_000))
-        assert kv.put(chain, first) == 10  # too many blocks to ask for spare slots
-        assert kv.put(other[:22], others[:22]) == 22  # the tier is full
+        other = kv.hash_tokens(tokens(247, offset=100_000))
+        assert kv.put(chain, first) == 10  # a first put asks for no spare slots
+        assert kv.put(other[:246], others[:246]) == 246  # the tier is full; too many to ask
         kv._spare._last_put = time.monotonic()  # a run of puts, however slow the host
         # Evicts chain[0]; its commit asks for a spare slot: one is granted in its reply and
         # one more in the background, made by evicting chain[1] and chain[2].
-        assert kv.put(other[22:], others[22:]) == 1
+        assert kv.put(other[246:], others[246:]) == 1
         deadline = time.monotonic() + 30
         while kv.stats().active_reservations < 2:
             assert time.monotonic() < deadline, "the spare slots were not granted"
@@ -82,7 +83,7 @@ def test_with_spare_slots_a_put_whose_stored_chain_is_the_coldest_writes_only_wh
         # stored chain, one round at a time, and wrote it again.
         assert kv.put(chain, second) == 3
         assert same_bytes(kv.get(chain), torch.cat([second[:3], first[3:]]))
-        assert present(kv, other) == [False] * 3 + [True] * 20
+        assert present(kv, other) == [False] * 3 + [True] * 244
 
 
 # ----------------------------------------------------------------- in the store, checked
@@ -152,15 +153,15 @@ def test_the_store_writes_only_the_missing_blocks_of_a_chain_it_holds_the_coldes
 
 
 def test_the_store_with_a_spare_grant_writes_only_the_missing_blocks() -> None:
-    s = make_store(32, "lru")
+    s = make_store(256, "lru")  # spare slots made by evicting: 2 (1/128 of the tier)
     try:
         h = s.open_namespace(NS)
         chain = block_hashes(NS.seed, tokens(10))
-        other = block_hashes(NS.seed, tokens(23, offset=100_000))
+        other = block_hashes(NS.seed, tokens(247, offset=100_000))
 
         async def scenario() -> None:
             assert await put(s, h, chain, fill=1) == 10
-            assert await put(s, h, other, fill=2) == 23  # evicts chain[0]
+            assert await put(s, h, other, fill=2) == 247  # evicts chain[0]
             assert await s.grant_spare(h, 2)  # evicts chain[1], chain[2]
             s.check()
             assert [s.ledger.committed(h.ns_id, k) is None for k in chain[:4]] == [
@@ -173,7 +174,7 @@ def test_the_store_with_a_spare_grant_writes_only_the_missing_blocks() -> None:
             s.check()
             assert [read(s, h, k) for k in chain] == [3, 3, 3] + [1] * 7
             stored = [s.ledger.committed(h.ns_id, k) is not None for k in other]
-            assert stored == [False] * 3 + [True] * 20
+            assert stored == [False] * 3 + [True] * 244
 
         asyncio.run(scenario())
     finally:

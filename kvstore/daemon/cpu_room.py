@@ -105,12 +105,15 @@ class CpuRoom:
         record: NamespaceRecord | None = None,
         held_bytes: int = 0,
         keep: Container[int] = frozenset(),
+        may_evict: bool = True,
     ) -> list[int]:
         """Allocate ``n`` CPU slots, making room as needed: drop clean victims' CPU copies,
         write dirty ones down first (or drop them when there is no tier below).
 
         ``keep``: entries this call must not evict, as if leased (the blocks a put found
         stored: evicting them to make room for its missing ones would make them missing too).
+        Not ``may_evict``: only free slots are taken, and nothing is evicted (CapacityError when
+        too few are free, or the slots would take the namespace or tenant past a quota).
 
         ``record``: the namespace the slots are for. Past its namespace's or its tenant's
         ``quota_cpu`` (counting ``held_bytes`` it already got for the same call), that
@@ -168,6 +171,8 @@ class CpuRoom:
             )
 
         async with self._room:
+            if not may_evict:
+                return await self._free_only(block_bytes, n, domain, record, held_bytes, room)
             if record is not None:
                 n = await self._quota_room(record, block_bytes, n, held_bytes, partial, protected)
                 if not n:
@@ -178,6 +183,31 @@ class CpuRoom:
                 except CapacityError:
                     pass  # then they go too (counted in dropped_while_down)
             return await room(protected, all_or_nothing=False)
+
+    async def _free_only(
+        self,
+        block_bytes: int,
+        n: int,
+        domain: int,
+        record: NamespaceRecord | None,
+        held_bytes: int,
+        room: Callable[[Callable[[int], bool], bool], Awaitable[list[int]]],
+    ) -> list[int]:
+        """``alloc_cpu`` that evicts nothing: ``n`` free slots, all or nothing. The caller
+        holds the room lock."""
+
+        def nothing_goes(eid: int) -> bool:
+            return True
+
+        if record is not None:
+            await self._quota_room(record, block_bytes, n, held_bytes, False, nothing_goes)
+        free = self.ledger.allocator.free_slots(block_bytes, domain)
+        if free < n:  # refused here: make_room would walk every block for a victim
+            raise CapacityError(
+                f"cpu tier full: {n} free slots of {block_bytes} bytes asked for without "
+                f"evicting, {free} free"
+            )
+        return await room(nothing_goes, True)
 
     def owner_books(self, eid: int) -> Usage:
         return self.ledger.names[self.ledger.index.ns[eid]].owner  # type: ignore[no-any-return]

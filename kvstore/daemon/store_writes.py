@@ -25,6 +25,7 @@ class WriteOps(StoreParts):
         gpu: bool = False,
         wait_s: float | None = None,
         spare: bool = False,
+        may_evict: bool = True,
     ) -> ReserveResult:
         """Reserve a slot for each key not present: offsets (-1 where a key is present, being
         written, or repeats an earlier key of the call), whether they are in the GPU pool.
@@ -36,7 +37,8 @@ class WriteOps(StoreParts):
         evicted for its new ones) nothing is reserved and CapacityError says how many slots
         were missing. Keys another client is writing are waited for (at most ``wait_s``,
         default ``limits.write_wait_s``), so that a put returning means the block is readable;
-        those still being written then are counted in ``pending``.
+        those still being written then are counted in ``pending``. Not ``may_evict``: the CPU
+        slots are free ones, and nothing is evicted for them (CapacityError when too few).
         """
         self.check_keys(keys, "reserve")
         record = handle.record
@@ -88,6 +90,7 @@ class WriteOps(StoreParts):
                     record=record,
                     held_bytes=len(slots) * bb,
                     keep=() if spare else self._stored(record.ns_id, keys),
+                    may_evict=may_evict,
                 )
             else:
                 raise CapacityError("cpu tier full: the keys to reserve kept changing")
