@@ -639,8 +639,14 @@ SKIP_EXIT = 77
 def skip(args: argparse.Namespace, needs: str, reason: str) -> int:
     """Say that this run measures nothing because ``needs`` is missing, and return
     ``SKIP_EXIT`` for ``main`` to return. ``needs`` names the prerequisite in a form a caller can
-    check: ``"cuda"`` (a CUDA device torch sees) or ``"module:NAME"`` (an importable module)."""
-    if not (needs == "cuda" or needs.startswith("module:")):
+    check: ``"cuda"`` (a CUDA device torch sees), ``"module:NAME"`` (an importable module) or
+    ``"file:PATH"`` (a data file, such as a trace beside the repository: absolute, or relative
+    to the repository root)."""
+    if not (
+        needs == "cuda"
+        or needs.startswith("module:")
+        or (needs.startswith("file:") and needs != "file:")
+    ):
         raise ValueError(f"unknown prerequisite {needs!r}")
     print(f"SKIPPED ({benchmark_name()}): needs {needs}: {reason}", file=sys.stderr, flush=True)
     emit({"skipped": {"needs": needs, "reason": reason}}, args)

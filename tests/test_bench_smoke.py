@@ -5,15 +5,16 @@ names the benchmark and the smoke mode. Figures are never looked at.
 
 A script that cannot run here exits 77 (``_harness.SKIP_EXIT``) naming what it needs: the test
 skips only after checking, with the script's own interpreter, that this is really missing (no
-CUDA device, a package not installed); otherwise it fails. A script whose module sets
-``VENV = ".venv-vllm"`` runs with that environment's Python (``make vllm-env`` builds it) and
-is skipped when it is not built. Peers (redis-server) are not optional: a script that needs one
-fails without it. A smoke run gets ``SCRIPT_TIMEOUT_S``, or the ``SMOKE_TIMEOUT_S`` its module
-sets (the vLLM ones start engines: minutes).
+CUDA device, a package not installed, a data file that is not there); otherwise it fails. A
+script whose module sets ``VENV = ".venv-vllm"`` runs with that environment's Python (``make
+vllm-env`` builds it) and is skipped when it is not built. Peers (redis-server) are not
+optional: a script that needs one fails without it. A smoke run gets ``SCRIPT_TIMEOUT_S``, or
+the ``SMOKE_TIMEOUT_S`` its module sets (the vLLM ones start engines: minutes).
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import os
@@ -54,7 +55,13 @@ def interpreter_for(script: Path) -> str:
 
 
 def really_missing(python: str, needs: str) -> bool:
-    """Whether ``needs`` (``cuda`` or ``module:NAME``) is missing for ``python``."""
+    """Whether ``needs`` (``cuda``, ``module:NAME``, or ``file:PATH``, a data file outside the
+    repository such as a trace; relative to the repository root) is missing for ``python``."""
+    if needs.startswith("file:"):
+        path = Path(needs.removeprefix("file:"))
+        if not path.parts:
+            raise AssertionError(f"a skip names no file: {needs!r}")
+        return not (ROOT / path).exists()  # an absolute path stays itself
     if needs == "cuda":
         code = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"
     elif needs.startswith("module:"):
@@ -132,3 +139,31 @@ def test_benchmark_runs_in_smoke_mode(script: Path, tmp_path: Path) -> None:
 def test_the_benchmarks_are_found() -> None:
     """The glob above sees the scripts (a moved folder would leave nothing to parametrize)."""
     assert (ROOT / "benchmarks" / "bench_lookup.py") in SCRIPTS
+
+
+def test_a_data_file_is_missing_only_when_it_is_not_there(tmp_path: Path) -> None:
+    """``file:PATH`` (bench_trace's trace, beside the repository): absolute, or relative to
+    the repository root, as the scripts run from there."""
+    trace = tmp_path / "trace.jsonl.gz"
+    assert really_missing(sys.executable, f"file:{trace}")
+    trace.write_bytes(b"")
+    assert not really_missing(sys.executable, f"file:{trace}")
+    assert not really_missing(sys.executable, "file:pyproject.toml")
+    assert really_missing(sys.executable, "file:benchmarks/no-such-trace.jsonl.gz")
+    with pytest.raises(AssertionError, match="names no file"):
+        really_missing(sys.executable, "file:")
+
+
+def test_the_harness_skips_for_a_missing_data_file(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _harness
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    out = tmp_path / "result.json"
+    args = argparse.Namespace(json=False, json_out=str(out), smoke=True, quick=True)
+    needs = f"file:{tmp_path / 'trace.jsonl.gz'}"
+    assert _harness.skip(args, needs, "the trace is not here") == SKIP_EXIT
+    assert json.loads(out.read_text())["skipped"]["needs"] == needs
+    with pytest.raises(ValueError, match="unknown prerequisite"):
+        _harness.skip(args, "file:", "no path")
