@@ -742,13 +742,21 @@ class Ledger:
         if self.feed.watched and self.index.state[eid] == State.COMMITTED:
             self.feed.note(self.index.ns[eid], self.index.key(eid), self._tiers_told(eid))
 
-    def block_tiers(self, ns_id: int) -> list[tuple[bytes, int]]:
-        """Every committed block of a namespace with its tiers: a watcher's snapshot."""
-        state, told = self.index.state, self._tiers_told
+    def block_entries(self, ns_id: int) -> list[tuple[bytes, int]]:
+        """(key, entry) of every keyed entry of a namespace: what a watcher's snapshot covers,
+        copied at once (cheap even at millions) so its tiers can be read in parts
+        (``tiers_of``) between which the loop serves others."""
+        return list(self.index.ids_of(ns_id).items())
+
+    def tiers_of(self, ns_id: int, entries: Sequence[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+        """(key, tiers) of those of ``entries`` still committed under their key (one that went
+        meanwhile is told by its own event, queued after the snapshot)."""
+        index, told = self.index, self._tiers_told
+        state = index.state
         return [
             (key, told(eid))
-            for key, eid in self.index.ids_of(ns_id).items()
-            if state[eid] == State.COMMITTED
+            for key, eid in entries
+            if state[eid] == State.COMMITTED and index.has_key(eid, ns_id, key)
         ]
 
     @property

@@ -575,19 +575,25 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     waiting.cancel()
                 if watcher.closed or self._closing.is_set():
                     return  # the handle closed (or the daemon stops): the watch ends with it
-                reset, changes = self.store.watched_batch(watcher)
-                # A snapshot goes out whole before any later change (those queue meanwhile);
-                # a slow reader holds this loop at ``yield``, and its queue overflows into a
-                # reset rather than growing.
-                for start in range(0, max(1, len(changes)), step):
-                    part = changes[start : start + step]
+                reset, items = self.store.watched_batch(watcher)
+                # A snapshot goes out whole before any later change (those queue meanwhile),
+                # its tiers read one part at a time: between parts (each ``yield`` waits for
+                # the send) the loop serves everyone else, however large the namespace. A slow
+                # reader holds this loop at ``yield``, and its queue overflows into a reset
+                # rather than growing.
+                for start in range(0, max(1, len(items)), step):
+                    part = items[start : start + step]
+                    if reset:
+                        part = self.store.snapshot_part(watcher, part)
                     yield pb.BlockEventBatch(
                         reset=reset and start == 0,
-                        snapshot_end=reset and start + step >= len(changes),
+                        snapshot_end=reset and start + step >= len(items),
                         keys=b"".join(key for key, _ in part),
                         tiers=bytes(tiers for _, tiers in part),
                         resets=watcher.resets,
                     )
+                    if watcher.closed:
+                        return
         finally:
             self.store.unwatch_blocks(watcher)
 

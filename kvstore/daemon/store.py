@@ -280,9 +280,15 @@ class BlockStore(ReadOps, SpareOps):
         self.ledger.feed.unwatch(watcher)
 
     def watched_batch(self, watcher: Watcher) -> tuple[bool, list[tuple[bytes, int]]]:
-        """(reset, [(key, tiers)]): a snapshot of the watched namespace if the watcher is
-        new or fell behind, else the changes since its last batch (``Watcher.take``)."""
-        return watcher.take(self.ledger.block_tiers)
+        """(reset, items): if the watcher is new or fell behind, every (key, entry) of its
+        namespace, whose tiers ``snapshot_part`` reads a part at a time; else the (key, tiers)
+        changed since its last batch (``Watcher.take``)."""
+        return watcher.take(self.ledger.block_entries)
+
+    def snapshot_part(
+        self, watcher: Watcher, entries: Sequence[tuple[bytes, int]]
+    ) -> list[tuple[bytes, int]]:
+        return self.ledger.tiers_of(watcher.ns_id, entries)
 
     # ----------------------------------------------------------------- namespaces and handles
     def open_namespace(
