@@ -175,8 +175,9 @@ def test_a_routers_index_from_vllm_events_is_what_the_daemon_holds(
         assert {truth[h][0]: m for h, m in told.items()} == {key: {"CPU"} for key in held}, (
             subscriber.counts
         )
-        # Each store names its block as vLLM does: parent hash, token ids, size, locality.
-        assert len(subscriber.stored) == len(truth)
+        # Each store names its block as vLLM does: parent hash, token ids, size, locality. (A
+        # block stored and evicted between two engine steps is told neither: events are states.)
+        assert len(subscriber.stored) >= len(held)
         assert all(subscriber.stored[h] == truth[h][1] for h in subscriber.stored)
         # Evictions were told (a block evicted before its store was told is told neither).
         assert subscriber.counts.get("BlockRemoved:CPU", 0) > 0
@@ -199,7 +200,7 @@ def test_the_relay_tells_tier_moves_resets_and_only_its_own_blocks() -> None:
     }
     a, b, c = info
     for key in (a, b):
-        relay.remember(key, info[key])
+        relay.remember(key, info[key], "t")
 
     def told(*blocks: tuple[bytes, set[str]], reset: bool = False) -> list[tuple]:
         relay.push("t", BlockEvents(reset, [(k, frozenset(t)) for k, t in blocks], 0))
@@ -224,3 +225,43 @@ def test_the_relay_tells_tier_moves_resets_and_only_its_own_blocks() -> None:
     ]
     assert told((b, set())) == [("BlockRemoved", 1, "CPU", "LOCAL")]
     assert told((b, {"cpu"})) == []  # gone and forgotten: never told again without a save
+
+
+def test_the_relay_holds_a_bounded_backlog_and_tells_blocks_remembered_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regressions: an idle engine's relay queued every batch of a busy namespace without
+    bound; a block the daemon told of before the scheduler remembered it (a load of a block
+    stored before this engine started) was never told."""
+    from types import SimpleNamespace
+
+    from kvstore.client.block_watch import BlockEvents
+    from kvstore.integrations.vllm import events as events_module
+    from kvstore.integrations.vllm.events import EventRelay
+
+    monkeypatch.setattr(events_module, "MAX_PENDING_CHANGES", 4)
+    dropped: list[int] = []
+    relay = EventRelay(block_size=BLOCK, max_infos=8, on_dropped=dropped.append)
+
+    def info(i: int) -> SimpleNamespace:
+        return SimpleNamespace(block_hash=i, parent=None, tokens=[i], lora=None, extra_keys=None)
+
+    def batch(keys: range, tiers: set[str], reset: bool = False) -> BlockEvents:
+        return BlockEvents(reset, [(bytes([k]) * 32, frozenset(tiers)) for k in keys], 0)
+
+    # Another engine's blocks, changed over and over while this one takes nothing.
+    assert relay.push("t", batch(range(3), {"cpu"}))
+    assert relay.push("t", batch(range(3), {"cpu", "nvme"}))  # the same blocks: kept once
+    assert not relay.push("t", batch(range(3, 9), {"cpu"}))  # past the bound: watch again
+    assert not relay.push("t", batch(range(9, 12), {"cpu"}))  # waits for the snapshot
+    assert relay.push("t", batch(range(0, 2), {"cpu"}, reset=True))
+    assert relay.push("t", batch(range(20, 24), {"cpu"}))  # joins the snapshot that waits
+    assert relay.take() == []  # none of them this engine's
+    # Block 1 was told before this engine remembered it: told once remembered.
+    relay.remember(bytes([1]) * 32, info(1), "t")
+    told = relay.take()
+    assert [(type(e).__name__, e.block_hashes[0], e.medium) for e in told] == [
+        ("BlockStored", 1, "CPU")
+    ]
+    relay.remember(bytes([1]) * 32, info(1), "t")  # remembered again (a second load)
+    assert relay.take() == [] and dropped == []  # nothing told twice, nothing counted lost

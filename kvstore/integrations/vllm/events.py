@@ -26,7 +26,6 @@ queues are turned into vLLM's on the scheduler's thread, in ``take``.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -57,6 +56,23 @@ _HAS_OWNERSHIP = "ownership" in getattr(BlockStored, "__struct_fields__", ())
 RETRY_S = (0.5, 1.0, 2.0, 5.0)
 """Waits before watching again after the stream failed (the last repeats)."""
 
+MAX_PENDING_CHANGES = 65536
+"""Changed blocks a tenant's stream may have waiting for ``take`` (an idle engine beside busy
+ones on the same daemon takes nothing for a while): past it they are dropped and the stream is
+opened again, so the next ``take`` starts from a fresh snapshot."""
+
+
+class _Waiting:
+    """What a tenant's stream told since the last ``take``: the latest tiers of each block,
+    and whether they start from a snapshot (``reset``)."""
+
+    __slots__ = ("changes", "overflowed", "reset")
+
+    def __init__(self) -> None:
+        self.reset = False
+        self.changes: dict[bytes, frozenset[str]] = {}
+        self.overflowed = False
+
 
 def media_of(tiers: frozenset[str]) -> frozenset[Medium]:
     return frozenset(MEDIA[t] for t in tiers if t in MEDIA)
@@ -81,16 +97,29 @@ class EventRelay:
         self._on_dropped = on_dropped
         self._infos: OrderedDict[bytes, Any] = OrderedDict()
         self._known: dict[tuple[str, bytes], tuple[Any, frozenset[Medium]]] = {}
-        self._queue: queue.SimpleQueue[tuple[str, BlockEvents]] = queue.SimpleQueue()
+        # Blocks the daemon told of before the scheduler remembered them (a load of a block
+        # stored before this engine started): told once it does. Bounded like ``_infos``.
+        self._unseen: OrderedDict[bytes, tuple[str, frozenset[Medium]]] = OrderedDict()
+        self._ready: list[KVCacheEvent] = []
+        self._waiting: dict[str, _Waiting] = {}  # the stream threads' side, under ``_lock``
         self._threads: dict[str, threading.Thread] = {}
         self._stop = threading.Event()
         self._watches: dict[str, Any] = {}  # tenant -> its open BlockWatch, for close()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ scheduler thread
-    def remember(self, key: bytes, info: Any) -> None:
+    def remember(self, key: bytes, info: Any, tenant: str) -> None:
         """What ``key``'s events will say (``block_hash``, ``parent``, ``tokens``, ``lora``,
-        ``extra_keys`` attributes), kept until the daemon tells of the block."""
+        ``extra_keys`` attributes), kept until the daemon tells of the block in ``tenant``'s
+        namespace."""
+        if (tenant, key) in self._known:
+            return  # told already: its info is kept with what was told
+        unseen = self._unseen.get(key)
+        if unseen is not None and unseen[0] == tenant:
+            del self._unseen[key]
+            self._known[(tenant, key)] = (info, frozenset())
+            self._apply(tenant, key, unseen[1], self._ready)
+            return
         infos = self._infos
         infos[key] = info
         infos.move_to_end(key)
@@ -117,20 +146,21 @@ class EventRelay:
         return bool(self._threads)
 
     def take(self) -> list[KVCacheEvent]:
-        out: list[KVCacheEvent] = []
-        while True:
-            try:
-                tenant, events = self._queue.get_nowait()
-            except queue.Empty:
-                return out
-            if events.reset:
-                self._resync(tenant, events, out)
+        out, self._ready = self._ready, []
+        with self._lock:
+            waiting, self._waiting = self._waiting, {}
+        for tenant, told in waiting.items():
+            if told.reset:
+                self._resync(tenant, told.changes, out)
             else:
-                for key, tiers in events.blocks:
+                for key, tiers in told.changes.items():
                     self._apply(tenant, key, media_of(tiers), out)
+        return out
 
-    def _resync(self, tenant: str, events: BlockEvents, out: list[KVCacheEvent]) -> None:
-        now = {key: media_of(tiers) for key, tiers in events.blocks if tiers}
+    def _resync(
+        self, tenant: str, snapshot: dict[bytes, frozenset[str]], out: list[KVCacheEvent]
+    ) -> None:
+        now = {key: media_of(tiers) for key, tiers in snapshot.items() if tiers}
         for known_tenant, key in [k for k in self._known if k[0] == tenant]:
             if key not in now:
                 self._apply(known_tenant, key, frozenset(), out)
@@ -144,7 +174,16 @@ class EventRelay:
         if known is None:
             info = self._infos.get(key)
             if info is None or not media:
-                return  # not a block this engine handled, or gone before it was told
+                # Not a block this engine handled (yet: kept a while, should it load it), or
+                # gone before it was told.
+                if media:
+                    self._unseen[key] = (tenant, media)
+                    self._unseen.move_to_end(key)
+                    while len(self._unseen) > self.max_infos:
+                        self._unseen.popitem(last=False)
+                else:
+                    self._unseen.pop(key, None)
+                return
             before: frozenset[Medium] = frozenset()
         else:
             info, before = known
@@ -185,10 +224,30 @@ class EventRelay:
         return BlockRemoved(block_hashes=[info.block_hash], medium=medium[0], **fields)
 
     # ------------------------------------------------------------------ the stream threads
-    def push(self, tenant: str, events: BlockEvents) -> None:
-        """Queue the daemon's events of ``tenant``'s namespace for the next ``take`` (any
-        thread)."""
-        self._queue.put((tenant, events))
+    def push(self, tenant: str, events: BlockEvents) -> bool:
+        """Keep the daemon's events of ``tenant``'s namespace for the next ``take`` (any
+        thread), the latest tiers of each block only. False: more than
+        ``MAX_PENDING_CHANGES`` blocks wait, so they were dropped: watch again (a snapshot)."""
+        with self._lock:
+            told = self._waiting.get(tenant)
+            if told is None:
+                told = self._waiting[tenant] = _Waiting()
+            if events.reset:  # the whole picture: what waited before is superseded
+                told.reset, told.overflowed = True, False
+                told.changes = dict(events.blocks)
+                return True
+            if told.overflowed:
+                return False  # a snapshot is on its way
+            told.changes.update(events.blocks)
+            if told.reset:  # a snapshot holds only what is there: its size stays the namespace's
+                for key, tiers in events.blocks:
+                    if not tiers:
+                        told.changes.pop(key, None)
+            elif len(told.changes) > MAX_PENDING_CHANGES:
+                told.changes.clear()
+                told.overflowed = True
+                return False
+            return True
 
     def _follow(self, tenant: str, open_client: Callable[[], KVStoreClient]) -> None:
         failures = 0
@@ -207,9 +266,8 @@ class EventRelay:
                         break
                     for events in watch:
                         failures = 0
-                        self.push(tenant, events)
-                        if self._stop.is_set():
-                            break
+                        if not self.push(tenant, events) or self._stop.is_set():
+                            break  # fell behind: watch again, from a snapshot
             except Exception as exc:
                 failures += 1
                 self._failed(tenant, exc, failures)

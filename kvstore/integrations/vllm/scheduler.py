@@ -213,7 +213,7 @@ class _Scheduler:
             pending.waiting += self.reporters
             self.announce.move_to_end(key)
             if self.relay is not None:
-                self.relay.remember(key, pending)
+                self.relay.remember(key, pending, tenant)
             return
         parent = _external(hashes[index - 1]) if index > 0 else None
         lora = request.lora_request.lora_name if request.lora_request else None
@@ -228,7 +228,7 @@ class _Scheduler:
         )
         self.announce[key] = pending
         if self.relay is not None:
-            self.relay.remember(key, pending)
+            self.relay.remember(key, pending, tenant)
             self.relay.watch(tenant, self.stores.of(tenant).new_client)
         while len(self.announce) > self.max_pending:
             self.announce.popitem(last=False)
