@@ -66,6 +66,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import grpc
 import torch
 
 try:
@@ -79,7 +80,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from kvstore.address import default_address
 from kvstore.client._parallel import each_block
 from kvstore.client.sync import KVStoreClient
-from kvstore.errors import KVStoreError
+from kvstore.errors import (
+    KVStoreError,
+    NamespaceMismatchError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnavailableError,
+    UnknownNamespaceError,
+)
 from kvstore.integrations.sglang_pages import (
     HostPages,
     PageFormat,
@@ -93,6 +101,18 @@ from kvstore.integrations.sglang_pages import (
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_DAEMON_DOWN = (
+    UnavailableError,
+    UnknownNamespaceError,
+    UnauthenticatedError,
+    PermissionDeniedError,
+    NamespaceMismatchError,
+    OSError,
+    grpc.RpcError,
+)
+"""Failures that mean the daemon cannot be used for now (down, restarted, refusing us): every
+page is a miss for ``retry_after_s``. Any other failure is its batch's alone."""
 
 SGLANG_KEYS = frozenset(
     {"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"}
@@ -284,9 +304,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
             return default
         try:
             return call(client)
-        except Exception as exc:  # never into SGLang's controller threads
+        except _DAEMON_DOWN as exc:  # never into SGLang's controller threads
             self._drop_client(client)
             self._failed(what, exc)
+            return default
+        except Exception as exc:
+            # This batch failed (a tier full, a lease expired, pages it could not read): a
+            # miss for it alone; the daemon is up and every other batch is served.
+            self.stats.add(errors=1)
+            self._warn("batch", "kvstore HiCache backend: a %s batch failed: %r", what, exc)
             return default
 
     def _failed(self, what: str, exc: BaseException) -> None:
@@ -424,12 +450,16 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
             reservation.abort()
             raise
         new = len(reservation.indices)
-        reservation.commit()
+        committed = reservation.commit()
         self.stats.add(
-            pages_written=new,
+            pages_written=committed,
             pages_present=len(kv) - new,
-            bytes_written=new * fmt.page_bytes,
+            bytes_written=committed * fmt.page_bytes,
         )
+        if committed < new or reservation.pending:
+            # Not all stored by this call: some were another writer's, still unfinished when
+            # the daemon stopped waiting (it may yet abort). Only what is there now counts.
+            return min(len(kv), client.lookup(kv))
         return len(kv)
 
     def _fill(self, reservation: Any, starts: list[int]) -> None:

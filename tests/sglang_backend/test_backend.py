@@ -367,6 +367,26 @@ def test_bad_input_is_a_miss_or_false_never_an_exception(
         backend.close()
 
 
+def test_a_bad_batch_is_a_miss_for_itself_and_not_an_outage(daemon: DaemonProcess) -> None:
+    """Regression: any failure of a batch (here host indices past the pool's end) made the
+    backend treat the daemon as down, so every page of every thread was a miss for
+    ``retry_after_s``."""
+    pool = mha_pool("page_first")
+    fill_random(pool, seed=13)
+    backend = make_backend(pool, daemon.address, model="outage")
+    try:
+        keys = keys_of("outage", 2)
+        assert backend.batch_set_v1(keys, pages(1, 2)) == [True, True]
+        past_the_end = torch.arange(10**6, 10**6 + 2 * PAGE, dtype=torch.int64)
+        assert backend.batch_set_v1(keys_of("other", 2), past_the_end) == [False, False]
+        assert backend.batch_get_v1(keys, past_the_end) == [False, False]
+        # The very next batch is served: the daemon was never down.
+        assert backend.batch_get_v1(keys, pages(5, 2)) == [True, True]
+        assert backend.batch_exists(keys) == 2
+    finally:
+        backend.close()
+
+
 def test_a_daemon_that_is_down_is_a_miss(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     pool = mha_pool("page_first")
     fill_random(pool, seed=10)
