@@ -74,8 +74,8 @@ class Lease:
 
 class Store(BlockStore):
     """The store, allowed spare slots on tiers this small (its policy makes none below 16
-    blocks' room): the mechanism is what is under test here, the tier-wide bound included
-    (less than three handles' worth)."""
+    blocks' room), some made by evicting: the mechanism is what is under test here, the
+    tier-wide bounds included (less than three handles' worth)."""
 
     def spare_bytes(self, record):  # type: ignore[no-untyped-def]
         return 4 * LARGE.block_bytes
@@ -83,6 +83,11 @@ class Store(BlockStore):
     @property
     def spare_tier_bytes(self) -> int:
         return 6 * LARGE.block_bytes
+
+    @property
+    def spare_evicting_bytes(self) -> int:
+        # Grants that evict to make their slots too (1/128 of a tier this small is none).
+        return 2 * LARGE.block_bytes
 
 
 class StoreMachine(RuleBasedStateMachine):
