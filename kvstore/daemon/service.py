@@ -194,6 +194,9 @@ def remaining_s(context: grpc.aio.ServicerContext) -> float:
     return 3600.0 if left is None else max(0.0, left - 0.05)
 
 
+WATCH_INTERVAL_S = 0.01
+"""Changes of a watched namespace go out at most this often (a router's picture lags by that)."""
+
 WATCH_BATCH_BLOCKS = 4096
 """Blocks per WatchBlocks message (~136 KiB): a snapshot of a large namespace goes in parts."""
 
@@ -575,6 +578,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     waiting.cancel()
                 if watcher.closed or self._closing.is_set():
                     return  # the handle closed (or the daemon stops): the watch ends with it
+                if not watcher.stale:
+                    # Let changes gather: one message per interval, not one per commit (each
+                    # costs the daemon a send and the watcher a wake-up).
+                    await asyncio.sleep(WATCH_INTERVAL_S)
+                    if watcher.closed:
+                        return
                 reset, items = self.store.watched_batch(watcher)
                 # A snapshot goes out whole before any later change (those queue meanwhile),
                 # its tiers read one part at a time: between parts (each ``yield`` waits for
