@@ -12,9 +12,22 @@ and puts the rest, every block's bytes derived from its key and every hit's byte
   call, or none when the client's presence table already knows every block's place), then
   ``put`` of the blocks after the leading run (one call into spare slots, or reserve +
   commit): at most three round trips.
+* kvstore CPU+NVMe: the ``lru`` daemon with an NVMe tier too, ``--nvme-frac`` of the distinct
+  blocks (default 3x the CPU tier) in a fresh directory under the temp dir (``--nvme-dir``); a
+  hit is a block of the leading run found in either tier. Its reference is the exact LRU
+  simulation at the two tiers' bytes together.
 * Redis (redis-py, pipelined) on a ``redis-server`` with ``maxmemory`` = the same bytes and
   ``allkeys-lru``, started empty: a pipeline of EXISTS (which does not touch a key's LRU
   clock) finds the leading run, then one pipeline GETs it and SETs the rest. Two round trips.
+* Mooncake Store (``mooncake-transfer-engine-non-cuda``, in ``.venv-mooncake``, which
+  ``scripts/mooncake_env.sh`` builds; without it the Mooncake rows are skipped and the run says
+  so): a fresh ``mooncake_master`` and a segment of the same bytes (at least Mooncake's 16 MiB),
+  all on 127.0.0.1, replayed by ``_mooncake_peer`` in that environment (``batch_is_exist``,
+  ``batch_get_into``, ``batch_put_from``: three round trips) in each of ``--mooncake-modes``:
+  ``tcp`` (the store client mounts the segment, every block through the TCP transport over
+  loopback), ``embedded`` (the same with Mooncake's TCP-only default: a local memcpy into the
+  client's own segment) and ``shm`` (its same-host mode: a standalone ``mooncake_client``
+  holds the segment, the replay is a dummy client handing it shared-memory buffers).
 * an exact simulation of a block LRU of the same byte capacity over the same request order
   (and of kvstore's prefix-aware order), with the same semantics: the leading run is read (a
   touch, in prefix order), then the new blocks after it are put; blocks already stored
@@ -38,6 +51,12 @@ random: hot prefixes go as readily as cold tails. Redis also stores a 16 KiB val
 20 KiB jemalloc size class (16 KiB plus the sds header, rounded up), so the same bytes hold
 about 20% fewer blocks.
 
+Mooncake's eviction at replay speed: the master evicts in a background thread (every 10 ms)
+once more than 90% of the segment is allocated (``eviction_high_watermark_ratio``) or a put
+found no space, about 5% of the objects at a time (``eviction_ratio``), oldest lease first; an
+object read in the last 10 s (``default_kv_lease_ttl``, granted by every get) cannot be evicted.
+A put that finds no room is refused (``-200``, counted) rather than waiting for eviction.
+
 ``--sweep``: hit rate against capacity (5-40% of the distinct blocks) for each kvstore policy,
 the LRU simulation and the unbounded bound, one run each, plotted to ``--plot`` (a PNG, with
 matplotlib; without it the plot is skipped and the table stays).
@@ -52,8 +71,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -97,6 +118,13 @@ SWEEP_FRACS = (0.05, 0.10, 0.20, 0.30, 0.40)
 SMOKE_REQUESTS = 200
 MODEL = "bench-trace"
 LRU_TARGET = 0.99  # issue #32: kvstore's LRU >= 0.99x the exact simulation
+REPO = Path(__file__).resolve().parent.parent
+MOONCAKE_VENV = ".venv-mooncake"  # scripts/mooncake_env.sh builds it
+MOONCAKE_DRIVER = Path(__file__).resolve().parent / "_mooncake_peer.py"
+MOONCAKE_MODES = ("tcp", "embedded", "shm")
+MOONCAKE_SMOKE_MODES = ("tcp", "shm")
+MOONCAKE_TIMEOUT_S = 900.0
+NVME_MULTIPLE = 3  # default NVMe tier: this many times the CPU tier
 
 
 def layout_for(block_bytes: int) -> KVLayout:
@@ -145,10 +173,15 @@ def replay_kvstore(
     rep: Reporter,
     label: str,
     no_spare: bool = False,
+    nvme_bytes: int = 0,
+    nvme_parent: str | None = None,
 ) -> Replay:
     """One pass through a fresh daemon (CPU tier only, ``policy``; ``no_spare``: with
-    ``limits.max_spare = 0``, so no slots are held ahead for puts). A put the daemon refuses
-    (CapacityError) is counted in ``extra["puts_refused"]`` and the replay goes on."""
+    ``limits.max_spare = 0``, so no slots are held ahead for puts; ``nvme_bytes``: with an
+    NVMe tier of that size in a fresh directory under ``nvme_parent``, the system's temp
+    directory by default). A put the daemon refuses (CapacityError) is counted in
+    ``extra["puts_refused"]`` and the replay goes on. With NVMe, a hit is a block of the
+    leading run found in either tier (``get`` reads it from whichever holds it)."""
     layout = layout_for(content.block_bytes)
     bb = content.block_bytes
     longest = max(len(c.keys) for c in chains)
@@ -156,7 +189,8 @@ def replay_kvstore(
     out = np.zeros((longest, bb), dtype=np.uint8)
     src_t = torch.from_numpy(src).view(layout.dtype).view(longest, *layout.block_shape)
     out_t = torch.from_numpy(out).view(layout.dtype).view(longest, *layout.block_shape)
-    result = Replay(f"kvstore {policy}" + (", max_spare 0" if no_spare else ""))
+    name = f"kvstore {policy}" + (", max_spare 0" if no_spare else "")
+    result = Replay(name + (" + NVMe" if nvme_bytes else ""))
     stored = refused = 0
     refused_first: int | None = None
     daemon_args = ["--gpu", "off"]
@@ -167,6 +201,11 @@ def replay_kvstore(
             with open(path, "w") as f:
                 f.write('[limits]\nmax_spare = "0"\n')
             daemon_args += ["--config", path]
+        if nvme_bytes:
+            nvme_dir = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="kvbench-trace-nvme-", dir=nvme_parent)
+            )
+            daemon_args += ["--nvme-path", nvme_dir, "--nvme-capacity", str(nvme_bytes)]
         daemon = stack.enter_context(
             KVStoreDaemon(capacity_bytes, policy=policy, extra_args=daemon_args)
         )
@@ -193,8 +232,10 @@ def replay_kvstore(
                 f"{label}: request {i}: a block read back differs from the one put",
             )
             progress(rep, label, i, chains, result)
-        cpu = next(t for t in kv.stats().tiers if t.name == "cpu")
-        result.held_at_end = int(cpu.blocks)
+        tiers = {t.name: t for t in kv.stats().tiers}
+        cpu = tiers["cpu"]
+        nvme = tiers.get("nvme")
+        result.held_at_end = int(cpu.blocks) + (int(nvme.blocks) if nvme is not None else 0)
         result.extra = {
             "blocks_stored": stored,
             "evictions": int(cpu.evictions),
@@ -204,6 +245,17 @@ def replay_kvstore(
             "puts_refused": refused,
             "first_refused_request": refused_first,
         }
+        if nvme is not None:
+            result.extra.update(
+                {
+                    "cpu_blocks_at_end": int(cpu.blocks),
+                    "nvme_blocks_at_end": int(nvme.blocks),
+                    "nvme_capacity_bytes": int(nvme.capacity_bytes),
+                    "nvme_evictions": int(nvme.evictions),
+                    "nvme_demotions": int(nvme.demotions),  # written down into NVMe
+                    "nvme_promotions": int(nvme.promotions),  # read back up from NVMe
+                }
+            )
     return result
 
 
@@ -280,6 +332,72 @@ def replay_redis(
         ),
         "maxmemory_samples": int(cfg.get("maxmemory-samples", 0)),
     }
+    return result
+
+
+# --------------------------------------------------------------------------- Mooncake
+def mooncake_python() -> Path:
+    return REPO / MOONCAKE_VENV / "bin" / "python"
+
+
+def mooncake_missing() -> str | None:
+    """Why Mooncake cannot be replayed here (None: it can): its environment is not built."""
+    py = mooncake_python()
+    if not py.exists():
+        return f"{MOONCAKE_VENV} is not built here (bash scripts/mooncake_env.sh builds it)"
+    if not (py.parent / "mooncake_master").exists():
+        return f"{MOONCAKE_VENV} has no mooncake_master (rerun bash scripts/mooncake_env.sh)"
+    return None
+
+
+def replay_mooncake(
+    mode: str,
+    trace: Path,
+    requests: int | None,
+    capacity_bytes: int,
+    block_bytes: int,
+    rep: Reporter,
+    label: str,
+) -> Replay:
+    """One pass through a fresh Mooncake Store (master, segment of ``capacity_bytes``, and in
+    ``shm`` mode a standalone real client), driven by ``_mooncake_peer`` in Mooncake's own
+    environment: the same requests, keys and bytes, every hit checked there."""
+    with tempfile.TemporaryDirectory(prefix="kvbench-trace-mc-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [
+            str(mooncake_python()),
+            str(MOONCAKE_DRIVER),
+            "--mode",
+            mode,
+            "--capacity-bytes",
+            str(capacity_bytes),
+            "--block-bytes",
+            str(block_bytes),
+            "--trace",
+            str(trace),
+            "--json-out",
+            out,
+        ]
+        if requests is not None:
+            cmd += ["--requests", str(requests)]
+        log = os.path.join(tmp, "driver.log")
+        with open(log, "wb") as f:
+            rc = subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=MOONCAKE_TIMEOUT_S
+            ).returncode
+        if rc != 0:
+            with open(log, errors="replace") as f:
+                lines = [ln for ln in f.read().splitlines() if not ln.startswith(("I", "W"))]
+            raise RuntimeError(
+                f"{label}: the Mooncake driver exited {rc}:\n" + "\n".join(lines[-30:])
+            )
+        with open(out) as f:
+            doc = json.load(f)
+    result = Replay(f"mooncake {mode}")
+    result.hits = list(doc.pop("hits"))
+    result.latency_s = list(doc.pop("latency_s"))
+    result.held_at_end = int(doc["held_at_end"])
+    result.extra = doc
     return result
 
 
@@ -361,19 +479,25 @@ SIM_ROWS = (
     ("lru", "exact LRU simulation"),
     ("lru_dedup", "  the same, put leaves stored blocks alone"),
     ("prefix", "exact prefix-aware simulation"),
+    ("lru_cpu_nvme", "exact LRU simulation at CPU+NVMe bytes"),
 )
 
 
-def simulations(chains: list[Chain], cap: int) -> dict[str, SimResult]:
+def simulations(chains: list[Chain], cap: int, nvme_cap: int = 0) -> dict[str, SimResult]:
     """The references: textbook LRU (a put of a stored block is a use of it), LRU with
     kvstore's put semantics (stored blocks deduplicated, untouched), kvstore's prefix-aware
-    order (with its put semantics), and the unbounded cache."""
-    return {
+    order (with its put semantics), and the unbounded cache; with ``nvme_cap``, also textbook
+    LRU at the CPU and NVMe tiers' bytes together (one cache of ``cap + nvme_cap`` blocks: the
+    most two tiers can hold, as an NVMe tier below the CPU one holds what the CPU tier evicted)."""
+    sims = {
         "unbounded": simulate(chains, None),
         "lru": simulate(chains, cap, "lru"),
         "lru_dedup": simulate(chains, cap, "lru", put_touches=False),
         "prefix": simulate(chains, cap, "prefix", put_touches=False),
     }
+    if nvme_cap:
+        sims["lru_cpu_nvme"] = simulate(chains, cap + nvme_cap, "lru")
+    return sims
 
 
 def report(
@@ -391,6 +515,8 @@ def report(
     sim_dedup = sims["lru_dedup"].hit_rate
     rows: list[list[Any]] = []
     for key, label in SIM_ROWS:
+        if key not in sims:
+            continue
         s = sims[key]
         rows.append([label, rate(s.hit_rate), s.held_at_end, s.hit_rate / sim_lru] + [None] * 4)
     for name, st in stores.items():
@@ -420,6 +546,25 @@ def report(
                 ratio_rows.append(
                     [f"{name}: req/s / redis req/s", st["requests_per_s"] / redis_rps]
                 )
+    shm = stores.get("mooncake shm", {}).get("requests_per_s")
+    if shm:
+        for name, st in stores.items():
+            if name.startswith("kvstore"):
+                ratio_rows.append(
+                    [f"{name}: req/s / mooncake shm req/s", st["requests_per_s"] / shm]
+                )
+    if "lru_cpu_nvme" in sims:
+        for name, st in stores.items():
+            if name.endswith("+ NVMe"):
+                ratio_rows.append(
+                    [
+                        f"{name} hit rate / LRU sim at CPU+NVMe bytes",
+                        st["hit_rate"] / sims["lru_cpu_nvme"].hit_rate,
+                    ]
+                )
+    for name, st in stores.items():
+        if name.startswith("mooncake"):
+            ratio_rows.append([f"{name} hit rate / LRU sim", st["hit_rate"] / sim_lru])
     lru = stores.get("kvstore lru")
     verdict_: dict[str, Any] | None = None
     if lru is not None:
@@ -432,7 +577,9 @@ def report(
     if ratio_rows:
         rep.table("Ratios", ["ratio", "x"], [[k, f"{v:.3f}"] for k, v in ratio_rows])
     halves = [[name, *map(rate, st["hit_rate_halves"])] for name, st in stores.items()]
-    halves += [[label.strip(), *map(rate, sims[k].half_hit_rates())] for k, label in SIM_ROWS]
+    halves += [
+        [label.strip(), *map(rate, sims[k].half_hit_rates())] for k, label in SIM_ROWS if k in sims
+    ]
     rep.table("Hit rate by half of the trace", ["store", "first half", "second half"], halves)
     red = stores.get("redis allkeys-lru")
     if red is not None:
@@ -446,6 +593,27 @@ def report(
             f"{ex['used_memory_empty'] / (1 << 20):.1f} MiB); allkeys-lru samples "
             f"{ex['maxmemory_samples']} keys per eviction on a 1 s LRU clock"
         )
+    for name, st in stores.items():
+        ex = st["extra"]
+        if "nvme_blocks_at_end" in ex:
+            rep.line(
+                f"  {name}: {ex['cpu_blocks_at_end']} blocks in CPU + {ex['nvme_blocks_at_end']} "
+                f"on NVMe at the end ({fmt_size(ex['nvme_capacity_bytes'])} NVMe tier); "
+                f"{ex['nvme_demotions']} blocks written down to NVMe, {ex['nvme_promotions']} "
+                f"read back up (hits served from NVMe), {ex['nvme_evictions']} dropped from NVMe"
+            )
+        if name.startswith("mooncake"):
+            raised = " (raised to Mooncake's 16 MiB minimum)" if ex["segment_raised"] else ""
+            rep.line(
+                f"  {name}: {st['held_at_end']:.0f} blocks held at the end ({cap} fit the "
+                f"bytes), {ex['allocated_over_capacity']:.1%} of its "
+                f"{fmt_size(ex['segment_bytes'])} segment{raised} allocated; "
+                f"{ex['evicted_keys']} keys evicted in "
+                f"{ex['eviction_rounds']} rounds; puts refused for space (-200) "
+                f"{ex['puts_refused_no_space']}, already stored (-705) "
+                f"{ex['puts_already_stored']}; gone between exist and get "
+                f"{ex['get_lost_after_exist']}"
+            )
     for name, st in stores.items():
         refused = st["extra"].get("puts_refused")
         if refused:
@@ -559,6 +727,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="leave out the LRU replay with limits.max_spare = 0 (no slots held ahead for puts)",
     )
+    p.add_argument(
+        "--nvme-frac",
+        type=float,
+        default=None,
+        help=f"NVMe tier / distinct blocks for the CPU+NVMe replay (default {NVME_MULTIPLE}x "
+        "the CPU tier's); 0 leaves that replay out",
+    )
+    p.add_argument(
+        "--nvme-dir",
+        default=None,
+        help="folder under which the NVMe tier's fresh directory is made (default: the temp dir)",
+    )
+    p.add_argument(
+        "--mooncake-modes",
+        default=None,
+        help=f"Mooncake Store replays, of {','.join(MOONCAKE_MODES)} (default all; with --smoke "
+        f"{','.join(MOONCAKE_SMOKE_MODES)}); '' leaves Mooncake out",
+    )
     p.add_argument("--sweep", action="store_true", help="hit rate against capacity, plotted")
     p.add_argument("--plot", default="var/trace-sweep.png", help="PNG of the sweep ('' for none)")
 
@@ -583,6 +769,15 @@ def main() -> int:
     for p in policies:
         if p not in POLICIES:
             raise SystemExit(f"unknown policy {p!r}; kvstore offers {', '.join(POLICIES)}")
+    nvme_frac = NVME_MULTIPLE * frac if args.nvme_frac is None else args.nvme_frac
+    if args.mooncake_modes is None:
+        mc_modes = list(MOONCAKE_SMOKE_MODES if args.smoke else MOONCAKE_MODES)
+    else:
+        mc_modes = [m for m in args.mooncake_modes.split(",") if m]
+    for m in mc_modes:
+        if m not in MOONCAKE_MODES:
+            raise SystemExit(f"unknown Mooncake mode {m!r}; one of {', '.join(MOONCAKE_MODES)}")
+    mc_skipped = mooncake_missing() if mc_modes else None
     use_redis = not args.no_redis
     if use_redis and redis_server_path() is None:
         raise RuntimeError("redis-server not found: the Redis peer is part of the run (--no-redis)")
@@ -599,6 +794,7 @@ def main() -> int:
     content = BlockContent(bb)
     cap = capacity_for(frac, distinct, longest)
     capacity_bytes = cap * bb
+    nvme_cap = int(nvme_frac * distinct) if "lru" in policies else 0
     rep.line(
         f"  trace {trace.name}: {len(chains)} requests, {blocks} blocks asked, {distinct} "
         f"distinct, longest request {longest}; {fmt_size(bb)} blocks"
@@ -609,8 +805,18 @@ def main() -> int:
         + (f"; raised from {frac:.0%} to fit the longest request" if cap > frac * distinct else "")
         + f"), {runs} run(s), policies {', '.join(policies)}"
     )
+    if nvme_cap:
+        rep.line(
+            f"  CPU+NVMe replay (lru): NVMe tier {nvme_cap} blocks = "
+            f"{nvme_cap * bb / (1 << 20):.1f} MiB ({nvme_cap / distinct:.1%} of the distinct "
+            f"blocks, {nvme_cap / cap:.1f}x the CPU tier), a fresh directory each run"
+        )
+    if mc_skipped:
+        rep.line(f"  Mooncake Store SKIPPED: {mc_skipped}")
+    elif mc_modes:
+        rep.line(f"  Mooncake Store modes: {', '.join(mc_modes)}, each run starting empty")
 
-    sims = simulations(chains, cap)
+    sims = simulations(chains, cap, nvme_cap)
     memcpy_s = memcpy_block_s(bb, (4 if args.smoke else 64) << 20)
     rep.line(f"  memcpy of one block (np.copyto, 1 thread): {memcpy_s * 1e6:.2f} us")
 
@@ -632,9 +838,26 @@ def main() -> int:
             label = f"kvstore lru, max_spare 0, run {run + 1}"
             r = replay_kvstore(chains, content, capacity_bytes, "lru", rep, label, no_spare=True)
             note(r, label)
+        if nvme_cap:
+            label = f"kvstore lru + NVMe run {run + 1}"
+            r = replay_kvstore(
+                chains,
+                content,
+                capacity_bytes,
+                "lru",
+                rep,
+                label,
+                nvme_bytes=nvme_cap * bb,
+                nvme_parent=args.nvme_dir,
+            )
+            note(r, label)
         if use_redis:
             label = f"redis run {run + 1}"
             note(replay_redis(chains, content, capacity_bytes, rep, label), label)
+        for mode in [] if mc_skipped else mc_modes:
+            label = f"mooncake {mode} run {run + 1}"
+            r = replay_mooncake(mode, trace, limit, capacity_bytes, bb, rep, label)
+            note(r, label)
     stores = {name: summarize_runs(rs, chains, memcpy_s, bb) for name, rs in per_store.items()}
     status = report(rep, chains, cap, bb, runs, sims, stores)
 
@@ -654,6 +877,10 @@ def main() -> int:
             "capacity_frac": frac,
             "capacity_blocks": cap,
             "capacity_bytes": capacity_bytes,
+            "nvme_capacity_blocks": nvme_cap,
+            "nvme_capacity_bytes": nvme_cap * bb,
+            "mooncake_modes": mc_modes,
+            "mooncake_skipped": mc_skipped,
             "runs": runs,
             "memcpy_block_us": memcpy_s * 1e6,
             "simulation": {k: sim_dict(v) for k, v in sims.items()},
