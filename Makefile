@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test lint pytest proto kernels bench clean vllm-env test-vllm bench-vllm fuzz \
-	sglang-env test-sglang
+	sglang-env test-sglang mooncake-env
 
 setup: $(STAMP)
 
@@ -71,6 +71,11 @@ bench-vllm: vllm-env
 	$(VLLM_PY) benchmarks/bench_vllm.py
 	$(VLLM_PY) benchmarks/bench_vllm_binding.py
 	$(VLLM_PY) benchmarks/bench_vllm_layerwise.py
+
+# Mooncake Store, a peer that benchmarks/bench_trace.py replays beside kvstore and Redis (not
+# part of `make test`: it installs apt packages when run as root).
+mooncake-env:
+	scripts/mooncake_env.sh
 
 # Coverage-guided fuzzing (atheris, from the dev extra): each target of tests/fuzz/ runs
 # FUZZ_SECONDS from its seed corpus; prints per target the inputs run and any crash.
