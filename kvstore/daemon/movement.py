@@ -287,6 +287,9 @@ class Mover:
                     fingerprint,
                     data,
                     checksum,
+                    # Write-back and write-through promise a process crash, not a power loss
+                    # (docs/operations.md): no fdatasync barriers unless a durable put waits.
+                    durable=durable,
                     codec=codec,
                     block_format=block_format,
                     encoded_length=encoded,
