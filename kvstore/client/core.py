@@ -283,17 +283,16 @@ class ClientCore:
         return int(reply.deleted)
 
     def _clear(self) -> Op[int]:
-        deleted = 0
-        while True:  # the daemon deletes a bounded number per call
-            reply = yield Call(
-                "Delete",
-                lambda: pb.DeleteRequest(
-                    handle=self._handle, all_blocks=True, release_leases=self._take_releases()
-                ),
-            )
-            deleted += int(reply.deleted)
-            if not reply.more:
-                return deleted
+        deleted, more = 0, True
+        while more:  # the daemon deletes a bounded number per call
+            reply = yield Call("Delete", self._clear_request)
+            deleted, more = deleted + int(reply.deleted), reply.more
+        return deleted
+
+    def _clear_request(self) -> pb.DeleteRequest:
+        return pb.DeleteRequest(
+            handle=self._handle, all_blocks=True, release_leases=self._take_releases()
+        )
 
     def _stats(self) -> Op[pb.StatsResponse]:
         return (yield Call("Stats", pb.StatsRequest))
