@@ -9,7 +9,7 @@ from conftest import SMALL_LAYOUT, random_blocks, tokens
 from test_store import NS, keys, make_store, put
 
 from kvstore import KVStoreClient, Namespace
-from kvstore.daemon import store as store_module
+from kvstore.daemon import store_writes
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -42,7 +42,7 @@ def test_clear_deletes_every_block_of_the_namespace_and_no_other(daemon) -> None
 
 
 async def test_a_large_namespace_is_cleared_in_bounded_steps(monkeypatch) -> None:
-    monkeypatch.setattr(store_module, "CLEAR_STEP", 3)
+    monkeypatch.setattr(store_writes, "CLEAR_STEP", 3)
     store = make_store(capacity_blocks=16)
     try:
         handle = store.open_namespace(NS)

@@ -75,7 +75,7 @@ from kvstore.daemon.store_spares import SpareOps
 from kvstore.daemon.tier_contract import Tier
 from kvstore.daemon.tierstats import TierCounters, TierSnapshot
 from kvstore.errors import UnknownNamespaceError
-from kvstore.index import BlockIndex, State
+from kvstore.index import BlockIndex
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.policy import EvictionPolicy
 from kvstore.presence import PresenceTable
@@ -87,10 +87,6 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger(__name__)
-
-CLEAR_STEP = 65536
-"""Blocks one Delete of a whole namespace deletes at most (~0.2 s of the event loop)."""
-COMMITTED = State.COMMITTED
 
 __all__ = [
     "AcquireResult",
@@ -254,19 +250,6 @@ class BlockStore(ReadOps, SpareOps):
         self.ledger.feed.close()
         self.device.close()  # first: it unpins the arena the ledger's CPU slots unmap
         self.ledger.close()
-
-    # ----------------------------------------------------------------- clearing
-    def delete_all(self, handle: Handle) -> tuple[int, bool]:
-        """Delete up to ``CLEAR_STEP`` committed blocks of ``handle``'s namespace (a leased
-        one goes when its reads end): (deleted, whether blocks may be left). Bounded, so the
-        one event loop is never held for a whole namespace of millions."""
-        ledger = self.ledger
-        state = ledger.index.state
-        committed = (e for e in ledger.index.ids_of(handle.ns_id).values() if state[e] == COMMITTED)
-        eids = list(itertools.islice(committed, CLEAR_STEP))
-        for eid in eids:
-            ledger.forget(eid)
-        return len(eids), len(eids) == CLEAR_STEP
 
     # ----------------------------------------------------------------- block events
     def watch_blocks(self, handle: Handle, who: str) -> Watcher:

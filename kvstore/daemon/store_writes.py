@@ -4,6 +4,7 @@ path's put, delete. See ``kvstore.daemon.store`` for the write protocol."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Sequence
 
 from kvstore.checksum import block_checksum
@@ -12,6 +13,9 @@ from kvstore.daemon.store_parts import ReserveResult, StoreParts
 from kvstore.errors import CapacityError, LeaseExpiredError, UnavailableError, UnknownNamespaceError
 from kvstore.index import IN_CPU, IN_NVME, State
 from kvstore.tiers.codecs import block_format_of, encode_payload
+
+CLEAR_STEP = 65536
+"""Blocks one Delete of a whole namespace deletes at most (~0.2 s of the event loop)."""
 
 
 class WriteOps(StoreParts):
@@ -464,3 +468,15 @@ class WriteOps(StoreParts):
                 self.ledger.forget(eid)
                 deleted += 1
         return deleted
+
+    def delete_all(self, handle: Handle) -> tuple[int, bool]:
+        """Delete up to ``CLEAR_STEP`` committed blocks of ``handle``'s namespace (a leased
+        one goes when its reads end): (deleted, whether blocks may be left). Bounded, so the
+        one event loop is never held for a whole namespace of millions."""
+        ledger = self.ledger
+        state, ids = ledger.index.state, ledger.index.ids_of(handle.ns_id)
+        committed = (e for e in ids.values() if state[e] == State.COMMITTED)
+        eids = list(itertools.islice(committed, CLEAR_STEP))
+        for eid in eids:
+            ledger.forget(eid)
+        return len(eids), len(eids) == CLEAR_STEP

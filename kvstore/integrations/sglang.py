@@ -417,27 +417,38 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
         """Store page i (at ``host_indices[i * page_size]``) under ``keys[i]``, copied straight
         from the host pool into the daemon's shared memory. Per page: stored (or already
         there)."""
+        return self._zero_copy("write", keys, host_indices, self._write_batch, self._note_write)
+
+    def _zero_copy(
+        self,
+        what: str,
+        keys: list[str],
+        host_indices: Any,
+        one_batch: Callable[[KVStoreClient, list[bytes], list[int]], int],
+        note: Callable[[int, int, float], None],
+    ) -> list[bool]:
+        """``batch_set_v1`` / ``batch_get_v1``: ``one_batch`` moves the pages of a batch of
+        keys (host pages given) and says how many leading ones it moved; batches go on while
+        each moves all of its pages. Per page: moved."""
         results = [False] * len(keys)
         starts = self._host_pages(keys, host_indices)
         if starts is None or not keys:
             return results
         kv = self._keys(keys)
         began = time.perf_counter()
-        done = self._with_client("write", lambda c: self._write(c, kv, starts), 0)
-        for i in range(done):
-            results[i] = True
-        self._note_write(done, len(keys), began)
-        return results
 
-    def _write(self, client: KVStoreClient, kv: list[bytes], starts: list[int]) -> int:
-        """Write the pages of ``kv`` (host pages ``starts``); how many leading ones are
-        stored."""
-        done = 0
-        for lo, hi in self._batches(len(kv)):
-            done += self._write_batch(client, kv[lo:hi], starts[lo:hi])
-            if done < hi:
-                break
-        return done
+        def run(client: KVStoreClient) -> int:
+            done = 0
+            for lo, hi in self._batches(len(kv)):
+                done += one_batch(client, kv[lo:hi], starts[lo:hi])
+                if done < hi:
+                    break
+            return done
+
+        done = self._with_client(what, run, 0)
+        results[:done] = [True] * done
+        note(done, len(keys), began)
+        return results
 
     def _write_batch(self, client: KVStoreClient, kv: list[bytes], starts: list[int]) -> int:
         fmt = self.fmt
@@ -507,25 +518,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
         from the daemon's shared memory into the host pool. Per page: loaded intact. Only the
         target pages are written; a page after the first miss may hold partial bytes and is
         reported False."""
-        results = [False] * len(keys)
-        starts = self._host_pages(keys, host_indices)
-        if starts is None or not keys:
-            return results
-        kv = self._keys(keys)
-        began = time.perf_counter()
-        done = self._with_client("read", lambda c: self._read(c, kv, starts), 0)
-        for i in range(done):
-            results[i] = True
-        self._note_read(done, len(keys), began)
-        return results
-
-    def _read(self, client: KVStoreClient, kv: list[bytes], starts: list[int]) -> int:
-        done = 0
-        for lo, hi in self._batches(len(kv)):
-            done += self._read_batch(client, kv[lo:hi], starts[lo:hi])
-            if done < hi:
-                break
-        return done
+        return self._zero_copy("read", keys, host_indices, self._read_batch, self._note_read)
 
     def _read_batch(self, client: KVStoreClient, kv: list[bytes], starts: list[int]) -> int:
         fmt = self.fmt

@@ -74,6 +74,16 @@ class _Waiting:
         self.overflowed = False
 
 
+def _placement(medium: Medium) -> dict[str, Any]:
+    """The locality and ownership fields of an event, where this vLLM's events have them."""
+    fields: dict[str, Any] = {}
+    if _HAS_LOCALITY:
+        fields["locality"] = medium[1]
+    if _HAS_OWNERSHIP:
+        fields["ownership"] = OWNERSHIP
+    return fields
+
+
 def media_of(tiers: frozenset[str]) -> frozenset[Medium]:
     return frozenset(MEDIA[t] for t in tiers if t in MEDIA)
 
@@ -198,11 +208,6 @@ class EventRelay:
             self._known.pop((tenant, key), None)
 
     def _stored(self, info: Any, medium: Medium) -> BlockStored:
-        fields: dict[str, Any] = {}
-        if _HAS_LOCALITY:
-            fields["locality"] = medium[1]
-        if _HAS_OWNERSHIP:
-            fields["ownership"] = OWNERSHIP
         return BlockStored(
             block_hashes=[info.block_hash],
             parent_block_hash=info.parent,
@@ -212,16 +217,11 @@ class EventRelay:
             medium=medium[0],
             lora_name=info.lora,
             extra_keys=info.extra_keys,
-            **fields,
+            **_placement(medium),
         )
 
     def _removed(self, info: Any, medium: Medium) -> BlockRemoved:
-        fields: dict[str, Any] = {}
-        if _HAS_LOCALITY:
-            fields["locality"] = medium[1]
-        if _HAS_OWNERSHIP:
-            fields["ownership"] = OWNERSHIP
-        return BlockRemoved(block_hashes=[info.block_hash], medium=medium[0], **fields)
+        return BlockRemoved(block_hashes=[info.block_hash], medium=medium[0], **_placement(medium))
 
     # ------------------------------------------------------------------ the stream threads
     def push(self, tenant: str, events: BlockEvents) -> bool:

@@ -306,14 +306,17 @@ class _Scheduler:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, KVStoreWorkerMetadata):
             return
-        if self.relay is not None:  # the daemon's events tell what is stored where
-            for key in meta.settled:
-                info = self.announce.get(key)
-                if info is not None:
-                    info.waiting -= 1
-                    if info.waiting <= 0:
-                        del self.announce[key]
-            return
+        if self.relay is None:  # else the daemon's events tell what is stored where
+            self._tell_reports(meta)
+        for key in meta.settled:
+            info = self.announce.get(key)
+            if info is not None:
+                info.waiting -= 1
+                if info.waiting <= 0:
+                    del self.announce[key]
+
+    def _tell_reports(self, meta: KVStoreWorkerMetadata) -> None:
+        """Events from what the workers report (no block watch): stored, found missing."""
         for key in meta.stored:
             info = self.announce.get(key)
             if info is not None and info.told != "stored":  # once, whatever the TP ranks say
@@ -335,12 +338,6 @@ class _Scheduler:
             if info is not None and info.told != "removed":
                 info.told = "removed"
                 self.events.append(BlockRemoved(block_hashes=[info.block_hash], medium=MEDIUM))
-        for key in meta.settled:
-            info = self.announce.get(key)
-            if info is not None:
-                info.waiting -= 1
-                if info.waiting <= 0:
-                    del self.announce[key]
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self.events = self.events, []
