@@ -139,7 +139,9 @@ def test_a_move_to_disk_is_a_store_there_and_a_removal_from_memory(
             assert tiers == {frozenset({"nvme"}), frozenset({"cpu", "nvme"})}
             on_disk_only = [k for k, t in picture.now().items() if t == {"nvme"}]
             told = [t for e in picture.batches for k, t in e.blocks if k == on_disk_only[0]]
-            assert frozenset({"cpu", "nvme"}) in told and told[-1] == {"nvme"}
+            # Events are states: steps taken within one interval (in memory, on disk too,
+            # evicted from memory) may be told as the last alone, never out of order.
+            assert told[-1] == {"nvme"}
         finally:
             picture.close()
 
