@@ -32,7 +32,10 @@ run's memcpy of a MiB.
 too, and a missing ``redis-server`` is an error (the peer is part of what it checks).
 
 Targets (issue #14), batches of 32: shm put and get of 2 MiB blocks each >= 0.8x memcpy (and
->= 5x Redis), of 64 KiB blocks >= 0.3x memcpy.
+>= 5x Redis), of 64 KiB blocks >= 0.3x memcpy. A client's first write into a fresh tier (the
+warm-up pass, median batch): >= 0.5x memcpy with 2 MiB blocks, >= 0.3x with 64 KiB blocks.
+The first-write table also gives the whole pass (its bytes over its time), where every slab
+mapped counts, not only those a median batch maps.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ TARGET_SIZE = 2 << 20
 TARGET_OF_MEMCPY = 0.8
 SMALL_SIZE = 64 << 10
 SMALL_OF_MEMCPY = 0.3  # 64 KiB blocks: per-batch calls, not the copy, bound them
+FIRST_WRITE_OF_MEMCPY = 0.5  # 2 MiB blocks into slabs this client has not mapped yet
 TARGET_OF_REDIS = 5.0
 
 # Rows of the throughput table, in print order: (key, label).
@@ -266,12 +270,16 @@ def first_map_cost(case: Case) -> dict[str, float] | None:
         statistics.median(case.samples["memcpy"]) * 1e3 / (case.batch_bytes / (1 << 20))
     )
     ms_per_mib = extra_s * 1e3 / mib
+    pass_gbps = len(first) * case.batch_bytes / sum(first) / 1e9
+    memcpy_gbps = case.batch_bytes / statistics.median(case.samples["memcpy"]) / 1e9
     return {
         "mapped_mib": mib,
         "extra_ms": extra_s * 1e3,
         "ms_per_mib": ms_per_mib,
         "memcpy_ms_per_mib": memcpy_ms_per_mib,
         "of_memcpy": ms_per_mib / memcpy_ms_per_mib,
+        "pass_gbps": pass_gbps,
+        "pass_of_memcpy": pass_gbps / memcpy_gbps,
     }
 
 
@@ -463,7 +471,7 @@ def main() -> int:
     ratio_defs = [
         ("shm put / memcpy", "shm_put", "memcpy", TARGET_OF_MEMCPY),
         ("shm get / memcpy", "shm_get", "memcpy", TARGET_OF_MEMCPY),
-        ("shm put, first write / memcpy", "shm_put_first", "memcpy", None),
+        ("shm put, first write / memcpy", "shm_put_first", "memcpy", FIRST_WRITE_OF_MEMCPY),
         ("shm put / redis SET", "shm_put", "redis_put", TARGET_OF_REDIS),
         ("shm get / redis GET", "shm_get", "redis_get", TARGET_OF_REDIS),
         ("shm get / redis GET + copy", "shm_get", "redis_get_out", None),
@@ -495,7 +503,7 @@ def main() -> int:
         else:
             row += ["", ""]
         ratio_rows.append(row)
-    for label in ("shm put / memcpy", "shm get / memcpy"):
+    for label in ("shm put / memcpy", "shm get / memcpy", "shm put, first write / memcpy"):
         got = ratios[label].get(SMALL_SIZE)
         status = verdict(got >= SMALL_OF_MEMCPY) if got is not None else "n/a"
         targets.append(
@@ -541,7 +549,7 @@ def main() -> int:
     for s in sizes:
         fm = first_maps[s]
         if fm is None:
-            map_rows.append([fmt_size(s), None, None, None, None])
+            map_rows.append([fmt_size(s), None, None, None, None, None, None])
         else:
             map_rows.append(
                 [
@@ -550,11 +558,21 @@ def main() -> int:
                     fm["ms_per_mib"],
                     fm["memcpy_ms_per_mib"],
                     fm["of_memcpy"],
+                    fm["pass_gbps"],
+                    fm["pass_of_memcpy"],
                 ]
             )
     rep.table(
-        "First write: a client mapping slabs (warm-up pass beyond steady-state puts)",
-        ["blocks", "slab MiB mapped", "ms / MiB mapped", "memcpy ms / MiB", "x memcpy"],
+        "First write: a client mapping slabs (the warm-up pass beyond steady-state puts; whole)",
+        [
+            "blocks",
+            "slab MiB mapped",
+            "ms / MiB mapped",
+            "memcpy ms / MiB",
+            "x memcpy",
+            "pass GB/s",
+            "pass x memcpy",
+        ],
         map_rows,
     )
     empty_all = statistics.median(e.median_s for e in empties)

@@ -93,3 +93,101 @@ def test_seeds_are_checksum_seed_of_each_key() -> None:
     assert seeds_for(Namespace(model="a", layout=KVLayout(2, 4, 64, 16)), [bytearray(keys[0])]) == [
         checksum_seed(Namespace(model="a", layout=KVLayout(2, 4, 64, 16)).fingerprint, keys[0])
     ]
+
+
+def _rss_kib(address: int) -> int:
+    """``Rss`` of this process's mapping that starts at ``address``."""
+    with open("/proc/self/smaps", encoding="ascii") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == address
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def _address(buffer: object) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))  # type: ignore[arg-type]
+
+
+def _fault_around_is_64_kib() -> bool:
+    """Whether one read of a written shared-memory page maps its 64 KiB (the kernel's default
+    ``fault_around_bytes``; only debugfs says it outright)."""
+    import mmap
+
+    fd = os.memfd_create("probe", os.MFD_CLOEXEC)
+    try:
+        os.pwrite(fd, b"\x01" * (256 * KiB), 0)  # written pages: fault-around maps them
+        mm = mmap.mmap(fd, 256 * KiB, flags=mmap.MAP_SHARED)
+        try:
+            mm[0]
+            return _rss_kib(_address(mm)) == 64
+        finally:
+            mm.close()
+    finally:
+        os.close(fd)
+
+
+class ArenaSlabs:
+    """A session stand-in handing over a real daemon arena's slab files."""
+
+    def __init__(self, arena: object) -> None:
+        self.arena = arena
+
+    def slab(self, uid: int) -> tuple[int, int, bool]:
+        found = self.arena.file(uid)  # type: ignore[attr-defined]
+        return self.arena.export(uid, writable=True), found[1].size, True  # type: ignore[attr-defined]
+
+
+def test_a_slab_the_daemon_cleared_is_mapped_whole_and_round_trips_bytes() -> None:
+    """The daemon clears each new slab's pages in the background (``ZeroAhead``), so a client's
+    one read per 64 KiB maps the whole slab (the kernel's fault-around maps only pages already
+    cleared: without the daemon's pass it mapped one page in 16 and the copies faulted the
+    rest, each page cleared on the put's time). Blocks written then read back are exact."""
+    from kvstore.tiers.cpu import HEADER_BYTES, SharedMemoryArena, SlabAllocator
+
+    if not _fault_around_is_64_kib():
+        pytest.skip("this kernel's fault-around is not 64 KiB")
+    arena = SharedMemoryArena(HEADER_BYTES + 16 * MiB, huge_pages=False)
+    client = MappedArena(ArenaSlabs(arena))  # type: ignore[arg-type]
+    try:
+        alloc = SlabAllocator(arena.size_bytes, 8 * MiB, back=arena.back, prefault=True)
+        arena.slab_bytes = alloc.slab_bytes
+        assert arena.zero_ahead.wait(30) and arena.zero_ahead.supported
+        block = 2 * MiB
+        offsets = [alloc.allocate(block) for _ in range(4)]
+        addresses = arena.addresses([o for o in offsets if o is not None])
+        slab = client._slab(addresses[0] >> 32)  # mapped, nothing copied yet
+        assert _rss_kib(_address(slab.mm)) == slab.size // KiB
+        rows = torch.randint(0, 256, (4, block), dtype=torch.uint8)
+        client.copy_in(rows, addresses, [1, 2, 3, 4])
+        for i, off in enumerate(offsets):
+            assert off is not None
+            assert bytes(arena.view[off : off + block]) == rows[i].numpy().tobytes()
+        out = torch.empty_like(rows)
+        sums = [xxhash.xxh3_64_intdigest(rows[i].numpy(), seed=i + 1) for i in range(4)]
+        assert client.copy_out(addresses, sums, [1, 2, 3, 4], out, verify=True) == 4
+        assert torch.equal(out, rows)
+    finally:
+        client.close()
+        arena.close()
+
+
+def test_a_read_only_slab_maps_and_reads_but_refuses_writes() -> None:
+    slabs = Slabs({5: 1 * MiB}, read_only=frozenset({5}))
+    fd = slabs.fds[5]
+    os.pwrite(fd, b"\x07" * (1 * MiB), 0)
+    arena = MappedArena(slabs)  # type: ignore[arg-type]
+    try:
+        view = arena.slot(5 << 32, 1 * MiB)
+        assert bytes(view.numpy()) == b"\x07" * (1 * MiB)
+        assert not arena._slab(5).writable
+        with pytest.raises(TypeError):
+            arena._slab(5).mm[0] = 1
+    finally:
+        arena.close()
+        slabs.close()
