@@ -33,8 +33,10 @@ Layout (little endian, 8-byte words): a 64-byte header, then ``capacity + WINDOW
 then as many places (slot ``i``'s block's arena address plus one; 0: no CPU copy a client can
 read, so ask), then as many checksums (of the block at slot ``i``'s place).
 
-- header: magic ``b"KVPRESv2"``, ``capacity`` (a power of two), ``retired`` (nonzero: this
-  table is no longer kept; ask for the current one), ``overflow``, ``count``;
+- header: magic ``b"KVPRESv3"``, ``capacity`` (a power of two), ``retired`` (nonzero: this
+  table is no longer kept; ask for the current one), ``overflow``, ``count``, ``writing``
+  (keys of the namespace some client is writing now: reserved, not committed yet; a get that
+  misses while it is nonzero asks the daemon, which waits for those commits);
 - a slot is ``EMPTY`` (0), ``GONE`` (1, a removed entry) or a fingerprint (>= 2). Slots come
   in buckets of ``BUCKET`` (64 bytes, a cache line); a key's *home* is the first slot of
   bucket ``fingerprint & (capacity / BUCKET - 1)``, and it lives in the first free slot of
@@ -65,11 +67,11 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-MAGIC = int.from_bytes(b"KVPRESv2", "little")
+MAGIC = int.from_bytes(b"KVPRESv3", "little")
 HEADER_WORDS = 8
 HEADER_BYTES = HEADER_WORDS * 8
 # Header word indices.
-_MAGIC, _CAPACITY, _RETIRED, _OVERFLOW, _COUNT = range(5)
+_MAGIC, _CAPACITY, _RETIRED, _OVERFLOW, _COUNT, _WRITING = range(6)
 
 EMPTY = 0
 GONE = 1
@@ -167,6 +169,7 @@ class PresenceTable:
         self._slots, self._places, self._sums = words[:n], words[n : 2 * n], words[2 * n :]
         self.count = 0
         self._gone = 0
+        self.writing = 0
 
     def _fill(
         self, fps: np.ndarray, places: np.ndarray | None = None, sums: np.ndarray | None = None
@@ -209,6 +212,11 @@ class PresenceTable:
     @property
     def retired(self) -> bool:
         return bool(self._words[_RETIRED])
+
+    def set_writing(self, n: int) -> None:
+        """How many keys of the namespace are being written now (reserved, not committed)."""
+        self.writing = n
+        self._words[_WRITING] = n
 
     def export(self) -> int:
         """A new read-only descriptor of the table (the caller sends and closes it)."""
@@ -293,9 +301,16 @@ class PresenceTable:
         """The word indices of the slots holding ``key``'s fingerprint (more than one only for
         keys that share their first 8 bytes), in probe order."""
         fp = max(int.from_bytes(key[:8], "little"), _FIRST)
-        words, slot = self._words, HEADER_WORDS + (fp & self._mask) * BUCKET
-        # Past an EMPTY too: a table filled with ``overflow`` has gaps.
-        return [s for s in range(slot, slot + WINDOW) if words[s] == fp]
+        slot = HEADER_WORDS + (fp & self._mask) * BUCKET
+        # Past an EMPTY too: a table filled with ``overflow`` has gaps. One copy of the window
+        # into a list, searched in C: an eviction calls this for every block it drops.
+        window = self._words[slot : slot + WINDOW].tolist()
+        if fp not in window:
+            return []
+        first = window.index(fp)
+        if window.count(fp) == 1:
+            return [slot + first]
+        return [slot + i for i in range(first, WINDOW) if window[i] == fp]
 
     def _slot_of(self, key: bytes) -> int | None:
         """The word index of ``key``'s slot (the first holding its fingerprint), or None."""
@@ -357,6 +372,7 @@ class PresenceTable:
         new._fill(fps, places, sums)
         if self.overflow:  # a key dropped before is still missing
             new._words[_OVERFLOW] = 1
+        new.set_writing(self.writing)
         self.retire()
         return new
 
@@ -420,6 +436,11 @@ class PresenceView:
     def overflow(self) -> bool:
         return bool(self._header[_OVERFLOW])
 
+    @property
+    def writing(self) -> bool:
+        """Some key of the namespace is being written (``PresenceTable.set_writing``)."""
+        return bool(self._header[_WRITING])
+
     def _probe(self, packed: bytes) -> tuple[np.ndarray, np.ndarray]:
         """(whether the table holds each key of ``packed``, the slot it holds it in)."""
         fps = fingerprints(packed)
@@ -458,17 +479,18 @@ class PresenceView:
         n = len(hit) if hit.all() else int(hit.argmin())
         return n, int(np.count_nonzero(self._places[slot[:n]]))
 
-    def places(self, packed: bytes) -> tuple[np.ndarray, np.ndarray]:
+    def places(self, packed: bytes) -> tuple[np.ndarray, np.ndarray, int]:
         """(arena addresses, checksums) of the blocks of the leading keys of ``packed`` that
-        the table holds with a place: hints, to be copied and verified (module docstring)."""
+        the table holds with a place: hints, to be copied and verified (module docstring);
+        then how many leading keys the table holds, with a place or not."""
         hit, slot = self._probe(packed)
-        n = len(hit) if hit.all() else int(hit.argmin())
+        held = n = len(hit) if hit.all() else int(hit.argmin())
         places = self._places[slot[:n]]  # read after the slots, before the checksums
         sums = self._sums[slot[:n]]
         placed = places != 0
         if not placed.all():
             n = int(placed.argmin())
-        return places[:n] - np.uint64(1), sums[:n]
+        return places[:n] - np.uint64(1), sums[:n], held
 
     def close(self) -> None:
         self._rows = np.empty((0, BUCKET), dtype=np.uint64)

@@ -69,6 +69,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "kvstore.daemon.cpu_tier",
             "kvstore.daemon.disk_tier",
             "kvstore.daemon.pool_slots",
+            "kvstore.daemon.presence_books",
             "kvstore.daemon.tier_contract",
             "kvstore.daemon.room",
             "kvstore.daemon.side_streams",

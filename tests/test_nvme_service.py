@@ -15,6 +15,7 @@ import torch
 from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tiers, tmpfs, tokens, wait_for
 
 from kvstore import AsyncKVStoreClient, KVLayout, KVStoreClient
+from kvstore.client import presence_link
 from kvstore.errors import UnavailableError
 from kvstore.tiers import codecs
 from kvstore.tiers.codecs import block_format_of
@@ -212,7 +213,10 @@ def test_a_flipped_byte_on_disk_is_a_miss_and_neighbours_are_served(
         assert t.checksum_failures == 1
 
 
-def test_prefetch_then_get_is_served_from_cpu(daemon_factory, nvme_dir) -> None:
+def test_prefetch_then_get_is_served_from_cpu(daemon_factory, nvme_dir, monkeypatch) -> None:
+    # The get goes to the daemon (not the presence table, whose reads it learns of only with
+    # the client's next call), so its counters say at once what the get found.
+    monkeypatch.setattr(presence_link, "FLUSH_S", 0.0)
     d = daemon_factory(
         cpu_capacity="256KiB", slab="64KiB", nvme_path=nvme_dir, nvme_capacity="4MiB"
     )

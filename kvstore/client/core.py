@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvstore import local_calls
-from kvstore.client import paged_io, payloads
+from kvstore.client import paged_io, payloads, place_reads
 from kvstore.client._common import (
     Credentials,
     MappedArena,
@@ -364,6 +364,7 @@ class ClientCore:
         nbytes = len(keys) * self.layout.block_bytes
         sums = yield Blocking(lambda: arena.copy_in(rows, addresses, seeds), nbytes)
         sent_at = time.monotonic()
+        table_reads = self._presence.take_reads()
         try:
             reply = yield Call(
                 "Bind",
@@ -374,6 +375,7 @@ class ClientCore:
                     checksums=sums,
                     priority=priority,
                     spare_wanted=wanted,
+                    table_reads=table_reads,
                     release_leases=self._take_releases(),
                 ),
             )
@@ -403,13 +405,20 @@ class ClientCore:
         placed = None
         if session is not None:
             placed = self._presence.places(session, self._handle, packed, len(keys))
-        if placed is not None:  # every block has a place: read them with no call
+        if placed is not None:  # the leading blocks have places: read them with no call
+            n = len(placed.addresses)
+            if not n:  # and the daemon has none of them either
+                return out[:0] if out is not None else empty_blocks(self.layout, 0)
             dest = empty_blocks(self.layout, len(keys)) if out is None else out
             rows = byte_rows(self.layout, dest)
-            nbytes = len(keys) * self.layout.block_bytes
-            done = yield Blocking(partial(self._read_places, *placed, packed, rows), nbytes)
+            arena = self._require_arena("get")
+            read = partial(
+                place_reads.read_places, arena, self.namespace, placed.addresses, placed.sums
+            )
+            leading = packed[: n * KEY_BYTES]
+            done = yield Blocking(partial(read, leading, rows), n * self.layout.block_bytes)
             self._presence.note_read(packed[: done * KEY_BYTES])
-            if done == len(keys):
+            if done == len(keys) or (placed.whole and done == n):
                 return dest[:done]
         # The rest through a lease: all of it, or from the first block whose copy did not
         # verify (moved or evicted since the table said where it was).
@@ -425,20 +434,6 @@ class ClientCore:
             yield from lease._release_op()  # no call: the next one carries it
         return dest[: done + m]
 
-    def _read_places(
-        self, addresses: list[int], sums: list[int], packed: bytes, rows: torch.Tensor
-    ) -> int:
-        """Copy blocks from the places a presence table gave into ``rows``, each verified as
-        it is copied against the checksum bound to its key (always: nothing else vouches for
-        a place); how many leading blocks arrived intact."""
-        arena = self._require_arena("get")
-        seeds = seeds_for(self.namespace, unpack_keys(packed))
-        try:
-            return arena.copy_out(addresses, sums, seeds, rows, verify=True)
-        except KVStoreError:  # a slab the daemon will not hand over (retired): call
-            return 0
-
-    # ------------------------------------------------------------------ paged caches
     def _offload(
         self,
         kv_caches: Sequence[torch.Tensor],
@@ -539,10 +534,10 @@ class ClientCore:
                 )
                 n = got.shape[0]
             else:
-                n = 0
+                n, whole = 0, False
                 if gpu is None and kv_caches[0].device.type == "cpu":
-                    n = yield from self._load_from_places(ck, kv_caches, cids)
-                if n < len(ck):  # the rest through a lease (module docstring of presence_link)
+                    n, whole = yield from self._load_from_places(ck, kv_caches, cids)
+                if n < len(ck) and not whole:  # the rest through a lease (see presence_link)
                     lease = yield from self._acquire(ck[n:], None, gpu)
                     try:
                         ids_leased = cids[n : n + len(lease)]
@@ -556,42 +551,28 @@ class ClientCore:
 
     def _load_from_places(
         self, keys: Sequence[bytes], kv_caches: Sequence[torch.Tensor], ids: list[int]
-    ) -> Op[int]:
-        """Load CPU caches from the places the presence table gives, with no call, where it
-        gives every key one; how many leading blocks arrived intact (0: call for them)."""
+    ) -> Op[tuple[int, bool]]:
+        """Load CPU caches from the places the presence table gives, with no call: how many
+        leading blocks arrived intact (0: call for them), and whether the daemon would serve
+        no more of ``keys`` than those (no call for the rest either)."""
         session = self._session
         if session is None:
-            return 0
+            return 0, False
         packed = b"".join(keys)
         placed = self._presence.places(session, self._handle, packed, len(keys))
         if placed is None:
-            return 0
-        n = yield Blocking(
-            partial(self._scatter_places, *placed, packed, kv_caches, ids), thread=True
-        )
-        self._presence.note_read(packed[: n * KEY_BYTES])
-        return int(n)
-
-    def _scatter_places(
-        self,
-        addresses: list[int],
-        sums: list[int],
-        packed: bytes,
-        kv_caches: Sequence[torch.Tensor],
-        ids: list[int],
-    ) -> int:
-        """``_read_places`` into physical blocks ``ids`` of CPU caches."""
-        arena = self._require_arena("load")
-        nbytes, layout = self.layout.block_bytes, self.layout
-        try:
-            views = [
-                arena.slot(a, nbytes).view(layout.dtype).view(layout.block_shape) for a in addresses
-            ]
-        except KVStoreError:  # a slab the daemon will not hand over (retired): call
-            return 0
-        seeds = seeds_for(self.namespace, unpack_keys(packed))
-        intact = paged_io.scatter_with_checksums(views, kv_caches, ids, sums, seeds)
-        return intact or 0
+            return 0, False
+        n = 0
+        if placed.addresses:
+            arena = self._require_arena("load")
+            scatter = partial(
+                place_reads.scatter_places, arena, self.layout, self.namespace, *placed[:2]
+            )
+            run = len(placed.addresses)
+            leading = packed[: run * KEY_BYTES]
+            n = yield Blocking(partial(scatter, leading, kv_caches, ids[:run]), thread=True)
+            self._presence.note_read(packed[: n * KEY_BYTES])
+        return int(n), placed.whole and n == len(placed.addresses)
 
     def _scatter(
         self,
@@ -661,6 +642,7 @@ class ClientCore:
         packed = check_keys(keys) if packed is None else packed
         prio = check_priority(priority)
         self._require_arena("reserve")
+        table_reads = self._presence.take_reads()  # read before this put evicts anything
         reply = yield Call(
             "Reserve",
             lambda: pb.ReserveRequest(
@@ -668,6 +650,7 @@ class ClientCore:
                 keys=packed,
                 priority=prio,
                 gpu=device is not None,
+                table_reads=table_reads,
                 release_leases=self._take_releases(),
             ),
         )

@@ -59,6 +59,14 @@ class Tally(NamedTuple):
     in_cpu: int
 
 
+class Placed(NamedTuple):
+    """Where a get finds its leading blocks in the arena (``PresenceLink.places``)."""
+
+    addresses: list[int]
+    sums: list[int]  # each block's checksum, bound to its key
+    whole: bool  # the daemon would serve no more of the keys asked
+
+
 class PresenceLink:
     """The table of one client's current handle, and the lookups it answered; see the module
     docstring. Not thread-safe (as ``ClientCore``)."""
@@ -129,18 +137,31 @@ class PresenceLink:
 
     def places(
         self, session: ClientSession, handle: bytes, packed: bytes, count: int
-    ) -> tuple[list[int], list[int]] | None:
-        """(arena addresses, checksums) of the blocks of all ``count`` keys of ``packed``, for
-        a get to copy and verify itself; None: call."""
+    ) -> Placed | None:
+        """The places of the blocks of the leading keys of ``packed`` (``count`` 32-byte
+        keys), for a get to copy and verify itself; None: call for them all.
+
+        ``whole`` when the daemon would serve no more than these: every key has a place, or
+        the run ends at a key the table does not hold and the table is the whole answer (no
+        ``overflow``, nothing only the daemon can find: ``ask_on_miss``, and no key being
+        written, whose commit the daemon's Acquire would wait for). A get then needs no
+        call at all, the misses included. A run that ends at a key the table holds without a
+        place (an NVMe-only block) is not whole: the rest goes to the daemon."""
         if len(self._reads) + count > MAX_TABLE_READS:
             return None  # this one carries them
         view = self._view_for(session, handle, packed, self._read_called)
         if view is None:
             return None
-        addresses, sums = view.places(packed)
-        if len(addresses) < count:
+        addresses, sums, held = view.places(packed)
+        n = len(addresses)
+        # Read after the probe: retired during it, its freed pages read as EMPTY, so a miss
+        # may be wrong; a key being written is one the daemon would wait for.
+        whole = n == count or (
+            held == n and not (self._ask_on_miss or view.overflow or view.writing or view.retired)
+        )
+        if not n and not whole:
             return None
-        return addresses.tolist(), sums.tolist()
+        return Placed(addresses.tolist(), sums.tolist(), whole)
 
     def note_read(self, packed: bytes) -> None:
         """A get read the blocks of these keys (packed) from their places."""

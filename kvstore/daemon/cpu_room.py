@@ -269,6 +269,10 @@ class CpuRoom:
         dirty = [v for v in was if not index.tier[v] & IN_NVME]
         if dirty:
             await self.move_down(dirty)
+        # Forgotten as one batch, unless a tenant's guaranteed share is checked per victim
+        # (each one evicted lowers its tenant's books before the next is checked).
+        gone: list[int] = []
+        batch = not quotas.guaranteed_cpu
         for v in victims:
             if (
                 v not in was
@@ -285,9 +289,12 @@ class CpuRoom:
                 continue  # changed while the writes ran; the next round picks again
             if index.tier[v] & (IN_NVME | IN_GPU):
                 ledger.drop_cpu_copy(v)  # still stored on disk or in the GPU pool
+            elif batch:
+                gone.append(v)
             else:
                 ledger.forget(v)  # nothing else holds it (no tier, or a failed write)
             ledger.cpu.evictions += 1
+        ledger.forget_many(gone)
 
     # ----------------------------------------------------------------- the tier contract
     @property

@@ -59,6 +59,7 @@ def check_store(store: Ledger, spare_books: SpareBooks, io_idle: bool = True) ->
     gpu_bytes = 0
     cpu_bytes = clean = savings = 0
     n_reserved = 0
+    writing: dict[int, int] = {}
     for eid in range(index.capacity):
         state = index.state[eid]
         if state == State.FREE:
@@ -87,6 +88,8 @@ def check_store(store: Ledger, spare_books: SpareBooks, io_idle: bool = True) ->
         if state == State.RESERVED:
             n_reserved += 1
             assert reserved.get(eid, 0) <= 1, f"entry {eid} in two reservations"
+            if index.is_keyed(eid):
+                writing[ns] = writing.get(ns, 0) + 1
         elif state == State.COMMITTED:
             blocks[ns] = blocks.get(ns, 0) + 1
             assert eid not in reserved, f"committed entry {eid} still reserved"
@@ -111,6 +114,11 @@ def check_store(store: Ledger, spare_books: SpareBooks, io_idle: bool = True) ->
             f"namespace {record.name}: {record.entries} entries counted, {entries.get(ns, 0)} held"
         )
         assert record.blocks == blocks.get(ns, 0), f"namespace {record.name}: blocks count"
+        assert record.writing == writing.get(ns, 0), f"namespace {record.name}: writing count"
+        if record.presence is not None and not record.presence.retired:
+            assert record.presence.writing == record.writing, (
+                f"namespace {record.name}: its presence table's writing count"
+            )
         assert record.handles or record.entries, f"namespace {record.name} not freed"
     assert n_reserved == store.reserved_blocks, "reserved count"
     spare = sum(

@@ -52,6 +52,7 @@ class NamespaceRecord:
     domain: int = 0  # memory domain of its CPU slabs: its tenant's with a policy, else 0
     blocks: int = 0  # COMMITTED entries
     entries: int = 0  # keyed entries (reserved or committed) and orphans
+    writing: int = 0  # keyed RESERVED entries: blocks some client is writing now
     handles: int = 0
     # A caller that may write it opened it: only then does it hold its identity against an
     # open with another layout (a reader of a shared tenant cannot squat the owner's).

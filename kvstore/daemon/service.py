@@ -329,9 +329,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         found = await self.store.lookup(handle, keys)
         return pb.LookupResponse(found=found)
 
+    def _note_table_reads(self, handle: Handle, table_reads: bytes) -> None:
+        """The blocks a client read from its presence table's places since its last call that
+        carried them (``AcquireRequest.table_reads``): read now, before this call evicts."""
+        if table_reads:
+            # A hint: past the request bound it is cut, not refused (the call is the client's).
+            limit = self.limits.max_keys_per_request
+            reads = _keys(table_reads[: limit * KEY_BYTES], limit, "table_reads")
+            self.store.note_table_reads(handle, reads)
+
     @_rpc
     async def Reserve(self, request, context):
         handle = self._handle(request.handle, write=True, release=request.release_leases)
+        self._note_table_reads(handle, request.table_reads)
         result = await self.store.reserve(
             handle,
             self._keys(request.keys),
@@ -391,6 +401,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Bind(self, request, context):
         handle = self._handle(request.handle, write=True, release=request.release_leases)
         keys = self._keys(request.keys)
+        self._note_table_reads(handle, request.table_reads)
         result = await self.store.bind(
             handle,
             keys,
@@ -414,11 +425,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Acquire(self, request, context):
         handle = self._handle(request.handle, release=request.release_leases)
         keys = self._keys(request.keys)
-        if request.table_reads:
-            # A hint: past the request bound it is cut, not refused (the call is the client's).
-            limit = self.limits.max_keys_per_request
-            reads = _keys(request.table_reads[: limit * KEY_BYTES], limit, "table_reads")
-            self.store.note_table_reads(handle, reads)
+        self._note_table_reads(handle, request.table_reads)
         found = await self.store.lookup(handle, keys) if request.lookup else 0
         lease_keys = keys
         if request.prefetch:

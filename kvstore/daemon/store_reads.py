@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.daemon.ledger import gather
 from kvstore.daemon.namespaces import Handle, Lease, NamespaceRecord
 from kvstore.daemon.store_parts import AcquireResult, StoreParts, distinct
 from kvstore.daemon.tier_contract import KeyRun
 from kvstore.errors import CapacityError, LeaseExpiredError, UnknownNamespaceError
-from kvstore.index import IN_CPU, IN_GPU, State
+from kvstore.index import IN_CPU, IN_GPU, State, gather
 from kvstore.tiers.codecs import decode
 
 # lookup's hit counts: tier byte -> 1 where the block is in the GPU tier / in CPU but not GPU.

@@ -107,18 +107,20 @@ class LookupResponse(_message.Message):
     def __init__(self, found: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("handle", "keys", "priority", "gpu", "release_leases")
+    __slots__ = ("handle", "keys", "priority", "gpu", "table_reads", "release_leases")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
+    TABLE_READS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     keys: bytes
     priority: int
     gpu: bool
+    table_reads: bytes
     release_leases: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., priority: _Optional[int] = ..., gpu: _Optional[bool] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., priority: _Optional[int] = ..., gpu: _Optional[bool] = ..., table_reads: _Optional[bytes] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "offsets", "expires_in_s", "gpu", "pending", "codec", "payload_bytes")
@@ -171,13 +173,14 @@ class CommitResponse(_message.Message):
     def __init__(self, committed: _Optional[int] = ..., spare: _Optional[_Iterable[int]] = ..., spare_fresh_s: _Optional[float] = ...) -> None: ...
 
 class BindRequest(_message.Message):
-    __slots__ = ("handle", "keys", "slots", "checksums", "priority", "spare_wanted", "release_leases")
+    __slots__ = ("handle", "keys", "slots", "checksums", "priority", "spare_wanted", "table_reads", "release_leases")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     SPARE_WANTED_FIELD_NUMBER: _ClassVar[int]
+    TABLE_READS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     keys: bytes
@@ -185,8 +188,9 @@ class BindRequest(_message.Message):
     checksums: _containers.RepeatedScalarFieldContainer[int]
     priority: int
     spare_wanted: int
+    table_reads: bytes
     release_leases: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., spare_wanted: _Optional[int] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., spare_wanted: _Optional[int] = ..., table_reads: _Optional[bytes] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BindResponse(_message.Message):
     __slots__ = ("committed", "pending", "spare", "spare_fresh_s")
