@@ -11,7 +11,8 @@ or null for an engine without the connector), optional ``max_num_batched_tokens`
 ``{"prompts": [{"ids": [...], "salt": str|null}], "max_tokens": int, "wait_for": path|null,
 "signal": path|null, "one_by_one": bool}``. A phase waits for its ``wait_for`` file before it
 runs and touches its ``signal`` file after, so a test can act on the daemon in between.
-Optional: ``tensor_parallel_size`` (ranks in processes of their own), ``connector_class``
+Optional: ``uid`` (the harness runs the engine as that uid: a tenant of a daemon policy),
+``tensor_parallel_size`` (ranks in processes of their own), ``connector_class``
 (``[module, class]``, default kvstore's), ``num_gpu_blocks``
 (a KV cache of that many blocks, to force preemption), ``log_stats`` (the result gets
 ``counters``: vLLM's Prometheus counters, e.g. ``vllm:num_preemptions``),

@@ -123,16 +123,28 @@ class Engine:
     def __init__(self, spec: dict[str, Any], directory: Path, name: str) -> None:
         self.directory = directory
         self.name = name
+        uid = spec.get("uid")
+        env = _with(engine_env(), spec.get("env", {}))
+        command = [sys.executable, str(ENGINE)]
+        self.run_dir: Path | None = None
+        if uid is not None:
+            # Another uid (a tenant of the daemon's policy): its spec, result and home in a
+            # folder of its own, the model where it can read it (``as_uid``).
+            python = interpreter_for_other_uids()
+            if python is None:
+                raise AssertionError("no interpreter other uids can run (can_run_as_other_uids)")
+            directory = self.run_dir = run_dir_for(uid, name)
+            command, env = as_uid(uid, [python, str(ENGINE)], env, directory)
         self.spec = {**spec, "out": str(directory / f"{name}.json")}
         spec_path = directory / f"{name}.spec.json"
         spec_path.write_text(json.dumps(self.spec))
-        self.log_path = directory / f"{name}.log"
+        self.log_path = self.directory / f"{name}.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, str(ENGINE), str(spec_path)],
+            [*command, str(spec_path)],
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env=_with(engine_env(), spec.get("env", {})),
+            env=env,
             # vLLM's EngineCore and workers are its children: a group of their own, so that
             # ``kill`` ends them too (killed alone, the parent left them computing, orphaned).
             start_new_session=True,
@@ -157,16 +169,147 @@ class Engine:
         self.log.close()
         if rc != 0:
             raise AssertionError(f"engine {self.name} failed (rc {rc}):\n{self.tail()}")
-        return json.loads(Path(self.spec["out"]).read_text())
+        result = json.loads(Path(self.spec["out"]).read_text())
+        self._remove_run_dir()
+        return result
 
     def kill(self) -> None:
         kill_group(self.proc)
+        self._remove_run_dir()
+
+    def _remove_run_dir(self) -> None:
+        if self.run_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def tail(self, n: int = 60) -> str:
         if not self.log.closed:  # result() closes it before reporting a failed engine
             self.log.flush()
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
+
+
+def can_run_as_other_uids() -> bool:
+    """Engines of other uids (tenants told apart by the kernel) need root, ``setpriv`` and an
+    interpreter those uids can run (``interpreter_for_other_uids``)."""
+    import shutil
+
+    return (
+        os.geteuid() == 0
+        and shutil.which("setpriv") is not None
+        and interpreter_for_other_uids() is not None
+    )
+
+
+_PROBE_UID = 65534  # nobody: a uid with no rights of its own
+
+
+def _runs_as_other_uid(python: str) -> bool:
+    """Whether ``python``, run as another uid, can start itself again (vLLM starts
+    ``sys.executable`` for its own processes) and import vLLM."""
+    code = (
+        "import subprocess, sys; "
+        "subprocess.run([sys.executable, '-c', 'import vllm'], check=True, capture_output=True)"
+    )
+    setpriv = ["setpriv", f"--reuid={_PROBE_UID}", f"--regid={_PROBE_UID}", "--clear-groups"]
+    try:
+        r = subprocess.run(
+            [*setpriv, python, "-c", code], capture_output=True, cwd="/", timeout=300
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+_INTERPRETER: list[str | None] = []
+
+
+def interpreter_for_other_uids() -> str | None:
+    """An interpreter of this environment other uids can run: ``sys.executable``, or where
+    its base interpreter is out of their reach (a Python under root's 0700 home), a virtual
+    environment in /tmp over the system's Python of the same minor version and this
+    environment's packages. None: neither works."""
+    if _INTERPRETER:
+        return _INTERPRETER[0]
+    found: str | None = None
+    if _runs_as_other_uid(sys.executable):
+        found = sys.executable
+    else:
+        import hashlib
+        import sysconfig
+
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        base = Path(f"/usr/bin/python{version}")
+        site = Path(sysconfig.get_paths()["purelib"])
+        tag = hashlib.sha256(str(site).encode()).hexdigest()[:12]
+        shim = Path(f"/tmp/kvstore-engine-python-{tag}")
+        if base.exists() and not (shim / "pyvenv.cfg").exists():
+            tmp = open_dir("kvstore-engine-python-")
+            (tmp / "bin").mkdir(mode=0o755)
+            (tmp / "lib" / f"python{version}").mkdir(mode=0o755, parents=True)
+            (tmp / "bin" / "python").symlink_to(base)
+            (tmp / "lib" / f"python{version}" / "site-packages").symlink_to(site)
+            (tmp / "pyvenv.cfg").write_text(
+                f"home = {base.parent}\ninclude-system-site-packages = false\nversion = {version}\n"
+            )
+            try:
+                tmp.rename(shim)
+            except OSError:  # another process made it meanwhile
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
+        python = shim / "bin" / "python"
+        if python.exists() and _runs_as_other_uid(str(python)):
+            found = str(python)
+    _INTERPRETER.append(found)
+    return found
+
+
+def open_dir(prefix: str) -> Path:
+    """A new folder under /tmp that other uids may read (a model for engines of other uids)."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    path.chmod(0o755)
+    return path
+
+
+def readable_by_all(path: Path) -> Path:
+    """``path`` (a model folder) made readable by every uid (``save_pretrained`` writes its
+    weights owner-only)."""
+    for root, _dirs, files in os.walk(path):
+        os.chmod(root, 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+    return path
+
+
+def run_dir_for(uid: int, name: str) -> Path:
+    """A folder under /tmp owned by ``uid`` (mode 0700): an engine's spec, result and home."""
+    path = open_dir(f"kvengine-{name}-")
+    os.chown(path, uid, uid)
+    path.chmod(0o700)
+    return path
+
+
+def as_uid(
+    uid: int, command: list[str], env: dict[str, str], home: Path
+) -> tuple[list[str], dict[str, str]]:
+    """``command`` run as ``uid`` (gid ``uid``, no other groups), with ``home`` as its home
+    and caches: vLLM and torch write there, and look the user up by name."""
+    env = {
+        **env,
+        "HOME": str(home),
+        "USER": f"uid{uid}",
+        "LOGNAME": f"uid{uid}",
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "VLLM_CACHE_ROOT": str(home / ".cache" / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(home / ".cache" / "inductor"),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    setpriv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    return [*setpriv, *command], env
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:

@@ -131,38 +131,50 @@ class LayeredLoad:
 
 
 def _fetch(job: LoadJob, stores: _Stores, copier: _LayerCopier | None) -> _Fetched:
-    """The job's blocks, fetched from its tenant's store, from the first up to the first one
-    missing; nothing at all if the store fails (one retry on a fresh client, as every call)."""
+    """The job's blocks, each run fetched from the tenant that holds it (the request's own, or
+    a shared one), from the first up to the first one missing; nothing more once a store fails
+    (one retry on a fresh client, as every call)."""
+    fetched = _Fetched(job)
     if copier is None:
-        return _Fetched(job)
-
-    def fetch_from(client: KVStoreClient) -> _Fetched:
-        fetched = _Fetched(job)
-        try:
-            for start in range(0, len(job.keys), CHUNK_BLOCKS):
-                keys = job.keys[start : start + CHUNK_BLOCKS]
-                ids = job.block_ids[start : start + CHUNK_BLOCKS]
-                if client.uses_shared_memory:
-                    lease = client.acquire(keys)
-                    views = list(lease.views)
-                    fetched.pieces.append(_Piece(views, ids[: len(views)], lease))
-                else:
-                    lay = copier.layout
-                    out = torch.empty((len(keys), *lay.block_shape), dtype=lay.dtype)
-                    got = client.get(keys, out=out)
-                    views = [got[i] for i in range(got.shape[0])]
-                    fetched.pieces.append(_Piece(views, ids[: len(views)]))
-                if len(views) < len(keys):
-                    break
-        except KVStoreError:
-            for piece in fetched.pieces:
-                if piece.lease is not None:
-                    _release(piece.lease)
-            raise
-        fetched.answered = True
         return fetched
+    for tenant, start, stop in job.sources():
+        got = len(fetched.pieces)
 
-    return stores.of(job.tenant).with_client("load", fetch_from) or _Fetched(job)
+        def fetch_from(
+            client: KVStoreClient, start: int = start, stop: int = stop, got: int = got
+        ) -> bool:
+            try:
+                for lo in range(start, stop, CHUNK_BLOCKS):
+                    keys = job.keys[lo : min(lo + CHUNK_BLOCKS, stop)]
+                    ids = job.block_ids[lo : min(lo + CHUNK_BLOCKS, stop)]
+                    if client.uses_shared_memory:
+                        lease = client.acquire(keys)
+                        views = list(lease.views)
+                        fetched.pieces.append(_Piece(views, ids[: len(views)], lease))
+                    else:
+                        lay = copier.layout
+                        out = torch.empty((len(keys), *lay.block_shape), dtype=lay.dtype)
+                        blocks = client.get(keys, out=out)
+                        views = [blocks[i] for i in range(blocks.shape[0])]
+                        fetched.pieces.append(_Piece(views, ids[: len(views)]))
+                    if len(views) < len(keys):
+                        return False
+            except KVStoreError:  # released: a retry on a fresh client starts the run again
+                for piece in fetched.pieces[got:]:
+                    if piece.lease is not None:
+                        _release(piece.lease)
+                del fetched.pieces[got:]
+                raise
+            return True
+
+        whole = stores.of(tenant).with_client("load", fetch_from)
+        if whole is None:  # the store failed: this run and the rest are not loaded
+            fetched.answered = False
+            break
+        fetched.answered = True
+        if not whole:
+            break
+    return fetched
 
 
 def _release(lease: Any) -> None:

@@ -26,7 +26,19 @@ class TransferJob:
 
 @dataclass
 class LoadJob(TransferJob):
-    pass
+    runs: list[tuple[str | None, int]] = field(default_factory=list)
+    """Where the job's blocks are read from, in order: ``(tenant, count)`` runs covering every
+    key (the request's own tenant, or one of ``shared_tenants``); empty: all from ``tenant``."""
+
+    def sources(self) -> list[tuple[str | None, int, int]]:
+        """``(tenant, start, stop)`` of each run of keys, in order."""
+        if not self.runs:
+            return [(self.tenant, 0, len(self.keys))]
+        out, start = [], 0
+        for tenant, count in self.runs:
+            out.append((tenant, start, start + count))
+            start += count
+        return out
 
 
 @dataclass

@@ -21,6 +21,7 @@ _OPTIONS = {
     "salt_tenants": None,
     "unmapped_salt": "default",
     "layerwise": "auto",
+    "shared_tenants": None,
 }
 
 
@@ -30,6 +31,26 @@ class SaltTenant:
 
     tenant: str
     token: str | None = None
+
+
+def _parse_shared_tenants(value: Any, tenant: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list | tuple) or not all(isinstance(t, str) and t for t in value):
+        raise ValueError(
+            f"shared_tenants must be a list of tenant names ([shared.NAME] in the daemon's "
+            f"policy), got {value!r}"
+        )
+    if tenant in value:
+        raise ValueError(
+            f"shared_tenants names the engine's own tenant {tenant!r}: its namespace is always "
+            "consulted first"
+        )
+    if len(set(value)) != len(value):
+        raise ValueError(f"shared_tenants names a tenant twice: {value!r}")
+    return tuple(value)
 
 
 def _parse_salt_tenants(value: Any) -> dict[str, SaltTenant]:
@@ -79,6 +100,10 @@ class ConnectorConfig:
     layerwise: str = "auto"
     """Synchronous loads copied layer by layer, each waited for in ``wait_for_layer_load``:
     ``"auto"`` where transfers run on the transfer thread (CUDA caches), ``"on"``, ``"off"``."""
+    shared_tenants: tuple[str, ...] = ()
+    """Tenants declared shared in the daemon's policy (``[shared.NAME]``) whose namespaces a
+    request's lookup also consults, in order, for the leading blocks its own tenant's namespace
+    lacks: loaded from there (read only), never saved there. Opened with ``token``."""
 
     def tenant_of(self, cache_salt: str | None) -> str | None:
         """The tenant a request with this salt loads from and saves to; None: no store access
@@ -91,9 +116,9 @@ class ConnectorConfig:
         return self.tenant if self.unmapped_salt == "default" else None
 
     def token_of(self, tenant: str) -> str | None:
-        """The credential for ``tenant``: ``token`` for the engine's own tenant, else the one
-        given with the salts mapped to it."""
-        if tenant == self.tenant and self.token is not None:
+        """The credential for ``tenant``: ``token`` for the engine's own tenant and the shared
+        tenants it reads, else the one given with the salts mapped to it."""
+        if (tenant == self.tenant or tenant in self.shared_tenants) and self.token is not None:
             return self.token
         for route in self.salt_tenants.values():
             if route.tenant == tenant and route.token is not None:
@@ -139,6 +164,7 @@ class ConnectorConfig:
                 f"layerwise must be 'auto', 'on' or 'off', got {values['layerwise']!r}"
             )
         values["salt_tenants"] = _parse_salt_tenants(values["salt_tenants"])
+        values["shared_tenants"] = _parse_shared_tenants(values["shared_tenants"], values["tenant"])
         tokens: dict[str, str | None] = {values["tenant"]: values["token"]}
         for salt, route in values["salt_tenants"].items():
             # One tenant, one credential: the client of a tenant is shared by its salts.

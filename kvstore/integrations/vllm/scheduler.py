@@ -38,6 +38,32 @@ MEDIUM = "CPU"
 
 MAX_PENDING_EVENTS = 65536
 
+MAX_RUNS = 8
+"""At most this many runs (own tenant / shared tenants, alternating) per request's lookup."""
+
+
+@dataclass
+class _Found:
+    """What a request's lookup found, kept until vLLM allocates its blocks."""
+
+    runs: list[tuple[str, int]]
+    """``(tenant, blocks)`` runs from block ``start`` on (``_Scheduler._find``)."""
+    start: int
+    """The first block looked up (those before it vLLM has cached itself)."""
+    held: int
+    """Leading blocks (of those before ``start``) a shared tenant holds."""
+
+
+def _truncate(runs: list[tuple[str, int]], count: int) -> list[tuple[str, int]]:
+    """The leading ``count`` blocks of ``runs``."""
+    out = []
+    for tenant, n in runs:
+        if count <= 0:
+            break
+        out.append((tenant, min(n, count)))
+        count -= n
+    return out
+
 
 @dataclass
 class _Pending:
@@ -80,6 +106,8 @@ class _Scheduler:
         self.stores = _Stores(ident, cfg, cfg.lookup_timeout_s)
         self.tracked: dict[str, _Tracked] = {}
         self.pending_loads: list[LoadJob] = []
+        self.found: dict[str, _Found] = {}
+        """Request id -> what its last lookup found, until vLLM allocates its blocks."""
         self.held: list[str] = []
         self.stats = KVStoreConnectorStats()
         self.events: list[KVCacheEvent] = []
@@ -163,7 +191,28 @@ class _Scheduler:
             if access is None:
                 return 0, False
             tenant, adapter = access
-        keys = self.keys_of(request, start, stop, adapter)
+        sources = [tenant, *(t for t in self.cfg.shared_tenants if t != tenant)]
+        runs = self._find(self.keys_of(request, start, stop, adapter), sources)
+        held = 0
+        if len(sources) > 1 and state is None and start:
+            # What the shared tenants already hold is never saved again to the request's own
+            # tenant: the leading blocks they hold of what vLLM has cached itself, then the
+            # runs about to load, while they continue from there.
+            held = self._shared_prefix(self.keys_of(request, 0, start, adapter), sources[1:])
+        self.found[request.request_id] = _Found(runs, start, held)
+        found = sum(n for _, n in runs)
+        if not found:
+            return 0, False
+        tokens = found * bs
+        self.stats.add("hit_tokens", tokens)
+        shared = sum(n for t, n in runs if t != tenant)
+        if shared:
+            self.stats.add("shared_hit_tokens", shared * bs)
+        return tokens, self.cfg.load == "async"
+
+    def _lookup(self, tenant: str, keys: list[bytes]) -> int:
+        """The leading run of ``keys`` stored in ``tenant``'s namespace (0 if the store fails
+        or refuses it: a miss)."""
         store = self.stores.of(tenant)
 
         def lookup(client: KVStoreClient) -> int:
@@ -171,37 +220,82 @@ class _Scheduler:
             return client.lookup(keys)
 
         found = store.with_client("lookup", lookup, lambda: self.stats.add("lookup_failures"))
-        if not found:
-            return 0, False
-        tokens = found * bs
-        self.stats.add("hit_tokens", tokens)
-        return tokens, self.cfg.load == "async"
+        if found is None and store.refused:
+            self.stats.add("lookups_refused")
+        return found or 0
+
+    def _find(self, keys: list[bytes], sources: list[str]) -> list[tuple[str, int]]:
+        """Runs ``(tenant, count)`` covering the leading stored blocks of ``keys``: from the
+        request's own tenant (``sources[0]``) or, where it lacks them, the shared tenants in
+        their order, each run as long as its tenant holds them. One lookup without shared
+        tenants; a few more with them (one per source tried at each run's end)."""
+        runs: list[tuple[str, int]] = []
+        pos = 0
+        while pos < len(keys) and len(runs) < MAX_RUNS:
+            for source in sources:
+                if runs and runs[-1][0] == source:
+                    continue  # its run ended here
+                n = self._lookup(source, keys[pos:])
+                if n:
+                    runs.append((source, n))
+                    pos += n
+                    break
+            else:
+                break
+        return runs
+
+    def _shared_prefix(self, keys: list[bytes], shared: list[str]) -> int:
+        """The leading run of ``keys`` one of the ``shared`` tenants holds."""
+        best = 0
+        for tenant in shared:
+            best = max(best, self._lookup(tenant, keys))
+            if best == len(keys):
+                break
+        return best
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         state = self.tracked.get(request.request_id)
+        found = self.found.pop(request.request_id, None)
         if state is None:
             access = self.access(request, count=True)
             tenant, adapter = access if access is not None else (None, b"")
             state = _Tracked(request, tenant=tenant, adapter=adapter)
             self.tracked[request.request_id] = state
         state.request = request
-        if num_external_tokens == 0 or state.tenant is None:
+        if state.tenant is None:
             return
         bs = self.block_size
+        # vLLM sets ``num_computed_tokens`` only after this call: the blocks its own prefix
+        # cache holds are those the lookup started after.
+        start = found.start if found is not None else request.num_computed_tokens // bs
+        count = num_external_tokens // bs
+        runs = _truncate(found.runs if found is not None else [], count)
+        if found is not None and self.cfg.shared_tenants:
+            # Blocks known held (by a shared tenant, or loading from one of them and from
+            # the request's own) are not saved again: saves start after them.
+            known = found.held
+            if known == start:
+                known += sum(n for _, n in runs)
+            state.saved = max(state.saved, known)
+        if num_external_tokens == 0:
+            return
+        if sum(n for _, n in runs) != count:  # no plan from the lookup: all from its own
+            runs = [(state.tenant, count)]
         block_ids = blocks.get_block_ids()[0]
-        start = request.num_computed_tokens // bs
-        stop = start + num_external_tokens // bs
+        stop = start + count
         job = LoadJob(
             request.request_id,
             self.keys_of(request, start, stop, state.adapter),
             list(block_ids[start:stop]),
             tenant=state.tenant,
+            runs=[] if len(runs) == 1 and runs[0][0] == state.tenant else list(runs),
         )
         state.load = job
-        for i, key in enumerate(job.keys):
-            self._remember(request, start + i, key, state.tenant)
+        for source, lo, hi in job.sources():
+            for i in range(lo, hi):
+                self._remember(request, start + i, job.keys[i], source or state.tenant)
         self.pending_loads.append(job)
 
     def _remember(self, request: Request, index: int, key: bytes, tenant: str) -> None:
@@ -290,6 +384,7 @@ class _Scheduler:
     kv_cache_manager: Any = None
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        self.found.pop(request.request_id, None)
         state = self.tracked.pop(request.request_id, None)
         if state is None or not state.holds:
             return False

@@ -27,6 +27,8 @@ _COUNTERS = (
     "events_dropped",
     "salts_refused",
     "adapters_unread",
+    "shared_hit_tokens",
+    "lookups_refused",
 )
 
 
@@ -80,6 +82,8 @@ _HELP = {
     "events_dropped": "Block events lost because too many transfers were pending at once",
     "salts_refused": "Requests given no store access: their cache_salt maps to no tenant",
     "adapters_unread": "LoRA requests given no store access: their adapter could not be read",
+    "shared_hit_tokens": "Of hit_tokens, those found in a shared tenant (shared_tenants)",
+    "lookups_refused": "Lookups not made: the daemon refused the tenant's namespace (policy)",
 }
 
 

@@ -9,13 +9,17 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from kvstore.client.sync import KVStoreClient
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, PermissionDeniedError
 from kvstore.integrations.vllm.identity import StoreIdentity
 from kvstore.integrations.vllm.options import ConnectorConfig
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+REFUSED_RETRY_S = 300.0
+"""A namespace the daemon refused to open (the policy does not let this engine's caller read
+that tenant) is left alone this long: a policy changes only with a daemon restart."""
 
 
 class _Store:
@@ -32,6 +36,9 @@ class _Store:
         self._down_until = 0.0
         self._warned = False
         self.reused = False
+        self.refused = False
+        """The daemon refused to open this tenant's namespace (``PermissionDeniedError``): a
+        configuration error, logged once, and the store left alone for ``REFUSED_RETRY_S``."""
 
     def client(self) -> KVStoreClient | None:
         """The client, or None while the store is left alone after a failure. ``reused`` says
@@ -44,9 +51,23 @@ class _Store:
             return None
         try:
             self._client = self.new_client()
+        except PermissionDeniedError as exc:
+            if not self.refused:
+                logger.error(
+                    "kvstore refused to open tenant %r's namespace for this engine (%s): lookups "
+                    "there are misses; the daemon's policy must let the engine's caller read it "
+                    "(for a shared tenant, name the caller's tenant in [shared.%s] readers)",
+                    self.ident.tenant,
+                    exc,
+                    self.ident.tenant,
+                )
+            self.refused = True
+            self._down_until = time.monotonic() + max(REFUSED_RETRY_S, self.cfg.retry_after_s)
+            return None
         except (KVStoreError, OSError) as exc:
             self.failed("connect", exc)
             return None
+        self.refused = False
         if self._warned:
             logger.info("kvstore reachable again at %s", self._client.address)
             self._warned = False

@@ -326,20 +326,24 @@ class _Worker:
         copier = self.copier
         loaded = 0
         answered = False  # the store answered (a miss it reports means the block is gone)
-        if copier is not None:
+        # Each run from the tenant that holds it (the request's own, or a shared one).
+        for tenant, _, stop in job.sources() if copier is not None else ():
 
-            def load_from(client: KVStoreClient) -> bool:
+            def load_from(client: KVStoreClient, stop: int = stop) -> bool:
                 nonlocal loaded
-                for start in range(loaded, len(job.keys), CHUNK_BLOCKS):
-                    keys = job.keys[start : start + CHUNK_BLOCKS]
-                    ids = job.block_ids[start : start + CHUNK_BLOCKS]
+                assert copier is not None
+                for start in range(loaded, stop, CHUNK_BLOCKS):
+                    keys = job.keys[start : min(start + CHUNK_BLOCKS, stop)]
+                    ids = job.block_ids[start : min(start + CHUNK_BLOCKS, stop)]
                     n = self._load_chunk(client, copier, keys, ids)
                     loaded += n
                     if n < len(keys):
                         break
                 return True
 
-            answered = bool(self.stores.of(job.tenant).with_client("load", load_from))
+            answered = bool(self.stores.of(tenant).with_client("load", load_from))
+            if loaded < stop:
+                break
         failed = job.block_ids[loaded:]
         with self._cv:
             self._count_load(loaded, len(failed), time.perf_counter() - t0)
