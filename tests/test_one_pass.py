@@ -12,7 +12,7 @@ import xxhash
 from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tokens
 
 from kvstore import KVLayout, KVStoreClient
-from kvstore.client import _common, paged_io
+from kvstore.client import _common, paged_io, presence_link
 from kvstore.client._common import PASS_CHUNK_BYTES, copy_hashing_copy, copy_hashing_source
 
 BIG = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, block_size=16)  # 512 KiB blocks
@@ -113,7 +113,8 @@ def test_a_paged_load_verifies_its_copies_and_stops_at_a_corrupt_block(daemon) -
         # counted, and the engine recomputes them.
 
 
-def test_a_load_of_a_prompts_prefix_is_one_acquire(daemon) -> None:
+def test_a_load_of_a_prompts_prefix_is_one_acquire(daemon, monkeypatch) -> None:
+    monkeypatch.setattr(presence_link, "FLUSH_S", 0.0)  # through the daemon, not the table
     layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, block_size=16)
     shape = (2, 130, layout.block_size, layout.num_kv_heads, layout.head_dim)
     src = [torch.randn(shape).to(layout.dtype) for _ in range(layout.num_layers)]
