@@ -19,13 +19,16 @@ when the daemon retires it (it grew, or was rebuilt). A lookup goes to the daemo
   less often than that always calls. The tally also says how many of the keys found had a
   CPU copy (a place), which is how the daemon splits them between its CPU and NVMe tiers.
 
-A ``get`` reads its blocks itself, with no call, where the table gives each key a place (its
-block's CPU copy, ``PresenceView.places``) and every copy verifies against the checksum bound
-to its key; any other get (a key without a place, a copy that does not verify) calls, for the
-keys from the first one the table could not serve. The same conditions as a lookup's hold,
-with their own clock: the keys read since the last ``Acquire`` ride on the next one
-(``table_reads``), at least one a second and at most ``MAX_TABLE_READS`` keys later, so the
-daemon's eviction policy sees them as read.
+A ``get`` reads its leading blocks itself, with no call, where the table gives each a place
+(its block's CPU copy, ``PresenceView.places``) and every copy verifies against the checksum
+bound to its key. Where the run ends at a key the table does not hold, and the table is the
+whole answer (as for a lookup's miss, and no key of the namespace being written: the daemon's
+Acquire would wait for that commit), the get makes no call at all; otherwise (a key held
+without a place, a copy that does not verify) it calls, for the keys from the first one the
+table could not serve. The same conditions as a lookup's hold, with their own clock: the keys
+read since the last call that carried them ride on the next ``Acquire``, ``Reserve`` or
+``Bind`` (``table_reads``, before that call evicts anything), at least one a second and at
+most ``MAX_TABLE_READS`` keys later, so the daemon's eviction policy sees them as read.
 """
 
 from __future__ import annotations
