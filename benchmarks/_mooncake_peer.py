@@ -33,6 +33,21 @@ Reported (JSON): per-request hits and latency, blocks held at the end (the maste
 
     .venv-mooncake/bin/python benchmarks/_mooncake_peer.py --mode shm --capacity-bytes N \
         --block-bytes 16384 [--trace PATH] [--requests N] --json-out OUT.json
+
+``--transfer`` (``bench_transfer.py``'s peer): block throughput instead of a replay. The store
+is set up once (a segment of ``--capacity-bytes``; in ``shm`` mode a memory pool holding two
+buffers of ``--working-set-bytes``, the source of puts and the destination of gets, both shared
+with the real client); then each line read from stdin, ``{"block_bytes": N, "batch": B}``, runs
+one round over the working set cut in blocks of N: ``batch_put_from`` of each batch of B new
+keys, ``batch_get_into`` of each into the registered destination (Mooncake's zero-copy batch
+calls: in ``shm`` mode one RPC and one memcpy a block in the real client), every block checked
+untimed, then ``remove_all(force=True)`` (gets hold 10 s leases; kvstore's bench deletes its
+keys between rounds too). It answers one JSON line per round on stdout, ``{"put_s": [...],
+"get_s": [...]}`` (seconds per batch); anything Mooncake's libraries write to stdout goes to
+stderr. An empty line or end of input ends it.
+
+    .venv-mooncake/bin/python benchmarks/_mooncake_peer.py --mode shm --transfer \
+        --capacity-bytes N --working-set-bytes N
 """
 
 from __future__ import annotations
@@ -102,9 +117,11 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
 
 
 @contextlib.contextmanager
-def mooncake(mode: str, segment_bytes: int, workdir: str) -> Iterator[tuple[Any, str]]:
+def mooncake(
+    mode: str, segment_bytes: int, workdir: str, pool_bytes: int = LOCAL_BUFFER
+) -> Iterator[tuple[Any, str]]:
     """A fresh master (and for ``shm`` a real client) and a connected store client: yields
-    (store, metrics URL)."""
+    (store, metrics URL). ``pool_bytes``: the ``shm`` client's shared memory pool."""
     bindir = Path(sys.executable).parent
     master_bin = shutil.which("mooncake_master", path=str(bindir)) or "mooncake_master"
     rpc, http, metrics = free_port(), free_port(), free_port()
@@ -160,7 +177,7 @@ def mooncake(mode: str, segment_bytes: int, workdir: str) -> Iterator[tuple[Any,
                     )
                 )
             wait_port(port, procs[-1], "mooncake_client", clog)
-            rc = store.setup_dummy(LOCAL_BUFFER, LOCAL_BUFFER, f"{HOST}:{port}")
+            rc = store.setup_dummy(pool_bytes, LOCAL_BUFFER, f"{HOST}:{port}")
         else:
             rc = store.setup(
                 HOST, metadata, segment_bytes, LOCAL_BUFFER, "tcp", "", f"{HOST}:{rpc}"
@@ -214,11 +231,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     content = BlockContent(bb)
     segment = max(args.capacity_bytes, MIN_SEGMENT)
     longest = max(len(c.keys) for c in chains)
-    if args.mode == "tcp":
-        os.environ["MC_STORE_MEMCPY"] = "0"
-    else:
-        os.environ.pop("MC_STORE_MEMCPY", None)
-    os.environ["MC_TCP_BIND_ADDRESS"] = HOST
+    set_env(args.mode)
     hits: list[int] = []
     latency: list[float] = []
     put_codes: Counter[int] = Counter()
@@ -286,15 +299,87 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def set_env(mode: str) -> None:
+    if mode == "tcp":
+        os.environ["MC_STORE_MEMCPY"] = "0"
+    else:
+        os.environ.pop("MC_STORE_MEMCPY", None)
+    os.environ["MC_TCP_BIND_ADDRESS"] = HOST
+
+
+def transfer(args: argparse.Namespace) -> int:
+    """``--transfer``: rounds of batched puts and gets, one per line of stdin (see above)."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # Mooncake's own output must not mix with the replies
+    set_env(args.mode)
+    ws = args.working_set_bytes
+    rounds = 0
+    with (
+        tempfile.TemporaryDirectory(prefix="kvbench-mooncake-") as workdir,
+        mooncake(args.mode, max(args.capacity_bytes, MIN_SEGMENT), workdir, 2 * ws + (1 << 20)) as (
+            store,
+            _,
+        ),
+    ):
+        src_flat, out_flat = (a.reshape(-1) for a in buffers(store, args.mode, 1, ws))
+        src_flat[:] = np.random.default_rng(0).integers(0, 256, ws, dtype=np.uint8)
+        replies.write(json.dumps({"ready": True}) + "\n")
+        for line in sys.stdin:
+            if not line.strip():
+                break
+            req = json.loads(line)
+            bb, batch = int(req["block_bytes"]), int(req["batch"])
+            n = ws // bb // batch * batch
+            src, out = src_flat[: n * bb].reshape(n, bb), out_flat[: n * bb].reshape(n, bb)
+            # Blocks distinct per round and index in their first 8 bytes.
+            src[:, :8] = (
+                (np.arange(n, dtype=np.int64) + (rounds << 32)).view(np.uint8).reshape(n, 8)
+            )
+            out[:] = 0
+            keys = [f"t{bb}:{rounds}:{i}" for i in range(n)]
+            src_ptrs = [int(src_flat.ctypes.data) + i * bb for i in range(n)]
+            out_ptrs = [int(out_flat.ctypes.data) + i * bb for i in range(n)]
+            sizes = [bb] * batch
+            put_s, get_s = [], []
+            for lo in range(0, n, batch):
+                t0 = time.perf_counter()
+                codes = store.batch_put_from(
+                    keys[lo : lo + batch], src_ptrs[lo : lo + batch], sizes
+                )
+                put_s.append(time.perf_counter() - t0)
+                if any(c != 0 for c in codes):
+                    raise RuntimeError(f"batch_put_from of {bb}-byte blocks returned {codes}")
+            for lo in range(0, n, batch):
+                t0 = time.perf_counter()
+                got = store.batch_get_into(keys[lo : lo + batch], out_ptrs[lo : lo + batch], sizes)
+                get_s.append(time.perf_counter() - t0)
+                if any(g != bb for g in got):
+                    raise RuntimeError(f"batch_get_into of {bb}-byte blocks returned {got}")
+            if not np.array_equal(out, src):
+                raise AssertionError(f"mooncake {args.mode}: a block read back differs")
+            rc = store.remove_all(True)
+            if rc < 0:
+                raise RuntimeError(f"remove_all returned {rc}")
+            rounds += 1
+            replies.write(json.dumps({"put_s": put_s, "get_s": get_s}) + "\n")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=MODES, required=True)
     p.add_argument("--capacity-bytes", type=int, required=True)
+    p.add_argument("--transfer", action="store_true", help="block throughput (see above)")
+    p.add_argument("--working-set-bytes", type=int, default=64 << 20)
     p.add_argument("--block-bytes", type=int, default=16 << 10)
     p.add_argument("--trace", default=None)
     p.add_argument("--requests", type=int, default=None)
-    p.add_argument("--json-out", required=True)
+    p.add_argument("--json-out", default=None)
     args = p.parse_args()
+    if args.transfer:
+        return transfer(args)
+    if args.json_out is None:
+        p.error("--json-out is required for a replay")
     result = replay(args)
     with open(args.json_out, "w") as f:
         json.dump(result, f)

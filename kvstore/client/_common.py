@@ -261,6 +261,25 @@ def _copy_runs_hashing_source(
     return sums
 
 
+def _copy_small_hashing_copy(
+    rows: np.ndarray,
+    sources: list[np.ndarray],
+    checksums: Sequence[int],
+    seeds: Sequence[int],
+    verify: bool,
+) -> int:
+    """``copy_out`` of small blocks (each at most ``PASS_CHUNK_BYTES``): ``sources[i]`` into
+    ``rows[i]``, each copy hashed right after it is made, from cache (``copy_hashing_copy``);
+    how many leading blocks arrived intact."""
+    digest, copyto = xxhash.xxh3_64_intdigest, np.copyto
+    for i, src in enumerate(sources):
+        dst = rows[i]
+        copyto(dst, src)
+        if verify and digest(dst, seed=seeds[i]) != checksums[i]:
+            return i  # the run ends here: the caller drops the rest
+    return len(sources)
+
+
 def copy_hashing_copy(dst: np.ndarray, src: np.ndarray, seed: int) -> int:
     """Copy ``src`` into ``dst``; return the seeded xxh3 of ``dst``, each piece hashed right
     after its copy, from cache: it vouches for the copy the caller keeps, so a source that
@@ -381,12 +400,22 @@ class MappedArena:
         nbytes = rows.shape[1]
         rows_np = rows.numpy()
         sources = []  # every slot resolved before any copy, up to one that is gone
+        uid, slab = -1, None  # the slab of the previous slot: most of a batch's share one
         for address in offsets:
-            try:
-                slab, offset = self._where(address, nbytes)
-            except SlabUnavailable:  # retired since the lease was granted: a miss
-                break
+            if address >> 32 != uid or address < 0:
+                try:
+                    slab, _ = self._where(address, nbytes)
+                except SlabUnavailable:  # retired since the lease was granted: a miss
+                    break
+                uid = address >> 32
+            assert slab is not None
+            offset = address & 0xFFFFFFFF
+            if offset + nbytes > slab.size:
+                raise KVStoreError(f"daemon handed out slot {address:#x}+{nbytes} outside its slab")
             sources.append(slab.np[offset : offset + nbytes])
+        if nbytes <= PASS_CHUNK_BYTES and len(sources) * nbytes < SPLIT_MIN_BYTES:
+            # Small blocks, one thread (as ``each_block`` would run them), no call per block.
+            return _copy_small_hashing_copy(rows_np, sources, checksums, seeds, verify)
         intact = [True] * len(sources)
 
         def copy(i: int) -> None:
