@@ -272,8 +272,14 @@ class Mover:
         try:
             data = ledger.arena.view[offset : offset + cpu_bytes]
             # Verified on the way down: a CPU copy that no longer matches its checksum (a
-            # client scribbled on its slot) must not be made durable.
-            if await asyncio.to_thread(block_checksum, data, fingerprint, key) != slot_sum:
+            # client scribbled on its slot) must not be made durable. A raw block is verified
+            # by the tier itself, against this very checksum, on its write thread just before
+            # its bytes go out (a ValueError below), so it costs no hop of its own here; a
+            # payload entry is checked here against its payload checksum (the tier checks
+            # what it decodes to).
+            if encoded and (
+                await asyncio.to_thread(block_checksum, data, fingerprint, key) != slot_sum
+            ):
                 tier.free(slot)
                 ledger.cpu.checksum_failures += 1
                 ledger.forget(eid)

@@ -90,6 +90,34 @@ class RecordIO:
             pwrite_all(self.fd, [scratch[:span]], slot + PAGE)
         return n, CODEC_NONE, checksum, checksum
 
+    def write_record(
+        self,
+        slot: int,
+        block: tuple[bytes, bytes, memoryview, int],
+        coding: tuple[int, BlockFormat | None],
+        length: int,
+        pages: int,
+        seq: int,
+    ) -> tuple[int, int, int, int]:
+        """A whole record in one job, for a write without barriers: ``write_payload`` (or
+        ``write_encoded`` when ``length``, the block's, exceeds the payload's: an fp8 payload
+        stored as it is), then its header page (``pages`` long slot, sequence number ``seq``).
+        Two writes in that order, as a write with barriers makes them, so a crash between them
+        leaves no header of this record; the tier only saves the hops between threads. Same
+        result tuple. ValueError (and nothing written) when the block does not match its
+        checksum; any other error may come after the header was written."""
+        key, namespace, data, checksum = block
+        if length != data.nbytes:
+            done = self.write_encoded(slot, key, namespace, data, checksum, coding[0], length)
+        else:
+            done = self.write_payload(slot, key, namespace, data, checksum, *coding)
+        stored, codec, decoded, stored_sum = done
+        fields = (pages, slot, seq, self.format_id, key, namespace, length, stored)
+        self.write_at(
+            slot, fmt.pack_header(Header(KIND_RECORD, codec, *fields, decoded, stored_sum))
+        )
+        return done
+
     def write_encoded(
         self,
         slot: int,

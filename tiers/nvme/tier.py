@@ -103,11 +103,12 @@ class NvmeTier:
       extent metadata of the preallocated file, which O_DIRECT alone does not. "Stable
       storage" is what fdatasync promises: a device that acknowledges flushes it has not done
       defeats it.
-    * ``write(..., durable=False)``: a process crash only. The same writes in the same order,
-      without the barriers: when it returns, the kernel holds every byte (the page cache, or the
-      device itself under O_DIRECT), so the daemon's death loses nothing. A power loss or kernel
-      crash before the bytes reach stable storage may lose the record, or bring it back as a
-      record whose payload fails its checksum (the header reached the disk, the payload did
+    * ``write(..., durable=False)``: a process crash only. The same writes without the
+      barriers (a new carving first; then payload and header, in that order, in one job on
+      a write thread): when it returns, the kernel holds every byte (the page cache, or the
+      device itself under O_DIRECT), so the daemon's death loses nothing. A power loss or
+      kernel crash before the bytes reach stable storage may lose the record, or bring it back
+      as a record whose payload fails its checksum (the header reached the disk, the payload did
       not): a miss at read and "corrupt" in ``check``, never another block's bytes, because
       the checksum binds key and namespace. Costs no fdatasync.
     * ``await sync()``: a barrier. When it returns, every write that returned before it was
@@ -518,21 +519,33 @@ class NvmeTier:
             await self._tombs.settle_slab(self.geometry.slab_of(slot))
             await self._tombs.settle(slot)
             io, block = self._io, (slot, key, namespace, view, checksum)
-            if length != view.nbytes:  # an fp8 payload: stored as it is
-                payload = self._run(self._write_pool, io.write_encoded, *block, coding[0], length)
-            else:
-                payload = self._run(self._write_pool, io.write_payload, *block, *coding)
-            stored, codec, decoded, stored_sum = await payload
-            # Recovery looks for headers only where the slab map on disk says slots are.
-            await self._meta.persist_carving(self._alloc, self.geometry.slab_of(slot))
-            if durable:
-                await self._flush.barrier()
             pages = self._alloc.slot_bytes_at(slot) // PAGE
-            fields = (pages, slot, seq, self._format_id, key, namespace, length, stored)
-            header = fmt.pack_header(Header(KIND_RECORD, codec, *fields, decoded, stored_sum))
-            header_tried = True
-            await self._write_page(slot, header)
-            if durable:
+            if not durable:
+                # No barrier to order: the carving first, then payload and header in one job.
+                await self._meta.persist_carving(self._alloc, self.geometry.slab_of(slot))
+                try:
+                    record = (key, namespace, view, checksum)
+                    stored, codec, decoded, stored_sum = await self._run(
+                        self._write_pool, io.write_record, slot, record, coding, length, pages, seq
+                    )
+                except ValueError:
+                    raise  # raised before anything of this record was written
+                except BaseException:
+                    header_tried = True  # the header may have landed (or still may)
+                    raise
+            else:
+                if length != view.nbytes:  # an fp8 payload: stored as it is
+                    w = self._run(self._write_pool, io.write_encoded, *block, coding[0], length)
+                else:
+                    w = self._run(self._write_pool, io.write_payload, *block, *coding)
+                stored, codec, decoded, stored_sum = await w
+                # Recovery looks for headers only where the slab map on disk says slots are.
+                await self._meta.persist_carving(self._alloc, self.geometry.slab_of(slot))
+                await self._flush.barrier()
+                fields = (pages, slot, seq, self._format_id, key, namespace, length, stored)
+                header = fmt.pack_header(Header(KIND_RECORD, codec, *fields, decoded, stored_sum))
+                header_tried = True
+                await self._write_page(slot, header)
                 await self._flush.barrier()
         except BaseException as exc:
             # A header whose write or flush reported an error may still have landed, so such a
