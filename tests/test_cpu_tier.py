@@ -500,3 +500,35 @@ def test_closing_an_arena_stops_its_clearing() -> None:
     arena.close()  # joins the thread, whatever it was at
     assert arena.zero_ahead.wait(0)
     assert arena.zero_ahead.cleared_bytes <= 64 * MiB
+
+
+def test_a_slab_retired_while_being_cleared_keeps_no_page(monkeypatch) -> None:
+    """A slab passing to another domain while the thread is clearing it: ``retire`` frees the
+    old file's pages while the chunk's fill is under way, and the fill allocates the rest of
+    its chunk again. Those pages belong to no slab and stay while any client maps the file
+    (up to 16 MiB each time, in a reviewer's run 19 of 20). The thread now frees its chunk
+    once more when it finds the file retired after the fill."""
+    from kvstore.tiers import cpu_arena
+
+    arena = SharedMemoryArena(HEADER_BYTES + 8 * MiB, huge_pages=False)
+    held: list[int] = []
+    fill = cpu_arena._populate_write
+
+    def retired_during_the_fill(addr: int, size: int) -> int:
+        if not held:  # the first chunk of the first file: retire it now, mid-fill
+            f = arena._files[HEADER_BYTES]
+            held.append(arena.export(f.uid, writable=False))  # a client's hold on it
+            arena.back(HEADER_BYTES, 4 * MiB, 1)  # another domain: the old file retires
+        return fill(addr, size)  # then the fill runs on, allocating pages again
+
+    monkeypatch.setattr(cpu_arena, "_populate_write", retired_during_the_fill)
+    try:
+        arena.slab_bytes = 4 * MiB
+        arena.back(HEADER_BYTES, 4 * MiB, 0)
+        assert arena.zero_ahead.wait(30)
+        assert held, "the thread never cleared the slab"
+        assert os.fstat(held[0]).st_blocks == 0  # the retired file holds no page
+    finally:
+        for fd in held:
+            os.close(fd)
+        arena.close()

@@ -988,7 +988,11 @@ def test_a_get_whose_run_ends_at_a_key_nobody_holds_makes_no_call(daemon) -> Non
         assert kv.put(keys[:4], blocks) == 4
         assert same_bytes(kv.get(keys[:4]), blocks)  # maps the table and the slabs
         with no_calls(kv):
-            assert same_bytes(kv.get(keys), blocks)
+            got = kv.get(keys)
+            assert same_bytes(got, blocks)
+            # Sized for the blocks found, not the keys asked (a few hits of a long chain
+            # held a buffer for the whole chain).
+            assert got.untyped_storage().nbytes() == 4 * SMALL_LAYOUT.block_bytes
             assert kv.get(keys[4:]).shape[0] == 0
             out = torch.zeros_like(random_blocks(SMALL_LAYOUT, 6))
             assert same_bytes(kv.get(keys, out=out), blocks)
@@ -1090,3 +1094,32 @@ def test_a_paged_load_whose_run_ends_at_a_missing_key_makes_no_call(daemon) -> N
             for x, y in zip(src, dst, strict=True)
             for s, d in zip([0, 1, 2], [7, 6, 5], strict=True)
         )
+
+
+def test_a_commit_during_the_probe_never_makes_a_miss_of_a_key_being_written() -> None:
+    """The table's ``writing`` count is read before the probe: a commit landing during the
+    probe adds its key, then counts it written, so a key being written when the get began is
+    seen in the table or in the count, and the get calls (the daemon's Acquire waits for the
+    commit and returns it). Read after the probe, both could miss it: the get returned one
+    block with no call where the daemon gives two."""
+    a, k = b"\x11" * 32, b"\x22" * 32
+    table = PresenceTable().add(a, place=4097, checksum=123)
+    table.set_writing(1)  # k reserved by another client
+    view = view_of(table)
+
+    class CommitDuringTheProbe:
+        def __getattr__(self, name):
+            return getattr(view, name)
+
+        def places(self, packed):
+            found = view.places(packed)  # k not committed yet
+            table.add(k, place=8193, checksum=456)  # the daemon's commit: added, then ...
+            table.set_writing(0)  # ... no longer being written
+            return found
+
+    link = presence_link.PresenceLink()
+    link._ask_on_miss = False  # no Redis tier
+    link._view_for = lambda *args: CommitDuringTheProbe()
+    placed = link.places(None, b"h", a + k, 2)
+    assert placed is not None and len(placed.addresses) == 1
+    assert not placed.whole  # the rest is asked of the daemon

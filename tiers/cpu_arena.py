@@ -238,6 +238,12 @@ class ZeroAhead:
                 err = _populate_write(addr, n)
             finally:
                 _libc.munmap(addr, n)
+            if f.retired:
+                # Retired during the fill: its pages were freed, maybe before this fill ended,
+                # which then allocated some again. ``retire`` marks the file before freeing, so
+                # freeing this chunk once more here leaves none behind.
+                _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, start, n)
+                return
             if err:
                 if err == errno.EINVAL:
                     self.supported = False  # no MADV_POPULATE_WRITE in this kernel

@@ -405,11 +405,14 @@ class ClientCore:
         placed = None
         if session is not None:
             placed = self._presence.places(session, self._handle, packed, len(keys))
+        limit = len(keys)  # the keys the daemon may still serve
         if placed is not None:  # the leading blocks have places: read them with no call
             n = len(placed.addresses)
             if not n:  # and the daemon has none of them either
                 return out[:0] if out is not None else empty_blocks(self.layout, 0)
-            dest = empty_blocks(self.layout, len(keys)) if out is None else out
+            if placed.whole:
+                limit = n
+            dest = empty_blocks(self.layout, limit) if out is None else out
             rows = byte_rows(self.layout, dest)
             arena = self._require_arena("get")
             read = partial(
@@ -418,11 +421,12 @@ class ClientCore:
             leading = packed[: n * KEY_BYTES]
             done = yield Blocking(partial(read, leading, rows), n * self.layout.block_bytes)
             self._presence.note_read(packed[: done * KEY_BYTES])
-            if done == len(keys) or (placed.whole and done == n):
+            if done == limit:
                 return dest[:done]
         # The rest through a lease: all of it, or from the first block whose copy did not
         # verify (moved or evicted since the table said where it was).
-        lease = yield from self._acquire(keys[done:], packed[done * KEY_BYTES :], None)
+        rest = packed[done * KEY_BYTES : limit * KEY_BYTES]
+        lease = yield from self._acquire(keys[done:limit], rest, None)
         try:
             if dest is None:
                 dest = empty_blocks(self.layout, len(lease)) if out is None else out

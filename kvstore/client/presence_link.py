@@ -155,12 +155,15 @@ class PresenceLink:
         view = self._view_for(session, handle, packed, self._read_called)
         if view is None:
             return None
+        # Before the probe: a commit during it adds its key, then counts it written, so a key
+        # being written when the probe began is seen either in the table or here.
+        writing = view.writing
         addresses, sums, held = view.places(packed)
         n = len(addresses)
-        # Read after the probe: retired during it, its freed pages read as EMPTY, so a miss
-        # may be wrong; a key being written is one the daemon would wait for.
+        # After the probe: retired during it, its freed pages read as EMPTY, so a miss may be
+        # wrong (and a key being written is one the daemon would wait for: ``writing``).
         whole = n == count or (
-            held == n and not (self._ask_on_miss or view.overflow or view.writing or view.retired)
+            held == n and not (self._ask_on_miss or writing or view.overflow or view.retired)
         )
         if not n and not whole:
             return None
