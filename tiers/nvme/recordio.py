@@ -34,6 +34,19 @@ class RecordIO:
         scratch[: len(data)] = data
         pwrite_all(self.fd, [scratch[: len(data)]], offset)
 
+    def write_pages(self, pages: list[tuple[int, bytearray]]) -> list[OSError | None]:
+        """``write_at`` of each (offset, page), in order, in one job: per page, None or the
+        error its write raised (one failing page does not stop the others)."""
+        errors: list[OSError | None] = []
+        for offset, page in pages:
+            try:
+                self.write_at(offset, page)
+            except OSError as exc:
+                errors.append(exc)
+            else:
+                errors.append(None)
+        return errors
+
     def write_payload(
         self,
         slot: int,

@@ -244,7 +244,14 @@ class NvmeTier:
                 geo, found.format_id, found.generation, found.descriptors, seq, write, flush
             )
             self._tombs = Tombstones(
-                geo, found.format_id, seq, write, flush, self._track, self._counters
+                geo,
+                found.format_id,
+                seq,
+                write,
+                flush,
+                self._track,
+                self._counters,
+                self._write_pages,
             )
             self._flush.fd = io.fd
             records = await self._recover(found)
@@ -584,6 +591,10 @@ class NvmeTier:
         """Write whole pages (a header, a descriptor, metadata) at ``offset``, on a write
         thread."""
         await self._run(self._write_pool, self._io.write_at, offset, page)
+
+    async def _write_pages(self, pages: list[tuple[int, bytearray]]) -> list[OSError | None]:
+        """Write header pages (tombstones) at their offsets in one job on a write thread."""
+        return await self._run(self._write_pool, self._io.write_pages, pages)
 
     # ------------------------------------------------------------------ read
     async def read_into(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
@@ -15,6 +15,9 @@ from kvstore.tiers.nvme.ondisk import CODEC_NONE, KIND_TOMBSTONE, Geometry, Head
 from kvstore.tiers.nvme.records import SeqCounter
 
 log = logging.getLogger(__name__)
+
+WritePages = Callable[[list[tuple[int, bytearray]]], Awaitable[list[OSError | None]]]
+"""Writes header pages at their offsets in one IO job: per page, None or its error."""
 
 
 class Tombstones:
@@ -40,6 +43,7 @@ class Tombstones:
         flush: FlushBarrier,
         track: Callable[[asyncio.Future[Any]], None],
         counters: dict[str, int],
+        write_pages: WritePages | None = None,
     ) -> None:
         self.geometry = geometry
         self.format_id = format_id
@@ -55,6 +59,10 @@ class Tombstones:
         self._flush = flush
         self._track = track
         self._counters = counters
+        # Tombstone pages asked for in one turn of the loop (an eviction frees many slots at
+        # once) go to ``write_pages`` as one IO job: each still lands, or fails, on its own.
+        self._write_pages = write_pages
+        self._pending: list[tuple[int, bytearray, asyncio.Future[None]]] = []
 
     def start(self, slot: int, pages: int) -> None:
         """Tombstone ``slot``, ``pages`` long in its carving, in the background."""
@@ -116,9 +124,45 @@ class Tombstones:
         """Write and flush one tombstone; until the flush returns the slot counts as failed."""
         self.failed[slot] = pages  # until the flush below returns
         page = self.page(slot, pages)
-        await self._write_page(slot, page)
+        await self._put_page(slot, page)
         await self._flush.barrier()
         self.failed.pop(slot, None)
+
+    async def _put_page(self, slot: int, page: bytearray) -> None:
+        """Write one tombstone page, in the same IO job as the others asked for in this turn
+        of the loop."""
+        if self._write_pages is None:
+            await self._write_page(slot, page)
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._submit)
+        self._pending.append((slot, page, done))
+        await done
+
+    def _submit(self) -> None:
+        batch, self._pending = self._pending, []
+        self._track(asyncio.ensure_future(self._write_batch(batch)))
+
+    async def _write_batch(self, batch: list[tuple[int, bytearray, asyncio.Future[None]]]) -> None:
+        assert self._write_pages is not None
+        try:
+            errors = await self._write_pages([(slot, page) for slot, page, _ in batch])
+        except BaseException as exc:  # the job itself failed: so did every page of it
+            for _, _, done in batch:
+                if not done.done():
+                    done.set_exception(exc if isinstance(exc, Exception) else OSError(str(exc)))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (_, _, done), error in zip(batch, errors, strict=True):
+            if done.done():  # its writer was cancelled
+                continue
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
 
     def page(self, slot: int, pages: int) -> bytearray:
         """A tombstone header page for ``slot`` (it takes a sequence number)."""
