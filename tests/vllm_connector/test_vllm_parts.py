@@ -255,6 +255,9 @@ def test_scheduler_side_lookups_loads_salts_and_events(daemon_factory) -> None:
     # 96 tokens: the last block holds the last token, which is always computed.
     assert sched.get_num_new_matched_tokens(_request("r3", ids[:96]), 0) == (64, True)
 
+    # The allocation follows the request's last lookup: none of it a local hit this time (the
+    # load goes into the blocks after a local hit, where there is one).
+    assert sched.get_num_new_matched_tokens(r1, 0) == (96, True)
     blocks = KVCacheBlocks(blocks=([KVCacheBlock(block_id=b) for b in (9, 4, 2, 8)],))
     sched.update_state_after_alloc(r1, blocks, 96)
     (job,) = sched.pending_loads
