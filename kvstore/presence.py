@@ -80,6 +80,7 @@ _FIRST_U64 = np.uint64(_FIRST)
 BUCKET = 8
 """Slots per bucket (a home is a bucket's first slot)."""
 WINDOW = 4 * BUCKET
+_WINDOW_STEPS = np.arange(WINDOW, dtype=np.int64)
 """Slots a key may sit past its home: the most any probe reads."""
 MIN_CAPACITY = 1024
 MAX_LOAD = 0.5
@@ -332,6 +333,32 @@ class PresenceTable:
         self.count -= 1
         self._gone += 1
         words[_COUNT] = self.count
+
+    def remove_many(self, keys: Sequence[bytes]) -> None:
+        """``remove`` of each of ``keys`` (distinct; an eviction's batch): every window
+        searched in one numpy pass. A key whose fingerprint more than one slot holds goes
+        through ``remove``."""
+        if len(keys) < 8:
+            for key in keys:
+                self.remove(key)
+            return
+        fps = np.frombuffer(b"".join(keys), dtype="<u8")[::4]  # each key's first 8 bytes
+        fps = np.maximum(fps, _FIRST_U64)
+        homes = HEADER_WORDS + (fps & np.uint64(self._mask)).astype(np.int64) * BUCKET
+        words = np.frombuffer(self._words, dtype=np.uint64)
+        match = words[homes[:, None] + _WINDOW_STEPS] == fps[:, None]
+        hits = match.sum(axis=1)
+        slots = homes + match.argmax(axis=1)
+        one = np.unique(slots[hits == 1])  # two keys of one fingerprint, one slot
+        # As ``remove``: the places first (a reader that still sees the key reads no place).
+        words[one + (self._places_at - HEADER_WORDS)] = 0
+        words[one] = GONE
+        del words  # no export of the mapping outlives the call
+        for i in np.flatnonzero(hits > 1).tolist():
+            self.remove(keys[i])
+        self.count -= len(one)
+        self._gone += len(one)
+        self._words[_COUNT] = self.count
 
     def locate(self, key: bytes, place: int, checksum: int) -> None:
         """``key``'s block has a CPU copy a client can read at ``place`` (0: none now), whose

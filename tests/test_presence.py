@@ -89,6 +89,26 @@ def test_a_batch_that_fills_a_table_lands_in_the_bigger_one() -> None:
     assert view_of(table).leading(b"".join(keys)) == len(keys)
 
 
+def test_removing_a_batch_leaves_the_table_as_removing_one_by_one() -> None:
+    """``remove_many`` (an eviction's batch) against ``remove`` of each key: the same words,
+    keys sharing a fingerprint among them (and one that shares it with a key not removed)."""
+    base = rand_keys(200)
+    twins = [base[i][:8] + os.urandom(24) for i in (100, 101, 102)]  # fingerprints held
+    keys = base + twins[:2]
+    places = list(range(1, len(keys) + 1))
+    gone = base[:60] + twins[:2] + [twins[2]] + rand_keys(5)  # some never held
+    one = PresenceTable().add_many(keys, places, places)
+    batch = PresenceTable().add_many(keys, places, places)
+    for key in gone:
+        one.remove(key)
+    batch.remove_many(gone)
+    assert batch.count == one.count
+    assert bytes(batch._words) == bytes(one._words)
+    view = view_of(batch)
+    kept = base[60:100] + base[103:]
+    assert [view.leading(k) for k in kept] == [1] * len(kept)
+
+
 def test_churn_does_not_grow_the_table() -> None:
     table = PresenceTable()
     live = rand_keys(100)

@@ -43,13 +43,17 @@ TRANSPORTS = ("auto", "shm", "grpc")
 
 class PutCount(int):
     """How many blocks a put newly stored; ``pending``: keys another client was still writing
-    when the daemon stopped waiting for that commit (a get may miss them for a while)."""
+    when the daemon stopped waiting for that commit (a get may miss them for a while);
+    ``dropped`` (``flush``): blocks of puts that did not wait that were not stored (their
+    spare slots reclaimed first, or the daemon restarted), as if evicted at once."""
 
     pending: int
+    dropped: int
 
-    def __new__(cls, stored: int, pending: int = 0) -> PutCount:
+    def __new__(cls, stored: int, pending: int = 0, dropped: int = 0) -> PutCount:
         value = super().__new__(cls, stored)
         value.pending = pending
+        value.dropped = dropped
         return value
 
 

@@ -30,9 +30,10 @@ from kvstore.client._common import (
     translate_error,
 )
 from kvstore.client.block_watch import AsyncBlockWatch
-from kvstore.client.core import Blocking, Call, ClientCore, Fetch, Op
+from kvstore.client.core import ClientCore
 from kvstore.client.leases import AsyncReadLease, AsyncWriteReservation
 from kvstore.client.local_stub import AsyncLocalStub
+from kvstore.client.steps import Blocking, Call, Fetch, Op, Post, Settle
 from kvstore.errors import (
     KVStoreError,
     UnauthenticatedError,
@@ -165,6 +166,22 @@ class AsyncKVStoreClient(ClientCore):
             return await self._call(
                 lambda req, timeout: self._fetch(req, timeout, step), step.build
             )
+        if isinstance(step, Post):
+            if self._rpc is None:
+                raise KVStoreError("client is not open: use `await client.open()` or `async with`")
+            request = step.build()  # once: it takes the releases it carries
+            task = asyncio.ensure_future(
+                self._call(getattr(self._rpc, step.method), lambda: request)
+            )
+            if self._rpc.goes_local(request):
+                # One turn of the loop: the task takes the session's turn and sends, so every
+                # later call of this client is served after it.
+                await asyncio.sleep(0)
+            else:  # gRPC calls may overtake each other: this one is made now
+                await asyncio.wait([task])
+            return task
+        if isinstance(step, Settle):
+            return await step.token
         if isinstance(step, Blocking):
             if not step.thread and step.nbytes <= INLINE_COPY_BYTES:
                 return step.fn()
@@ -194,6 +211,8 @@ class AsyncKVStoreClient(ClientCore):
         return AsyncReadLease(*args, run=self._run)  # type: ignore[misc]  # args: 8
 
     async def close(self) -> None:
+        with contextlib.suppress(KVStoreError, OSError):
+            await self._run(self._settle())  # a put that did not wait: its call is served first
         tally = self._tally_call()
         if tally is not None:
             session, method, request, timeout_s = tally
@@ -220,9 +239,19 @@ class AsyncKVStoreClient(ClientCore):
         await self._run(self._prefetch(keys))
 
     async def put(
-        self, keys: Sequence[bytes], blocks: torch.Tensor, priority: int | None = None
+        self,
+        keys: Sequence[bytes],
+        blocks: torch.Tensor,
+        priority: int | None = None,
+        *,
+        wait: bool = True,
     ) -> int:
-        return await self._run(self._put(keys, blocks, priority))
+        """As ``KVStoreClient.put`` (``wait=False``: the call that commits runs on in a task)."""
+        return await self._run(self._put(keys, blocks, priority, wait))
+
+    async def flush(self) -> int:
+        """As ``KVStoreClient.flush``."""
+        return await self._run(self._flush())
 
     async def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
         return await self._run(self._get(keys, out))

@@ -3,15 +3,7 @@
 ``ClientCore`` holds a client's state (namespace, handle, session, mapped arena and GPU pool,
 pending releases) and every operation as a generator: it validates the arguments, builds the
 requests, reads the replies, copies through the arena and the kernels, and *yields* each step
-that the face must perform, receiving its result back:
-
-- ``Call(method, build)``: call the daemon (``build()`` makes the request, again on a retry
-  after the face reopened the namespace); the result is the reply;
-- ``Fetch(build, consume)``: a ``GetBlocks`` stream whose messages go to ``consume`` until it
-  returns False;
-- ``Blocking(fn, nbytes, thread)``: work that may block (a copy, a kernel launch and its wait):
-  the blocking face runs it in place; the asyncio face runs it on its loop when it is a small
-  copy, else in a worker thread with the caller's CUDA stream current.
+that the face must perform, receiving its result back: the steps are ``kvstore.client.steps``.
 
 ``KVStoreClient`` (``sync.py``) performs the steps with blocking calls, ``AsyncKVStoreClient``
 (``aio.py``) awaits them; each public method of a face is one line that runs the core's
@@ -23,15 +15,13 @@ same way on both faces.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from kvstore import local_calls
 from kvstore.client import paged_io, payloads, place_reads
 from kvstore.client._common import (
     Credentials,
@@ -54,40 +44,17 @@ from kvstore.client._common import (
     seeds_for,
 )
 from kvstore.client.leases import _LeaseState, _ReservationState
+from kvstore.client.posted_puts import PostedPut, PostedPuts
 from kvstore.client.presence_link import PresenceLink
-from kvstore.client.session import ClientSession
+from kvstore.client.session import ClientSession, SessionBroken
 from kvstore.client.spare_slots import SpareSlots
+from kvstore.client.steps import Blocking, Call, Fetch, Op, Post, Settle
 from kvstore.errors import KVStoreError, LeaseExpiredError, UnknownNamespaceError
 from kvstore.keys import KEY_BYTES, BlockKey, Namespace, block_hashes, unpack_keys
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
 
 R = TypeVar("R")
-LOOKUP_METHOD = local_calls.METHOD_INDEX["Lookup"]
-
-
-@dataclass(frozen=True)
-class Call:
-    method: str  # a kvstore.v1.KVStore method name
-    build: Callable[[], Any]
-
-
-@dataclass(frozen=True)
-class Fetch:
-    build: Callable[[], pb.GetBlocksRequest]
-    consume: Callable[[pb.BlockData], bool]
-
-
-@dataclass(frozen=True)
-class Blocking:
-    fn: Callable[[], Any]
-    nbytes: int = 0  # bytes the work copies (the asyncio face copies small batches inline)
-    thread: bool = False  # the asyncio face runs it in a worker thread, whatever its size
-    stream: Any = None  # the caller's CUDA stream, current wherever ``fn`` runs
-
-
-Step = Call | Fetch | Blocking
-Op = Generator[Step, Any, R]
 
 
 class ClientCore:
@@ -134,6 +101,7 @@ class ClientCore:
         self._pool_link = PoolLink()
         self._presence = PresenceLink()
         self._spare = SpareSlots()
+        self._posted = PostedPuts()
         self._handle = b""
         self._stream: Any = None  # the OpenNamespace call whose life is the handle's
         self._chunk_bytes = 1 << 20
@@ -190,22 +158,8 @@ class ClientCore:
             stream.cancel()  # the daemon closes the handle and reclaims what it holds
 
     def _tally_call(self) -> tuple[ClientSession, int, bytes, float] | None:
-        """(session, method, request, timeout) of a local ``Lookup`` of no keys carrying the
-        tally of lookups answered from the presence table, for the faces to send before the
-        handle closes (best effort: a failed one is not retried), so the daemon counts them.
-        None when there is nothing to count or no local call to send it with."""
-        tally = self._presence.take_tally()
-        session = self._session
-        if not tally.keys or session is None or not session.calls or not self._handle:
-            return None
-        request = pb.LookupRequest(
-            handle=self._handle,
-            table_keys=tally.keys,
-            table_found=tally.found,
-            table_in_cpu=tally.in_cpu,
-        )
-        timeout_s = min(self.timeout_s, 1.0)
-        return session, LOOKUP_METHOD, request.SerializeToString(), timeout_s
+        """The presence table's tally for the faces to send at close (``tally_call``)."""
+        return self._presence.tally_call(self._session, self._handle, self.timeout_s)
 
     def _close_local(self) -> None:
         """Close what is not the channel: the handle's stream, the pool, the arena, the
@@ -232,6 +186,8 @@ class ClientCore:
         if not keys:
             return 0
         check_distinct(keys, "lookup")  # as the daemon, also when the table answers
+        if self._posted.touches(packed):  # read your own writes
+            yield from self._settle()
         session = self._session
         if session is not None:
             # Releases waiting meanwhile ride on the next call, as after any get: at the
@@ -297,10 +253,13 @@ class ClientCore:
     def _stats(self) -> Op[pb.StatsResponse]:
         return (yield Call("Stats", pb.StatsRequest))
 
-    def _put(self, keys: Sequence[bytes], blocks: torch.Tensor, priority: int | None) -> Op[int]:
+    def _put(
+        self, keys: Sequence[bytes], blocks: torch.Tensor, priority: int | None, wait: bool = True
+    ) -> Op[int]:
         packed = check_keys(keys)
         rows = check_put(self.layout, keys, blocks)
         prio = check_priority(priority)
+        yield from self._settle()  # the put before, if it did not wait: for its spare slots
         if not keys:
             return 0
         if self._arena is None:
@@ -310,11 +269,12 @@ class ClientCore:
         taken = self._spare.take(len(keys), handle)
         wanted = self._spare.wanted(len(keys), handle)
         if taken is not None:
-            count = yield from self._bind(handle, keys, packed, rows, prio, taken, wanted)
+            count = yield from self._bind(handle, keys, packed, rows, prio, taken, wanted, wait)
             if count is not None:
                 return count
         for attempt in range(2):
             reservation = yield from self._reserve(keys, priority, packed, None)
+            reservation.posted = not wait
             reserved_on = self._handle
             if not reservation.offsets_new:
                 return PutCount(0, reservation.pending)
@@ -337,6 +297,41 @@ class ClientCore:
             return PutCount(committed, reservation.pending)
         raise AssertionError("unreachable")
 
+    def _settle(self) -> Op[None]:
+        """Read the reply to the put that did not wait, if one is in flight, and keep what it
+        says for ``flush`` (``kvstore.client.posted_puts``)."""
+        posted = self._posted.take()
+        if posted is None:
+            return
+        try:
+            reply = yield Settle(posted.token)
+        except (UnknownNamespaceError, SessionBroken):  # the daemon restarted: they went with it
+            self._spare.clear()
+            self._posted.dropped += posted.blocks
+            return
+        except LeaseExpiredError as exc:
+            self._spare.clear()  # reclaimed: ask anew
+            if posted.method == "Bind":  # a waiting put would put through Reserve instead
+                self._posted.dropped += posted.blocks
+            else:
+                self._posted.failed(exc, posted.blocks)  # as a waiting put's commit raises
+            return
+        except KVStoreError as exc:
+            self._posted.failed(exc, posted.blocks)
+            return
+        if posted.method == "Bind":
+            self._spare.settle_bind(
+                posted.taken, list(reply.spare), reply.spare_fresh_s, posted.sent_at, posted.handle
+            )
+        else:
+            self._spare.give(list(reply.spare), reply.spare_fresh_s, posted.sent_at, posted.handle)
+        self._posted.stored += int(reply.committed)
+
+    def _flush(self) -> Op[PutCount]:
+        yield from self._settle()
+        stored, dropped = self._posted.drain()
+        return PutCount(stored, 0, dropped)
+
     def _restarted_since(self, handle: bytes) -> bool:
         """Whether the client reopened its namespace since it held ``handle``: the daemon
         forgot that handle (a restart), and every reservation made on it went with it. A put
@@ -353,6 +348,7 @@ class ClientCore:
         priority: int,
         taken: list[tuple[int, float, bytes]],
         wanted: int,
+        wait: bool,
     ) -> Op[PutCount | None]:
         """A put in one call: copy the blocks into spare slots ``taken`` (granted to
         ``handle``), then ``Bind`` them, naming that handle. None when the daemon no longer
@@ -365,30 +361,31 @@ class ClientCore:
         sums = yield Blocking(lambda: arena.copy_in(rows, addresses, seeds), nbytes)
         sent_at = time.monotonic()
         table_reads = self._presence.take_reads()
-        try:
-            reply = yield Call(
-                "Bind",
-                lambda: pb.BindRequest(
-                    handle=handle,  # the slots' own, even on a retry after a reopen
-                    keys=packed,
-                    slots=addresses,
-                    checksums=sums,
-                    priority=priority,
-                    spare_wanted=wanted,
-                    table_reads=table_reads,
-                    release_leases=self._take_releases(),
-                ),
+
+        def build() -> pb.BindRequest:
+            return pb.BindRequest(
+                handle=handle,  # the slots' own, even on a retry after a reopen
+                keys=packed,
+                slots=addresses,
+                checksums=sums,
+                priority=priority,
+                spare_wanted=wanted,
+                table_reads=table_reads,
+                release_leases=self._take_releases(),
             )
+
+        if not wait:
+            token = yield Post("Bind", build)
+            self._posted.current = PostedPut(
+                token, "Bind", packed, handle, sent_at, len(keys), taken
+            )
+            return PutCount(0)
+        try:
+            reply = yield Call("Bind", build)
         except (LeaseExpiredError, UnknownNamespaceError):
             self._spare.clear()  # reclaimed, or the handle gone (a restart): ask anew
             return None
-        spare = list(reply.spare)  # this call's unbound slots, then those newly granted
-        if spare:
-            mine = {slot[0]: slot for slot in taken}
-            self._spare.give_back([mine[a] for a in spare if a in mine])
-            granted = [a for a in spare if a not in mine]
-            self._spare.give(granted, reply.spare_fresh_s, sent_at, handle)
-        self._spare.binds += 1
+        self._spare.settle_bind(taken, list(reply.spare), reply.spare_fresh_s, sent_at, handle)
         return PutCount(int(reply.committed), int(reply.pending))
 
     def _get(self, keys: Sequence[bytes], out: torch.Tensor | None) -> Op[torch.Tensor]:
@@ -397,14 +394,20 @@ class ClientCore:
         if not keys:
             return out[:0] if out is not None else empty_blocks(self.layout, 0)
         check_distinct(keys, "acquire")  # as the daemon's Acquire, also when the table serves
+        if self._posted.before_read(packed):  # read your own writes
+            yield from self._settle()
         if self._arena is None:
             return (yield from self._get_bytes(packed, out))
         dest = rows = None
         done = 0
         session = self._session
         placed = None
-        if session is not None:
-            placed = self._presence.places(session, self._handle, packed, len(keys))
+        for _ in range(2):
+            if session is not None:
+                placed = self._presence.places(session, self._handle, packed, len(keys))
+            if (placed is not None and placed.whole) or self._posted.current is None:
+                break
+            yield from self._settle()  # a put in flight may be what the table waits for
         limit = len(keys)  # the keys the daemon may still serve
         if placed is not None:  # the leading blocks have places: read them with no call
             n = len(placed.addresses)
@@ -520,7 +523,8 @@ class ClientCore:
         self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], keys: Sequence[bytes]
     ) -> Op[int]:
         ids = paged_io.check_paged(self.layout, kv_caches, block_ids, keys)
-        check_keys(keys)
+        if self._posted.before_read(check_keys(keys)):  # read your own writes
+            yield from self._settle()
         check_distinct(keys, "acquire")  # as the daemon's Acquire, also when the table serves
         gpu = self._pool_link.device_for(kv_caches)
         stream = paged_io.caller_stream(kv_caches)
@@ -666,17 +670,23 @@ class ClientCore:
         def commit(checksums: list[int]) -> Op[int]:
             payload_sums = reservation.payload_sums or []
             sent_at = time.monotonic()
-            reply_c = yield Call(
-                "Commit",
-                lambda: commit_request(
+
+            def build() -> pb.CommitRequest:
+                return commit_request(
                     reply,
                     checksums,
                     handle,
                     self._take_releases(),
                     payload_sums,
                     reservation.spare_wanted,
-                ),
-            )
+                )
+
+            if reservation.posted:  # a put that does not wait (``posted_puts``)
+                token = yield Post("Commit", build)
+                posted = PostedPut(token, "Commit", packed, handle, sent_at, len(checksums))
+                self._posted.current = posted
+                return 0
+            reply_c = yield Call("Commit", build)
             self._spare.give(list(reply_c.spare), reply_c.spare_fresh_s, sent_at, handle)
             return int(reply_c.committed)
 

@@ -52,6 +52,7 @@ class _ReservationState:
     ) -> None:
         self.arena = arena
         self.spare_wanted = 0  # spare slots its commit asks for (``kvstore.client.spare_slots``)
+        self.posted = False  # its commit is sent without waiting (``kvstore.client.posted_puts``)
         self.pool = pool
         """Set when the slots are in the daemon's GPU pool (``offsets`` are pool offsets)."""
         self._pool_held = pool is not None

@@ -72,6 +72,10 @@ class _LocalStubBase:
         body = request.SerializeToString()
         return (session, body) if len(body) <= _LIMIT else None
 
+    def goes_local(self, request: Any) -> bool:
+        """Whether ``request`` would go as a local call (over the session, in order)."""
+        return self._local(request) is not None
+
     def __getattr__(self, name: str) -> Callable[..., Any]:  # for type checkers: set above
         raise AttributeError(name)
 
@@ -82,8 +86,37 @@ def _parse(reply_type: Any, status: int, reply: memoryview | bytes) -> Any:
     return reply_type.FromString(reply)
 
 
+class PostedCall:
+    """A local call sent by ``LocalStub.post``; ``result()`` waits for its reply and parses it
+    (a ``LocalCallError`` for an error reply)."""
+
+    def __init__(self, session: ClientSession, call_id: int, reply_type: Any) -> None:
+        self._session = session
+        self._call_id = call_id
+        self._reply_type = reply_type
+
+    def result(self) -> Any:
+        status, reply = self._session.settle(self._call_id)
+        return _parse(self._reply_type, status, reply)
+
+
 class LocalStub(_LocalStubBase):
-    """Blocking: each method waits for its reply on the session socket."""
+    """Blocking: each method waits for its reply on the session socket; ``post`` sends one
+    without waiting."""
+
+    def post(self, name: str, request: Any, timeout: float) -> PostedCall | None:
+        """Send call ``name`` and return before its reply (``ClientSession.post``); None when
+        it cannot go as a local call (the caller makes it the ordinary way)."""
+        local = self._local(request)
+        if local is None:
+            return None
+        session, body = local
+        try:
+            call_id = session.post(local_calls.METHOD_INDEX[name], body, timeout)
+        except SessionBroken:
+            session.calls = False  # this session is over: gRPC from now on
+            return None
+        return PostedCall(session, call_id, _REPLY_TYPES[name])
 
     def _bind(self, index: int, reply_type: Any, grpc_method: Any) -> Callable[..., Any]:
         def call(request: Any, timeout: float) -> Any:

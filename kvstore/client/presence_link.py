@@ -42,6 +42,9 @@ from kvstore.client.session import ClientSession
 from kvstore.errors import KVStoreError
 from kvstore.keys import unpack_keys
 from kvstore.presence import PresenceView
+from kvstore.v1 import kvstore_pb2 as pb
+
+LOOKUP_METHOD = local_calls.METHOD_INDEX["Lookup"]
 
 MAX_KEYS_BYTES = local_calls.MAX_REQUEST_BYTES - local_calls.REQUEST.size - 64
 """Larger lookups go to the daemon, as they would over a local call (~2000 keys)."""
@@ -190,6 +193,24 @@ class PresenceLink:
         tally = Tally(self._keys, self._found, self._in_cpu)
         self._keys = self._found = self._in_cpu = 0
         return tally
+
+    def tally_call(
+        self, session: ClientSession | None, handle: bytes, timeout_s: float
+    ) -> tuple[ClientSession, int, bytes, float] | None:
+        """(session, method, request, timeout) of a local ``Lookup`` of no keys carrying the
+        tally of lookups answered from the table, for a client to send before its handle
+        closes (best effort: a failed one is not retried), so the daemon counts them. None
+        when there is nothing to count or no local call to send it with."""
+        tally = self.take_tally()
+        if not tally.keys or session is None or not session.calls or not handle:
+            return None
+        request = pb.LookupRequest(
+            handle=handle,
+            table_keys=tally.keys,
+            table_found=tally.found,
+            table_in_cpu=tally.in_cpu,
+        )
+        return session, LOOKUP_METHOD, request.SerializeToString(), min(timeout_s, 1.0)
 
     def _map(self, session: ClientSession, handle: bytes) -> PresenceView | None:
         self.close()

@@ -92,6 +92,10 @@ class ClientSession:
         self._kept: tuple[int, bytes] | None = None
         self._wake: Callable[[], object] | None = None
         self._acall_lock: asyncio.Lock | None = None
+        # A call sent by ``post`` whose reply has not been read (at most one), and the replies
+        # read for such calls (or the error reading one met) until ``settle`` takes them.
+        self._posted: int | None = None
+        self._settled: dict[int, tuple[int, bytes] | KVStoreError] = {}
         self._readable = select.poll()
         self._readable.register(self._sock, select.POLLIN)
 
@@ -140,6 +144,7 @@ class ClientSession:
     def _descriptor(self, request: dict[str, object], what: str) -> tuple[int, dict]:
         """Send ``request`` and receive (the descriptor its reply carries, the reply)."""
         with self._lock:
+            self._read_posted()
             try:
                 self._sock.send(json.dumps(request).encode())
             except OSError as exc:
@@ -172,7 +177,14 @@ class ClientSession:
 
     def quiet(self) -> bool:
         """Nothing waits to be read on the connection: the daemon has not closed it (a
-        daemon sends nothing unasked), and no late reply waits to be dropped. A poll, ~1 us."""
+        daemon sends nothing unasked), and no late reply waits to be dropped. A poll, ~1 us.
+        The reply to a posted call is expected: read and kept, then the poll is made again."""
+        if not self._readable.poll(0):
+            return True
+        if self._posted is None:
+            return False
+        with self._lock:
+            self._read_posted()
         return not self._readable.poll(0)
 
     def call(self, method: int, request: bytes, timeout_s: float) -> tuple[int, memoryview]:
@@ -180,13 +192,8 @@ class ClientSession:
         view of this session's reply buffer, valid until the next call. SessionBroken when the
         connection fails; UnavailableError when no reply comes in time."""
         with self._lock:
-            self._call_id = call_id = (self._call_id + 1) & 0xFFFFFFFF
-            frame = local_calls.encode_request(method, call_id, timeout_s, request)
+            call_id = self._send_call(method, request, timeout_s)
             try:
-                wait = timeout_s + 1.0  # the daemon answers by timeout_s
-                if self._sock.gettimeout() != wait:
-                    self._sock.settimeout(wait)
-                self._sock.send(frame)
                 if self._kept is None:
                     # The usual case, read inline: the next datagram is this call's reply.
                     self._await_reply()
@@ -208,6 +215,68 @@ class ClientSession:
                 ) from None
             except OSError as exc:
                 raise SessionBroken(f"the session with the daemon failed: {exc}") from None
+
+    def post(self, method: int, request: bytes, timeout_s: float) -> int:
+        """Send one local call and return at once, with its id for ``settle``: the caller goes
+        on while the daemon works. The daemon serves a connection's calls in the order sent, so
+        every later call sees what this one did. At most one posted call is unread: posting
+        another, or any call or request, reads the earlier one's reply first (kept for
+        ``settle``). SessionBroken when the send fails."""
+        with self._lock:
+            self._posted = call_id = self._send_call(method, request, timeout_s)
+        return call_id
+
+    def _send_call(self, method: int, request: bytes, timeout_s: float) -> int:
+        """Send a local call's frame (after reading the posted call's reply, if one is
+        unread); its id. Called with the lock held. SessionBroken when the send fails."""
+        self._read_posted()
+        self._call_id = call_id = (self._call_id + 1) & 0xFFFFFFFF
+        frame = local_calls.encode_request(method, call_id, timeout_s, request)
+        try:
+            wait = timeout_s + 1.0  # the daemon answers by timeout_s
+            if self._sock.gettimeout() != wait:
+                self._sock.settimeout(wait)
+            self._sock.send(frame)
+        except OSError as exc:
+            raise SessionBroken(f"the session with the daemon failed: {exc}") from None
+        return call_id
+
+    def settle(self, call_id: int) -> tuple[int, bytes]:
+        """(status, body) of the reply to the call ``post`` sent as ``call_id``, waiting for it
+        if it has not come. Each is taken once. UnavailableError (SessionBroken when the
+        connection failed) when no reply came, or it was taken already."""
+        with self._lock:
+            if self._posted == call_id:
+                self._read_posted()
+            got = self._settled.pop(call_id, None)
+        if got is None:
+            raise UnavailableError(f"no reply is kept for local call {call_id}")
+        if isinstance(got, KVStoreError):
+            raise got
+        return got
+
+    def _read_posted(self) -> None:
+        """Read the reply to the posted call, if one is unread, and keep it (or the error met
+        reading it) for ``settle``. Called with the lock held, before anything else is sent or
+        read: the daemon answers in order, so that reply comes first."""
+        call_id, self._posted = self._posted, None
+        if call_id is None:
+            return
+        outcome: tuple[int, bytes] | KVStoreError
+        try:
+            self._await_reply()
+            got = self._read_reply(call_id, wait=True)
+            assert got is not None  # waiting: a reply, or an exception
+            outcome = (got[0], bytes(got[1]))  # the buffer is the next call's
+        except TimeoutError:
+            outcome = UnavailableError(
+                "kvstore daemon unreachable: no reply to a posted local call in time"
+            )
+        except OSError as exc:
+            outcome = SessionBroken(f"the session with the daemon failed: {exc}")
+        except KVStoreError as exc:
+            outcome = exc
+        self._settled[call_id] = outcome
 
     def _await_reply(self) -> None:
         """Wait awake, for up to ``self.spin_s``, for a call's reply to arrive, before a read

@@ -86,6 +86,22 @@ class SpareSlots:
             with self._lock:
                 self._slots.extend(slots)
 
+    def settle_bind(
+        self,
+        taken: list[tuple[int, float, bytes]],
+        spare: list[int],
+        fresh_s: float,
+        sent_at: float,
+        handle: bytes,
+    ) -> None:
+        """Take a Bind's reply: ``spare`` names the slots of ``taken`` it did not bind (keys
+        already stored: still spare, as fresh as they were), then those newly granted."""
+        if spare:
+            mine = {slot[0]: slot for slot in taken}
+            self.give_back([mine[a] for a in spare if a in mine])
+            self.give([a for a in spare if a not in mine], fresh_s, sent_at, handle)
+        self.binds += 1
+
     def clear(self) -> None:
         """Forget every slot (the daemon refused one, or restarted)."""
         with self._lock:

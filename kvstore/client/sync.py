@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import grpc
@@ -31,9 +32,10 @@ from kvstore.client._common import (
     translate_error,
 )
 from kvstore.client.block_watch import BlockWatch
-from kvstore.client.core import Blocking, Call, ClientCore, Fetch, Op
+from kvstore.client.core import ClientCore
 from kvstore.client.leases import ReadLease, WriteReservation
 from kvstore.client.local_stub import LocalStub
+from kvstore.client.steps import Blocking, Call, Fetch, Op, Post, Settle
 from kvstore.errors import KVStoreError, UnauthenticatedError, UnknownNamespaceError
 from kvstore.layout import KVLayout
 from kvstore.local_calls import METHOD_INDEX
@@ -159,6 +161,18 @@ class KVStoreClient(ClientCore):
             return self._call(lambda req, timeout: self._fetch(req, timeout, step), step.build)
         if isinstance(step, Blocking):
             return step.fn()  # on the caller's thread, so on its current CUDA stream
+        if isinstance(step, Post):
+            request = step.build()  # once: it takes the releases it carries
+            posted = self._rpc.post(step.method, request, self.timeout_s)
+            if posted is not None:
+                return posted
+            # Not as a local call: made now, its reply (or error) kept for the Settle.
+            return _Made(partial(self._call, getattr(self._rpc, step.method), lambda: request))
+        if isinstance(step, Settle):
+            try:
+                return step.token.result()
+            except grpc.RpcError as err:
+                raise translate_error(err) from None
         raise AssertionError(f"unknown step {step!r}")
 
     def _run(self, op: Op[R]) -> R:
@@ -183,6 +197,8 @@ class KVStoreClient(ClientCore):
         return ReadLease(*args, run=self._run)  # type: ignore[misc]  # args: 8, run: 9th
 
     def close(self) -> None:
+        with contextlib.suppress(KVStoreError, OSError):
+            self._run(self._settle())  # a put that did not wait: its call is served first
         tally = self._tally_call()
         if tally is not None:
             session, method, request, timeout_s = tally
@@ -209,15 +225,33 @@ class KVStoreClient(ClientCore):
         to device), else into the CPU tier."""
         self._run(self._prefetch(keys))
 
-    def put(self, keys: Sequence[bytes], blocks: torch.Tensor, priority: int | None = None) -> int:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        blocks: torch.Tensor,
+        priority: int | None = None,
+        *,
+        wait: bool = True,
+    ) -> int:
         """Store ``blocks[i]`` under ``keys[i]``; returns how many were newly stored (present keys
         are deduplicated). ``blocks`` is ``[n, *layout.block_shape]`` of the layout's dtype.
 
         Keys another client is writing at that moment are waited for (bounded by the daemon's
         ``write_wait_s`` and ``timeout_s``), so a ``get`` after ``put`` returns finds them; the
         count returned is a ``PutCount`` whose ``pending`` says how many were still being
-        written by another client when that wait ended (0 normally)."""
-        return self._run(self._put(keys, blocks, priority))
+        written by another client when that wait ended (0 normally).
+
+        ``wait=False``: return once the blocks are copied out of ``blocks`` and the call that
+        commits them is sent, with 0; ``flush()`` returns how many were stored and raises what
+        went wrong. This client reads its own writes at once; others once it flushes, or soon
+        after (``kvstore.client.posted_puts``)."""
+        return self._run(self._put(keys, blocks, priority, wait))
+
+    def flush(self) -> int:
+        """Wait until the daemon has served every put made with ``wait=False``; how many blocks
+        they newly stored since the last flush (``dropped``: how many were not). Raises the
+        first error one of them met."""
+        return self._run(self._flush())
 
     def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
         """The leading run of stored blocks, ``[m, *block_shape]`` with ``m <= len(keys)``.
@@ -300,6 +334,23 @@ class KVStoreClient(ClientCore):
         answers (it may exceed ``len(lease)``: blocks in Redis), ``prefetch=True`` queues the
         keys after the leased run as ``prefetch(keys[len(lease):])`` would."""
         return self._run(self._acquire(keys, _packed, _device, lookup, prefetch))
+
+
+class _Made:
+    """A posted call that was made at once (no local call to post it as): its outcome."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self._reply: Any = None
+        self._error: KVStoreError | None = None
+        try:
+            self._reply = call()
+        except KVStoreError as exc:
+            self._error = exc
+
+    def result(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._reply
 
 
 class _Timeout(grpc.RpcError):

@@ -671,9 +671,7 @@ class Ledger:
             record = self.names[ns_id]
             keys = [index.key(e) for e in group]
             if record.presence is not None:  # before any slot can go to another block
-                table_remove = record.presence.remove
-                for key in keys:
-                    table_remove(key)
+                record.presence.remove_many(keys)
             if self.feed.watched:
                 self.feed.note_many(ns_id, ((key, 0) for key in keys))  # gone from every tier
             cpu_bytes = record.cpu_bytes

@@ -1,0 +1,92 @@
+"""Puts that do not wait for their reply: ``put(keys, blocks, wait=False)``.
+
+A put copies its blocks into the arena and then waits for the daemon to key and commit them
+(``Bind``, or ``Commit`` after a ``Reserve``): a round trip plus the daemon's work, several
+times the copy for small blocks. An engine that offloads as it computes needs only to know
+that the bytes left its buffer. A put with ``wait=False`` returns once they are in shared
+memory and the call that commits them is sent; the client reads that call's reply later:
+
+- at its next put (which also needs the spare slots that reply grants), ``flush()`` or
+  ``close()``;
+- before a ``get``, ``lookup`` or ``load`` of this client that names one of the keys, so a
+  client always reads its own writes. Any call it makes is served after the put's, in order.
+
+Other clients see the blocks once the daemon has served that call (``flush()`` waits for it).
+What the reply says is kept here until ``flush()`` hands it over: how many blocks were newly
+stored, how many were dropped (their spare slots reclaimed before the call came, or the daemon
+restarted: as if evicted at once), and the first error, which ``flush()`` raises.
+
+One put is in flight at a time: the next settles it first. Not thread-safe, as the client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.errors import KVStoreError
+from kvstore.keys import KEY_BYTES
+
+
+@dataclass
+class PostedPut:
+    """A put whose committing call (``method``) was sent and not yet answered."""
+
+    token: Any  # the face's handle on the call in flight (``core.Settle`` takes it)
+    method: str  # "Bind" or "Commit"
+    packed: bytes  # its keys, packed
+    handle: bytes  # the namespace handle the call named
+    sent_at: float  # monotonic: when its request was built (spare slots are fresh from it)
+    blocks: int  # blocks it sent to be committed
+    taken: list[tuple[int, float, bytes]] = field(default_factory=list)  # Bind: its slots
+    _keys: frozenset[bytes] | None = None
+
+    def touches(self, packed: bytes) -> bool:
+        """Whether any of the packed keys ``packed`` is one of this put's."""
+        if self._keys is None:
+            mine = self.packed
+            self._keys = frozenset(mine[i : i + KEY_BYTES] for i in range(0, len(mine), KEY_BYTES))
+        keys = self._keys
+        return any(packed[i : i + KEY_BYTES] in keys for i in range(0, len(packed), KEY_BYTES))
+
+
+class PostedPuts:
+    """The put in flight, if any, and what the settled ones said since the last ``flush``."""
+
+    def __init__(self) -> None:
+        self.current: PostedPut | None = None
+        self.stored = 0  # blocks newly stored
+        self.dropped = 0  # blocks not stored: slots reclaimed, or the daemon restarted
+        self.error: KVStoreError | None = None  # the first error a settled put met
+
+    def touches(self, packed: bytes) -> bool:
+        """Whether a put in flight names one of the packed keys ``packed``."""
+        current = self.current
+        return current is not None and current.touches(packed)
+
+    def before_read(self, packed: bytes) -> bool:
+        """Whether a read of the packed keys ``packed`` must settle the put in flight first:
+        it names one of them (read your own writes), or it is a ``Commit``, whose reserved
+        keys make the presence table send every read that misses to the daemon meanwhile
+        (``writing``): waiting for its reply costs less than that call."""
+        current = self.current
+        return current is not None and (current.method == "Commit" or current.touches(packed))
+
+    def take(self) -> PostedPut | None:
+        current, self.current = self.current, None
+        return current
+
+    def failed(self, exc: KVStoreError, blocks: int) -> None:
+        self.dropped += blocks
+        if self.error is None:
+            self.error = exc
+
+    def drain(self) -> tuple[int, int]:
+        """(stored, dropped) since the last drain; the first error met meanwhile is raised
+        (once: the counts go with it)."""
+        stored, dropped, error = self.stored, self.dropped, self.error
+        self.stored = self.dropped = 0
+        self.error = None
+        if error is not None:
+            raise error
+        return stored, dropped
