@@ -11,7 +11,11 @@ and puts the rest, every block's bytes derived from its key and every hit's byte
   started empty. A request is ``get(keys, out)`` (the acquire path: lookup and read in one
   call, or none when the client's presence table already knows every block's place), then
   ``put`` of the blocks after the leading run (one call into spare slots, or reserve +
-  commit): at most three round trips.
+  commit): at most three round trips. The put does not wait for its commit
+  (``put(..., wait=False)``, as an engine offloads while it computes): its reply is read at
+  the next put, or at the final ``flush()``, whose time counts, so the replay waits only for
+  a reserve. The ``lru`` replay runs again with puts that wait (``, puts wait``;
+  ``--skip-waiting-puts`` leaves it out).
 * kvstore CPU+NVMe: the ``lru`` daemon with an NVMe tier too, ``--nvme-frac`` of the distinct
   blocks (default 3x the CPU tier) in a fresh directory under the temp dir (``--nvme-dir``); a
   hit is a block of the leading run found in either tier. Its reference is the exact LRU
@@ -175,13 +179,15 @@ def replay_kvstore(
     no_spare: bool = False,
     nvme_bytes: int = 0,
     nvme_parent: str | None = None,
+    put_wait: bool = False,
 ) -> Replay:
     """One pass through a fresh daemon (CPU tier only, ``policy``; ``no_spare``: with
     ``limits.max_spare = 0``, so no slots are held ahead for puts; ``nvme_bytes``: with an
     NVMe tier of that size in a fresh directory under ``nvme_parent``, the system's temp
     directory by default). A put the daemon refuses (CapacityError) is counted in
     ``extra["puts_refused"]`` and the replay goes on. With NVMe, a hit is a block of the
-    leading run found in either tier (``get`` reads it from whichever holds it)."""
+    leading run found in either tier (``get`` reads it from whichever holds it). ``put_wait``:
+    each put waits for its commit (else the last request's time includes the final flush)."""
     layout = layout_for(content.block_bytes)
     bb = content.block_bytes
     longest = max(len(c.keys) for c in chains)
@@ -190,6 +196,7 @@ def replay_kvstore(
     src_t = torch.from_numpy(src).view(layout.dtype).view(longest, *layout.block_shape)
     out_t = torch.from_numpy(out).view(layout.dtype).view(longest, *layout.block_shape)
     name = f"kvstore {policy}" + (", max_spare 0" if no_spare else "")
+    name += ", puts wait" if put_wait else ""
     result = Replay(name + (" + NVMe" if nvme_bytes else ""))
     stored = refused = 0
     refused_first: int | None = None
@@ -220,10 +227,15 @@ def replay_kvstore(
             m = kv.get(keys, out=out_t[:n]).shape[0]
             if m < n:
                 try:
-                    stored += kv.put(keys[m:], src_t[m:n])
+                    stored += kv.put(keys[m:], src_t[m:n], wait=put_wait)
                 except CapacityError:
                     refused += 1
                     refused_first = i if refused_first is None else refused_first
+            if i == len(chains) - 1:  # the puts that did not wait are served: timed
+                try:
+                    stored += kv.flush()
+                except CapacityError:
+                    refused += 1
             result.latency_s.append(time.perf_counter() - t0)
             result.hits.append(m)
             # Untimed: every hit holds the bytes derived from its key.
@@ -749,6 +761,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="leave out the LRU replay with limits.max_spare = 0 (no slots held ahead for puts)",
     )
     p.add_argument(
+        "--skip-waiting-puts",
+        action="store_true",
+        help="leave out the LRU replay whose puts wait for their commit",
+    )
+    p.add_argument(
         "--nvme-frac",
         type=float,
         default=None,
@@ -856,6 +873,10 @@ def main() -> int:
         for policy in policies:
             label = f"kvstore {policy} run {run + 1}"
             note(replay_kvstore(chains, content, capacity_bytes, policy, rep, label), label)
+        if not args.skip_waiting_puts and "lru" in policies:
+            label = f"kvstore lru, puts wait, run {run + 1}"
+            r = replay_kvstore(chains, content, capacity_bytes, "lru", rep, label, put_wait=True)
+            note(r, label)
         if not args.skip_no_spare and "lru" in policies:
             label = f"kvstore lru, max_spare 0, run {run + 1}"
             r = replay_kvstore(chains, content, capacity_bytes, "lru", rep, label, no_spare=True)

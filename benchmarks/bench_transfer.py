@@ -5,8 +5,10 @@ layer, with 1, 8 and 32 layers), moved in batches of 32 blocks, one run measures
 
 1. the shared-memory path of ``KVStoreClient``: ``put`` of new blocks (reserve, copy into the
    arena, checksum, commit), ``get`` into a preallocated ``out`` tensor and ``get`` into a new
-   tensor (acquire, copy out, verify checksums, release); and, as a diagnostic, put and get
-   with torch limited to one thread;
+   tensor (acquire, copy out, verify checksums, release); ``put(..., wait=False)``, which
+   returns once the blocks are copied and their commit is sent (the last batch's time includes
+   the ``flush`` that waits for them all; every block is then read back and checked); and, as
+   a diagnostic, put and get with torch limited to one thread;
 2. the bytes path (``transport="grpc"``): the same put and get, bytes streamed over gRPC;
 3. single-thread ``np.copyto`` of each block between preallocated buffers: the limit. Also a copy
    into a newly allocated buffer, the limit of any get that returns a new tensor;
@@ -105,6 +107,7 @@ PATHS = [
     ("memcpy_new_np", "memcpy into new np.empty (THP)"),
     ("memcpy_new_torch", "memcpy into new torch.empty"),
     ("shm_put", "kvstore shm put"),
+    ("shm_put_nowait", "kvstore shm put, not waiting (wait=False)"),
     ("shm_put_first", "kvstore shm put, first write (maps slabs)"),
     ("shm_get", "kvstore shm get -> out"),
     ("shm_get_new", "kvstore shm get -> new tensor"),
@@ -204,10 +207,16 @@ def run_memcpy(case: Case) -> None:
 
 
 def run_kvstore(
-    case: Case, kv: KVStoreClient, prefix: str, fresh_get: bool, check_fresh: bool = False
+    case: Case,
+    kv: KVStoreClient,
+    prefix: str,
+    fresh_get: bool,
+    check_fresh: bool = False,
+    not_waiting: bool = False,
 ) -> None:
     """Put, get into ``out`` (checked), and with ``fresh_get`` get into new tensors (checked
-    too with ``check_fresh``, untimed), then delete."""
+    too with ``check_fresh``, untimed), then delete; with ``not_waiting``, then the puts
+    again with ``wait=False`` (``put_not_waiting``)."""
     keys = new_keys(case.src.shape[0])
     batches = [keys[b * BATCH : (b + 1) * BATCH] for b in range(case.n_batches)]
     for b, kb in enumerate(batches):
@@ -248,6 +257,35 @@ def run_kvstore(
     deleted = kv.delete(keys)
     if deleted != len(keys):
         raise RuntimeError(f"{prefix}: deleted {deleted} of {len(keys)} blocks")
+    if not_waiting:
+        put_not_waiting(case, kv, prefix)
+
+
+def put_not_waiting(case: Case, kv: KVStoreClient, prefix: str) -> None:
+    """The puts with ``wait=False`` (each returns once its blocks are copied and its commit
+    sent; its reply is read at the next put): the last batch's time includes the ``flush``
+    that waits for them all. Then, untimed, every block read back and checked; deleted."""
+    keys = new_keys(case.src.shape[0])
+    batches = [keys[b * BATCH : (b + 1) * BATCH] for b in range(case.n_batches)]
+    stored = 0
+    for b, kb in enumerate(batches):
+        blocks = case.batch(case.src, b)
+        t0 = time.perf_counter()
+        kv.put(kb, blocks, wait=False)
+        if b == len(batches) - 1:
+            stored = kv.flush()
+        case.add(f"{prefix}_put_nowait", time.perf_counter() - t0)
+    if stored != len(keys):
+        raise RuntimeError(f"{prefix} puts not waiting stored {stored} of {len(keys)} blocks")
+    out_rows = case.out.view(torch.uint8).numpy()
+    out_rows.fill(0)
+    for b, kb in enumerate(batches):
+        if kv.get(kb, out=case.batch(case.out, b)).shape[0] != BATCH:
+            raise RuntimeError(f"{prefix} get after puts not waiting missed blocks")
+    if not np.array_equal(out_rows, case.src.view(torch.uint8).numpy()):
+        raise RuntimeError(f"{prefix} puts not waiting: other bytes were read back")
+    if kv.delete(keys) != len(keys):
+        raise RuntimeError(f"{prefix}: not every block put without waiting was deleted")
 
 
 def mapped_bytes(kv: KVStoreClient) -> int | None:
@@ -497,7 +535,7 @@ def measure_size(
             mooncake.round(case, timed_round=False)  # its warm-up: the segment's first touch
         for rnd in range(args.rounds):
             run_memcpy(case)
-            run_kvstore(case, shm, "shm", fresh_get=True, check_fresh=args.smoke)
+            run_kvstore(case, shm, "shm", fresh_get=True, check_fresh=args.smoke, not_waiting=True)
             run_kvstore_one_thread(case, shm)
             run_kvstore(case, kvg, "grpc", fresh_get=False)
             if redis is not None:
@@ -592,6 +630,7 @@ def main() -> int:
     ratio_defs = [
         ("shm put / memcpy", "shm_put", "memcpy", TARGET_OF_MEMCPY),
         ("shm get / memcpy", "shm_get", "memcpy", TARGET_OF_MEMCPY),
+        ("shm put, not waiting / memcpy", "shm_put_nowait", "memcpy", TARGET_OF_MEMCPY),
         ("shm put, first write / memcpy", "shm_put_first", "memcpy", FIRST_WRITE_OF_MEMCPY),
         ("shm put / redis SET", "shm_put", "redis_put", TARGET_OF_REDIS),
         ("shm get / redis GET", "shm_get", "redis_get", TARGET_OF_REDIS),
@@ -602,6 +641,7 @@ def main() -> int:
         ("bytes put / redis SET", "grpc_put", "redis_put", None),
         ("bytes get / redis GET", "grpc_get", "redis_get", None),
         ("shm put / mooncake shm put", "shm_put", "mc_put", None),
+        ("shm put, not waiting / mooncake shm put", "shm_put_nowait", "mc_put", None),
         ("shm get / mooncake shm get", "shm_get", "mc_get", None),
         ("mooncake shm put / memcpy", "mc_put", "memcpy", None),
         ("mooncake shm get / memcpy", "mc_get", "memcpy", None),
@@ -630,6 +670,7 @@ def main() -> int:
         ratio_rows.append(row)
     small = [
         ("shm put / memcpy", SMALL_SIZE, SMALL_OF_MEMCPY),
+        ("shm put, not waiting / memcpy", SMALL_SIZE, SMALL_OF_MEMCPY),
         ("shm get / memcpy", SMALL_SIZE, SMALL_OF_MEMCPY),
         ("shm put, first write / memcpy", SMALL_SIZE, FIRST_WRITE_SMALL_OF_MEMCPY),
     ]
@@ -637,7 +678,11 @@ def main() -> int:
         small += [
             (label, s, TARGET_OF_MOONCAKE)
             for s in sizes
-            for label in ("shm put / mooncake shm put", "shm get / mooncake shm get")
+            for label in (
+                "shm put / mooncake shm put",
+                "shm put, not waiting / mooncake shm put",
+                "shm get / mooncake shm get",
+            )
         ]
     for label, size, target in small:
         got = ratios[label].get(size)
