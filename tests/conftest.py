@@ -99,6 +99,26 @@ def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition") -> Non
         time.sleep(0.05)
 
 
+def smaps_kib(field: str, start: int, end: int | None = None) -> int:
+    """``field`` (``Rss``, ``ShmemPmdMapped``) in KiB of this process's mapping that starts at
+    ``start``, or with ``end``, summed over its mappings inside ``[start, end)`` (an arena's
+    header and slab files). AssertionError when no mapping is there."""
+    total, inside, seen = 0, False, 0
+    with open("/proc/self/smaps", encoding="ascii") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo == start if end is None else start <= lo and hi <= end
+                seen += inside
+            elif inside and head == f"{field}:":
+                total += int(line.split()[1])
+    assert seen, (
+        f"no mapping at {start:#x}" if end is None else f"no mapping in [{start:#x}, {end:#x})"
+    )
+    return total
+
+
 @dataclass
 class DaemonProcess:
     """A real ``kvstore serve`` process owned by a test."""

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 import xxhash
+from conftest import smaps_kib
 
 from kvstore.client._common import MappedArena
 from kvstore.errors import KVStoreError
@@ -95,19 +96,6 @@ def test_seeds_are_checksum_seed_of_each_key() -> None:
     ]
 
 
-def _rss_kib(address: int) -> int:
-    """``Rss`` of this process's mapping that starts at ``address``."""
-    with open("/proc/self/smaps", encoding="ascii") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                inside = int(head.split("-")[0], 16) == address
-            elif inside and head == "Rss:":
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping at {address:#x}")
-
-
 def _address(buffer: object) -> int:
     import ctypes
 
@@ -125,7 +113,7 @@ def _fault_around_is_64_kib() -> bool:
         mm = mmap.mmap(fd, 256 * KiB, flags=mmap.MAP_SHARED)
         try:
             mm[0]
-            return _rss_kib(_address(mm)) == 64
+            return smaps_kib("Rss", _address(mm)) == 64
         finally:
             mm.close()
     finally:
@@ -162,7 +150,7 @@ def test_a_slab_the_daemon_cleared_is_mapped_whole_and_round_trips_bytes() -> No
         offsets = [alloc.allocate(block) for _ in range(4)]
         addresses = arena.addresses([o for o in offsets if o is not None])
         slab = client._slab(addresses[0] >> 32)  # mapped, nothing copied yet
-        assert _rss_kib(_address(slab.mm)) == slab.size // KiB
+        assert smaps_kib("Rss", _address(slab.mm)) == slab.size // KiB
         rows = torch.randint(0, 256, (4, block), dtype=torch.uint8)
         client.copy_in(rows, addresses, [1, 2, 3, 4])
         for i, off in enumerate(offsets):

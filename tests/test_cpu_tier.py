@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from conftest import smaps_kib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -352,19 +353,6 @@ def test_the_shmem_thp_mode_is_the_marked_word() -> None:
     assert shmem_thp_mode("") == "never"
 
 
-def _pmd_mapped_kib(address: int) -> int:
-    """``ShmemPmdMapped`` of this process's mapping that starts at ``address``."""
-    with open("/proc/self/smaps", encoding="ascii") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                inside = int(head.split("-")[0], 16) == address
-            elif inside and head == "ShmemPmdMapped:":
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping at {address:#x}")
-
-
 def test_a_slab_asked_for_huge_pages_holds_blocks_and_maps_them_with_few_entries() -> None:
     """A slab whose pages were allocated through a mapping advised ``MADV_HUGEPAGE`` is as
     any other: backed, sealed, its bytes the daemon's, zeros once retired. Where the kernel
@@ -387,7 +375,7 @@ def test_a_slab_asked_for_huge_pages_holds_blocks_and_maps_them_with_few_entries
         assert client[:] == bytes(range(256)) * (4 * MiB // 256)
         address = ctypes.addressof(ctypes.c_char.from_buffer(client))
         if huge_pages_on_advice() and address % (2 * MiB) == 0:
-            assert _pmd_mapped_kib(address) == 4 * 1024
+            assert smaps_kib("ShmemPmdMapped", address) == 4 * 1024
         alloc.free(a, 4 * MiB)
         b = alloc.allocate(4 * MiB, domain=2)  # another tenant: the old file's pages go
         assert b == a and arena.address(b) >> 32 != uid
@@ -399,23 +387,6 @@ def test_a_slab_asked_for_huge_pages_holds_blocks_and_maps_them_with_few_entries
 
 
 # ----------------------------------------------------------------- clearing pages ahead
-
-
-def _rss_kib(start: int, end: int) -> int:
-    """``Rss`` of this process's mappings inside ``[start, end)`` (the arena's range: its
-    header's and each slab file's mapping)."""
-    total, inside, seen = 0, False, 0
-    with open("/proc/self/smaps", encoding="ascii") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = start <= lo and hi <= end
-                seen += inside
-            elif inside and head == "Rss:":
-                total += int(line.split()[1])
-    assert seen, f"no mapping in [{start:#x}, {end:#x})"
-    return total
 
 
 def test_slabs_are_cleared_ahead_keeping_every_byte_written_meanwhile() -> None:
@@ -439,7 +410,7 @@ def test_slabs_are_cleared_ahead_keeping_every_byte_written_meanwhile() -> None:
         assert bytes(arena.view[a : a + 64 * KiB]) == pattern
         base = ctypes.addressof(ctypes.c_char.from_buffer(arena.buffer))
         # The header page and the slot written, nothing else (over the header's and slabs' mappings)
-        assert _rss_kib(base, base + arena.size_bytes) == 4 + 64
+        assert smaps_kib("Rss", base, base + arena.size_bytes) == 4 + 64
         alloc.check()
     finally:
         arena.close()
