@@ -12,69 +12,28 @@ from __future__ import annotations
 import asyncio
 import errno
 
-import numpy as np
 import pytest
+from nvme_blocks import (
+    LAYOUT,
+    NS,
+    N,
+    Recorder,
+    commit_blocks,
+    data_of,
+    header_kind,
+    key,
+    open_tier,
+    reopen_keys,
+    write,
+    write_back_store,
+)
 
 import kvstore.tiers.nvme.recordio as recordio
-from kvstore import KVLayout, Namespace, block_hashes
+from kvstore import Namespace
 from kvstore.checksum import block_checksum
-from kvstore.config import CpuTierConfig, DaemonConfig, GpuTierConfig, NvmeTierConfig
-from kvstore.daemon.store import BlockStore
 from kvstore.index import IN_NVME
 from kvstore.tiers.nvme import NvmeIOError, NvmeTier
-from kvstore.tiers.nvme.ondisk import FILE_NAME, KIND_TOMBSTONE, PAGE, parse_header
-
-NS = bytes(range(16))
-N = 16384
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(32, "big")
-
-
-def data_of(i: int) -> bytes:
-    return np.random.default_rng(i).integers(0, 256, N, dtype=np.uint8).tobytes()
-
-
-class Recorder:
-    """Every job the tier's write pool runs, and every pwrite its record IO makes."""
-
-    def __init__(self, tier: NvmeTier, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.jobs: list[object] = []
-        self.writes: list[tuple[int, int]] = []  # (offset, bytes)
-        pool = tier._write_pool
-        submit = pool.submit
-
-        def counted(fn, *args, **kw):  # type: ignore[no-untyped-def]
-            self.jobs.append(fn)
-            return submit(fn, *args, **kw)
-
-        monkeypatch.setattr(pool, "submit", counted)
-        pwrite_all = recordio.pwrite_all
-
-        def logged(fd, bufs, offset):  # type: ignore[no-untyped-def]
-            self.writes.append((offset, sum(memoryview(b).nbytes for b in bufs)))
-            return pwrite_all(fd, bufs, offset)
-
-        monkeypatch.setattr(recordio, "pwrite_all", logged)
-
-    def clear(self) -> None:
-        self.jobs.clear()
-        self.writes.clear()
-
-
-async def open_tier(tmp_path) -> NvmeTier:  # type: ignore[no-untyped-def]
-    tier = NvmeTier(tmp_path / "nvme", 16 << 20, slab_bytes=1 << 20)
-    await tier.open()
-    return tier
-
-
-async def write(tier: NvmeTier, i: int, durable: bool) -> int:
-    data = data_of(i)
-    slot = tier.allocate(N)
-    assert slot is not None
-    await tier.write(slot, key(i), NS, data, block_checksum(data, NS, key(i)), durable=durable)
-    return slot
+from kvstore.tiers.nvme.ondisk import FILE_NAME, KIND_TOMBSTONE, PAGE
 
 
 async def read_ok(tier: NvmeTier, slot: int, i: int) -> bool:
@@ -85,7 +44,7 @@ async def read_ok(tier: NvmeTier, slot: int, i: int) -> bool:
 
 
 async def test_a_plain_write_is_one_job_payload_then_header(tmp_path, monkeypatch) -> None:
-    tier = await open_tier(tmp_path)
+    tier = await open_tier(tmp_path / "nvme")
     try:
         await write(tier, 0, durable=False)  # carves the slab
         rec = Recorder(tier, monkeypatch)
@@ -100,19 +59,13 @@ async def test_a_plain_write_is_one_job_payload_then_header(tmp_path, monkeypatc
         assert await read_ok(tier, slot, 1) and await read_ok(tier, slot2, 2)
     finally:
         await tier.close()
-    again = NvmeTier(tmp_path / "nvme", 16 << 20, slab_bytes=1 << 20)
-    records = await again.open()
-    try:
-        assert sorted(r.key for r in records) == [key(0), key(1), key(2)]
-        assert again.check().ok
-    finally:
-        await again.close()
+    assert await reopen_keys(tmp_path / "nvme") == [key(0), key(1), key(2)]
 
 
 async def test_a_plain_write_whose_header_write_fails_tombstones_its_slot(
     tmp_path, monkeypatch
 ) -> None:
-    tier = await open_tier(tmp_path)
+    tier = await open_tier(tmp_path / "nvme")
     try:
         await write(tier, 0, durable=False)
         write_at = recordio.RecordIO.write_at
@@ -136,24 +89,17 @@ async def test_a_plain_write_whose_header_write_fails_tombstones_its_slot(
         assert failed == [slot]
         await tier.drain()
         assert tier.stats()["blocks"] == 1 and tier.stats()["reserved_slots"] == 0
-        with open(tmp_path / "nvme" / FILE_NAME, "rb") as f:
-            f.seek(slot)
-            h = parse_header(f.read(PAGE))
-        assert h is not None and h.kind == KIND_TOMBSTONE  # the header that landed is gone
+        # The header that landed is gone.
+        assert header_kind(tmp_path / "nvme" / FILE_NAME, slot) == KIND_TOMBSTONE
     finally:
         await tier.close()
-    again = NvmeTier(tmp_path / "nvme", 16 << 20, slab_bytes=1 << 20)
-    records = await again.open()
-    try:
-        assert [r.key for r in records] == [key(0)]
-    finally:
-        await again.close()
+    assert await reopen_keys(tmp_path / "nvme") == [key(0)]
 
 
 async def test_a_plain_write_of_a_block_off_its_checksum_writes_nothing(
     tmp_path, monkeypatch
 ) -> None:
-    tier = await open_tier(tmp_path)
+    tier = await open_tier(tmp_path / "nvme")
     try:
         await write(tier, 0, durable=False)
         rec = Recorder(tier, monkeypatch)
@@ -172,35 +118,14 @@ async def test_a_plain_write_of_a_block_off_its_checksum_writes_nothing(
         await tier.close()
 
 
-LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16)  # 4 KiB blocks
-BB = LAYOUT.block_bytes
 NSP = Namespace(model="m", layout=LAYOUT)
 
 
 async def test_write_back_refuses_a_cpu_copy_scribbled_on(tmp_path) -> None:
     """The tier's own verification is now write-back's only one for a raw block: a CPU copy
     changed after it committed is still never written down, and the block is forgotten."""
-    cfg = DaemonConfig(
-        gpu=GpuTierConfig(enabled="off"),
-        cpu=CpuTierConfig(
-            capacity_bytes=16 * BB, slab_bytes=16 * BB, prefault=False, high_watermark=1.0
-        ),
-        nvme=NvmeTierConfig(path=str(tmp_path), capacity_bytes=1 << 20),
-    )
-    s = BlockStore(cfg)
-    await s.start()
-    try:
-        h = s.open_namespace(NSP)
-        keys = list(block_hashes(NSP.seed, list(range(4 * 16))))
-        rid, offsets, _ = await s.reserve(h, keys)
-        sums = []
-        for off, k in zip(offsets, keys, strict=True):
-            data = k * (BB // len(k))
-            s.arena.view[off : off + BB] = data
-            sums.append(block_checksum(data, NSP.fingerprint, k))
-        s.commit(h, rid, sums)
-        eids = [s.index.get(h.ns_id, k) for k in keys]
-        assert all(e is not None for e in eids)
+    async with write_back_store(tmp_path) as s:
+        h, keys, offsets, eids = await commit_blocks(s, NSP, 4)
         s.arena.view[offsets[2] + 100] ^= 0xFF  # a client scribbles on a committed slot
         failures = s.ledger.cpu.checksum_failures
         results = await asyncio.gather(*(s.mover.flush(e) for e in eids))
@@ -213,5 +138,3 @@ async def test_write_back_refuses_a_cpu_copy_scribbled_on(tmp_path) -> None:
         st = s.ledger.nvme.stats()
         assert st["blocks"] == 3 and st["reserved_slots"] == 0
         s.check()
-    finally:
-        await s.stop()

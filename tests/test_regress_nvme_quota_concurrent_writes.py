@@ -9,52 +9,21 @@ from __future__ import annotations
 
 import asyncio
 
-from kvstore import KVLayout, Namespace, block_hashes
-from kvstore.checksum import block_checksum
-from kvstore.config import (
-    CpuTierConfig,
-    DaemonConfig,
-    GpuTierConfig,
-    NvmeTierConfig,
-    Quota,
-    TenantQuota,
-)
-from kvstore.daemon.store import BlockStore
+from nvme_blocks import BB, LAYOUT, commit_blocks, write_back_store
 
-LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16)  # 4 KiB blocks
-BB = LAYOUT.block_bytes
+from kvstore import Namespace
+from kvstore.config import Quota, TenantQuota
+
 NS = Namespace(model="m", layout=LAYOUT, tenant="t")
 
 
 async def test_concurrent_write_backs_never_take_a_tenant_past_quota_nvme(tmp_path) -> None:
-    cfg = DaemonConfig(
-        gpu=GpuTierConfig(enabled="off"),
-        # high_watermark 1: no background write-back; the test writes the blocks down itself.
-        cpu=CpuTierConfig(
-            capacity_bytes=16 * BB, slab_bytes=16 * BB, prefault=False, high_watermark=1.0
-        ),
-        nvme=NvmeTierConfig(path=str(tmp_path), capacity_bytes=1 << 20),
-        tenants=(TenantQuota(name="t", tenant=Quota(nvme_bytes=4 * BB)),),
-    )
-    s = BlockStore(cfg)
-    await s.start()
-    try:
-        h = s.open_namespace(NS)
-        keys = list(block_hashes(NS.seed, list(range(8 * 16))))
-        rid, offsets, _ = await s.reserve(h, keys)
-        sums = []
-        for off, k in zip(offsets, keys, strict=True):
-            data = k * (BB // len(k))
-            s.arena.view[off : off + BB] = data
-            sums.append(block_checksum(data, NS.fingerprint, k))
-        s.commit(h, rid, sums)
-        eids = [s.index.get(h.ns_id, k) for k in keys]
-        assert all(e is not None for e in eids)
+    quota = (TenantQuota(name="t", tenant=Quota(nvme_bytes=4 * BB)),)
+    async with write_back_store(tmp_path, tenants=quota) as s:
+        h, _keys, _offsets, eids = await commit_blocks(s, NS, 8)
         results = await asyncio.gather(*(s.mover.flush(e) for e in eids))  # one batch
         assert h.record.owner.nvme_bytes <= 4 * BB, (
             f"{h.record.owner.nvme_bytes // BB} blocks on disk, quota_nvme 4"
         )
         assert sum(results) == 4  # the others stay in memory (their own disk blocks all busy)
         s.check()
-    finally:
-        await s.stop()

@@ -8,63 +8,21 @@ from __future__ import annotations
 
 import errno
 
-import numpy as np
+from nvme_blocks import Recorder, header_kind, key, open_tier, reopen_keys, write
 
 import kvstore.tiers.nvme.recordio as recordio
-from kvstore.checksum import block_checksum
-from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.nvme.ondisk import FILE_NAME, KIND_TOMBSTONE, PAGE, parse_header
-
-NS = bytes(range(16))
-N = 16384
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(32, "big")
-
-
-async def put(tier: NvmeTier, i: int) -> int:
-    data = np.random.default_rng(i).integers(0, 256, N, dtype=np.uint8).tobytes()
-    slot = tier.allocate(N)
-    assert slot is not None
-    await tier.write(slot, key(i), NS, data, block_checksum(data, NS, key(i)), durable=False)
-    return slot
-
-
-def header_kind(path, slot: int) -> int | None:  # type: ignore[no-untyped-def]
-    with open(path, "rb") as f:
-        f.seek(slot)
-        h = parse_header(f.read(PAGE))
-    return None if h is None else h.kind
-
-
-async def reopen_keys(directory) -> list[bytes]:  # type: ignore[no-untyped-def]
-    tier = NvmeTier(directory, 16 << 20, slab_bytes=1 << 20)
-    records = await tier.open()
-    try:
-        assert tier.check().ok
-        return sorted(r.key for r in records)
-    finally:
-        await tier.close()
+from kvstore.tiers.nvme.ondisk import FILE_NAME, KIND_TOMBSTONE
 
 
 async def test_tombstones_freed_together_are_one_job_and_each_lands(tmp_path, monkeypatch):
-    tier = NvmeTier(tmp_path / "nvme", 16 << 20, slab_bytes=1 << 20)
-    await tier.open()
+    tier = await open_tier(tmp_path / "nvme")
     try:
-        slots = [await put(tier, i) for i in range(10)]
-        jobs: list[object] = []
-        submit = tier._write_pool.submit
-
-        def counted(fn, *args, **kw):  # type: ignore[no-untyped-def]
-            jobs.append(fn)
-            return submit(fn, *args, **kw)
-
-        monkeypatch.setattr(tier._write_pool, "submit", counted)
+        slots = [await write(tier, i) for i in range(10)]
+        rec = Recorder(tier, monkeypatch)
         for s in slots[:8]:
             tier.free(s)
         await tier.drain()
-        assert len(jobs) == 1
+        assert len(rec.jobs) == 1
         path = tmp_path / "nvme" / FILE_NAME
         assert [header_kind(path, s) for s in slots[:8]] == [KIND_TOMBSTONE] * 8
     finally:
@@ -75,10 +33,9 @@ async def test_tombstones_freed_together_are_one_job_and_each_lands(tmp_path, mo
 async def test_a_failed_tombstone_of_a_batch_is_retried_before_its_slot_is_reused(
     tmp_path, monkeypatch
 ):
-    tier = NvmeTier(tmp_path / "nvme", 16 << 20, slab_bytes=1 << 20)
-    await tier.open()
+    tier = await open_tier(tmp_path / "nvme")
     try:
-        slots = [await put(tier, i) for i in range(6)]
+        slots = [await write(tier, i) for i in range(6)]
         bad = slots[2]
         write_at = recordio.RecordIO.write_at
 
@@ -97,7 +54,7 @@ async def test_a_failed_tombstone_of_a_batch_is_retried_before_its_slot_is_reuse
         assert kinds == [KIND_TOMBSTONE, KIND_TOMBSTONE, 1, KIND_TOMBSTONE]  # 1: still a record
         assert set(tier._tombs.failed) == {bad}
         monkeypatch.setattr(recordio.RecordIO, "write_at", write_at)  # the disk recovers
-        reused = [await put(tier, 100 + i) for i in range(4)]
+        reused = [await write(tier, 100 + i) for i in range(4)]
         assert bad in reused and not tier._tombs.failed
     finally:
         await tier.close()
