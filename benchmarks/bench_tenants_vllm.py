@@ -41,16 +41,14 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm_connector"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # vllm_connector
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import (
@@ -63,19 +61,19 @@ from _harness import (
     print_header,
     run_main,
 )
-from harness import (
+from vllm_connector.harness import (
     BLOCK,
     Engine,
     as_uid,
     can_run_as_other_uids,
     engine_env,
     interpreter_for_other_uids,
-    kill_group,
     open_dir,
     readable_by_all,
     run_dir_for,
     smollm2_dir,
 )
+from vllm_connector.serve import VllmServer
 
 VENV = ".venv-vllm"  # the environment this script runs in (make vllm-env)
 SMOKE_TIMEOUT_S = 1200  # --smoke starts nine vLLM servers and engines, ~20-40 s each here
@@ -105,65 +103,19 @@ def policy() -> str:
     return "\n".join(entries)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
+class Server(VllmServer):
     """``vllm serve`` for one tenant, under its uid; ``connector`` None: without kvstore."""
 
     def __init__(
         self, model: Path, tenant: str, connector: dict | None, apc: bool, work: Path, seqs: int
     ) -> None:
         self.tenant = tenant
-        self.port = _free_port()
-        uid = TENANTS[tenant]
-        python = interpreter_for_other_uids()
-        expect(python is not None, "no interpreter other uids can run")
-        self.run_dir = run_dir_for(uid, f"serve-{tenant}")
-        args = [
-            str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", DTYPE, "--block-size", str(BLOCK), "--enforce-eager",
-            "--max-model-len", "4096", "--max-num-seqs", str(seqs),
-            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--seed", "0",
-            "--enable-prefix-caching" if apc else "--no-enable-prefix-caching",
-        ]  # fmt: skip
-        if connector is not None:
-            config = {
-                "kv_connector": "KVStoreConnector",
-                "kv_connector_module_path": "kvstore.integrations.vllm",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": connector,
-            }
-            args += ["--kv-transfer-config", json.dumps(config)]
-        command, env = as_uid(uid, args, engine_env(), self.run_dir)
-        self.log_path = work / f"serve-{tenant}.log"
-        self.log = open(self.log_path, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=self.run_dir,
-            start_new_session=True,
+        super().__init__(
+            model, work / f"serve-{tenant}.log", connector=connector, served_name="m",
+            max_model_len=4096, max_num_seqs=seqs, prefix_caching=apc, dtype=DTYPE,
+            extra_args=["--disable-uvicorn-access-log", "--seed", "0"], uid=TENANTS[tenant],
+            name=f"vllm serve ({tenant})",
         )  # fmt: skip
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def wait_healthy(self, timeout_s: float = 900) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve ({self.tenant}) exited:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve ({self.tenant}) never became healthy")
-            time.sleep(0.5)
 
     def metrics(self) -> dict[str, float]:
         """vLLM's Prometheus counters (``_total``), summed over their labels."""
@@ -178,22 +130,6 @@ class Server:
                 except ValueError:
                     continue
         return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        kill_group(self.proc)
-        self.log.close()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-
-    def tail(self, n: int = 40) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
 async def _one(session: Any, server: Server, ids: list[int], max_tokens: int) -> dict[str, Any]:

