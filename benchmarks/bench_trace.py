@@ -37,6 +37,10 @@ and puts the rest, every block's bytes derived from its key and every hit's byte
   touch, in prefix order), then the new blocks after it are put; blocks already stored
   further on are left alone (kvstore's put deduplicates them without a touch). And the
   unbounded cache: the hit rate no capacity can beat.
+* exact simulations of the frequency-aware orders LMCache and vLLM offer or build on (2Q,
+  ARC, S3-FIFO) and of a plain LFU (``_policy_sims``), with kvstore's put semantics, each
+  against LRU with the same semantics over the whole trace and each half: one that beats LRU
+  by ``CLEAR_MARGIN`` on both halves would be worth offering as a policy.
 
 Reported: prefix block-hit rate (blocks found in their request's leading run / blocks asked
 for) of each against the simulation and the bound; requests/s (requests / the time spent in
@@ -103,6 +107,8 @@ from _harness import (
     redis_server_path,
     run_main,
 )
+from _policy_sims import POLICIES as FREQUENCY_POLICIES
+from _policy_sims import simulate_policy
 from _trace_sim import (
     BlockContent,
     Chain,
@@ -119,6 +125,7 @@ from kvstore.config.tiers import POLICIES
 from kvstore.errors import CapacityError
 
 SWEEP_FRACS = (0.05, 0.10, 0.20, 0.30, 0.40)
+SWEEP_ORDERS = ("arc", "s3fifo", "2q")  # simulated at each capacity of the sweep
 SMOKE_REQUESTS = 200
 MODEL = "bench-trace"
 LRU_TARGET = 0.99  # issue #32: kvstore's LRU >= 0.99x the exact simulation
@@ -491,6 +498,10 @@ SIM_ROWS = (
     ("lru", "exact LRU simulation"),
     ("lru_dedup", "  the same, put leaves stored blocks alone"),
     ("prefix", "exact prefix-aware simulation"),
+    ("2q", "exact 2Q simulation"),
+    ("arc", "exact ARC simulation"),
+    ("s3fifo", "exact S3-FIFO simulation"),
+    ("lfu", "exact LFU simulation (naive frequency)"),
     ("lru_cpu_nvme", "exact LRU simulation at CPU+NVMe bytes"),
     ("lru_cpu_nvme_slots", "  the same at the blocks the NVMe tier holds"),
 )
@@ -512,18 +523,48 @@ def simulations(
     order (with its put semantics), and the unbounded cache; with ``nvme_cap``, also textbook
     LRU at the CPU and NVMe tiers' bytes together (one cache of ``cap + nvme_cap`` blocks: the
     most two tiers can hold, as an NVMe tier below the CPU one holds what the CPU tier evicted),
-    and at the blocks the NVMe tier really holds (``nvme_slots``: each takes a header page)."""
+    and at the blocks the NVMe tier really holds (``nvme_slots``: each takes a header page);
+    and the frequency-aware policies of ``_policy_sims`` (with kvstore's put semantics)."""
     sims = {
         "unbounded": simulate(chains, None),
         "lru": simulate(chains, cap, "lru"),
         "lru_dedup": simulate(chains, cap, "lru", put_touches=False),
         "prefix": simulate(chains, cap, "prefix", put_touches=False),
     }
+    sims.update({p: simulate_policy(chains, cap, p) for p in FREQUENCY_POLICIES})
     if nvme_cap:
         sims["lru_cpu_nvme"] = simulate(chains, cap + nvme_cap, "lru")
     if nvme_slots:
         sims["lru_cpu_nvme_slots"] = simulate(chains, cap + nvme_slots, "lru")
     return sims
+
+
+CLEAR_MARGIN = 0.02
+"""An eviction order replaces LRU only if it beats it by this much on both halves."""
+
+
+def eviction_orders(sims: dict[str, SimResult]) -> list[dict[str, Any]]:
+    """Each other order's hit rate against LRU with kvstore's put semantics (``lru_dedup``),
+    over the whole trace and each half, and whether it wins clearly on both."""
+    base = sims["lru_dedup"]
+    b1, b2 = base.half_hit_rates()
+    out = []
+    for key in ("prefix", *FREQUENCY_POLICIES):
+        if key not in sims:
+            continue
+        h1, h2 = sims[key].half_hit_rates()
+        if not (b1 and b2 and base.hit_rate):
+            continue  # a replay too short to have hits in both halves (a smoke run)
+        halves = (h1 / b1, h2 / b2)
+        overall = sims[key].hit_rate / base.hit_rate
+        if min(halves) >= 1 + CLEAR_MARGIN:
+            verdict_ = "wins on both halves"
+        elif overall < 1:
+            verdict_ = "loses"
+        else:
+            verdict_ = "no clear win"
+        out.append({"order": key, "overall": overall, "halves": halves, "verdict": verdict_})
+    return out
 
 
 def report(
@@ -614,6 +655,15 @@ def report(
         [label.strip(), *map(rate, sims[k].half_hit_rates())] for k, label in SIM_ROWS if k in sims
     ]
     rep.table("Hit rate by half of the trace", ["store", "first half", "second half"], halves)
+    order_rows = []
+    for row in eviction_orders(sims):
+        order_rows.append([row["order"], row["overall"], *row["halves"], row["verdict"]])
+    rep.table(
+        "Eviction orders against LRU with the same put semantics (x LRU; a clear win is >= "
+        f"{1 + CLEAR_MARGIN:g}x on both halves)",
+        ["order", "whole trace", "first half", "second half", "verdict"],
+        order_rows,
+    )
     red = stores.get("redis allkeys-lru")
     if red is not None:
         ex = red["extra"]
@@ -691,11 +741,13 @@ def run_sweep(
         points.append(point)
         rep.line(f"  sweep {frac:.0%} ({cap} blocks) done")
         row = [f"{frac:.0%} ({cap})", rate(point["sim_lru"]), rate(point["sim_prefix"])]
+        row += [rate(point[f"sim_{p}"]) for p in SWEEP_ORDERS]
         row += [rate(point[f"kvstore_{p}" + ("_no_spare" if b else "")]) for p, b in runs]
         over = point.get("lru_over_sim")
         row += [f"{over:.3f}" if over is not None else None, rate(point["sim_unbounded"])]
         rows.append(row)
     heads = ["capacity (blocks)", "LRU sim", "prefix sim"]
+    heads += [f"{p} sim" for p in SWEEP_ORDERS]
     heads += [f"kvstore {p}" + (", max_spare 0" if b else "") for p, b in runs]
     heads += ["kv lru / sim", "unbounded"]
     rep.table(
@@ -723,6 +775,14 @@ def plot_sweep(
     ax.plot(xs, [p["sim_unbounded"] for p in points], "k--", label="unbounded cache")
     ax.plot(xs, [p["sim_lru"] for p in points], "k-o", label="exact LRU simulation")
     ax2.axhline(1.0, color="k", lw=1)
+    for order in SWEEP_ORDERS:  # the frequency-aware orders, against LRU with the same puts
+        ax2.plot(
+            xs,
+            [p[f"sim_{order}"] / p["sim_lru_dedup"] for p in points],
+            ls="--",
+            lw=1,
+            label=f"{order} simulation / LRU",
+        )
     ax2.axhline(LRU_TARGET, color="k", ls=":", lw=1, label=f"{LRU_TARGET} x simulation")
     for policy, bare in runs:
         name = f"kvstore_{policy}" + ("_no_spare" if bare else "")
@@ -927,6 +987,7 @@ def main() -> int:
             "runs": runs,
             "memcpy_block_us": memcpy_s * 1e6,
             "simulation": {k: sim_dict(v) for k, v in sims.items()},
+            "eviction_orders": eviction_orders(sims),
             "stores": stores,
             "lru_over_sim": status,
             "sweep": sweep,
