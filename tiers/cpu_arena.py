@@ -12,11 +12,14 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import secrets
 import threading
 from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096
 """Offset 0 holds a 16-byte random token that proves a client mapped the right arena."""
@@ -153,8 +156,12 @@ class ZeroAhead:
     through ctypes, which releases the GIL, so the daemon's event loop runs meanwhile, and it
     runs at nice 19, behind the daemon's other threads. Populating never changes a page's
     bytes: a page already written (a client that got there first) keeps them. Best effort: a
-    kernel without ``MADV_POPULATE_WRITE`` (before 5.14) turns it off (``supported``), a chunk
-    that cannot be mapped ends that file's pass.
+    kernel without ``MADV_POPULATE_WRITE`` (before 5.14: EINVAL before any call of it
+    succeeded) turns it off (``supported``); a chunk that cannot be mapped or populated (an
+    EINVAL once a call succeeded included) ends that file's pass, and so does an unexpected
+    error, logged once as a warning naming the file. The thread then goes on with the next
+    file: it ends only with ``stop`` (should it end otherwise, it logs an error, releases
+    ``wait``, and the next ``add`` starts another).
     """
 
     def __init__(self) -> None:
@@ -164,6 +171,7 @@ class ZeroAhead:
         self._busy = False
         self._stopped = False
         self.supported = True
+        self._populated = False  # a populate succeeded: this kernel knows MADV_POPULATE_WRITE
         self.cleared_bytes = 0
         """Bytes of slab this thread faulted in (each file's once)."""
 
@@ -205,6 +213,22 @@ class ZeroAhead:
         # calls), rather than taking a core from it.
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            self._serve()
+        except BaseException:  # logged here, in full: the thread ends all the same
+            log.error(
+                "slab clearing thread ended; new slabs are left to the clients", exc_info=True
+            )
+        finally:
+            with self._cv:
+                self._busy = False
+                if not self._stopped:  # not ``stop``: forget what it left, the next add restarts
+                    self._queue.clear()
+                    self._thread = None
+                self._cv.notify_all()
+
+    def _serve(self) -> None:
+        """Clear queued files until ``stop``. An unexpected error ends that file's pass only."""
         while True:
             with self._cv:
                 self._busy = False
@@ -216,12 +240,29 @@ class ZeroAhead:
                 f = self._queue.popleft()
                 if f.retired:
                     continue
-                fd = os.dup(f.fd)  # under the lock: ``retire`` closes f.fd only after it
+                try:
+                    fd = os.dup(f.fd)  # under the lock: ``retire`` closes f.fd only after it
+                except OSError as e:  # out of descriptors: the clients clear this one
+                    self._failed(f, e)
+                    continue
                 self._busy = True
             try:
                 self._clear(f, fd)
+            except Exception as e:
+                self._failed(f, e)
             finally:
-                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    @staticmethod
+    def _failed(f: SlabFile, e: BaseException) -> None:
+        log.warning(
+            "clearing slab file %d (%d bytes) ahead failed, its pages are left to the clients: %r",
+            f.uid,
+            f.size,
+            e,
+            exc_info=e,
+        )
 
     def _clear(self, f: SlabFile, fd: int) -> None:
         """Fault ``f``'s pages in one chunk at a time, each through a mapping of its own (at most
@@ -238,6 +279,8 @@ class ZeroAhead:
                 err = _populate_write(addr, n)
             finally:
                 _libc.munmap(addr, n)
+            if not err:
+                self._populated = True
             if f.retired:
                 # Retired during the fill: its pages were freed, maybe before this fill ended,
                 # which then allocated some again. ``retire`` marks the file before freeing, so
@@ -245,9 +288,9 @@ class ZeroAhead:
                 _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, start, n)
                 return
             if err:
-                if err == errno.EINVAL:
+                if err == errno.EINVAL and not self._populated:
                     self.supported = False  # no MADV_POPULATE_WRITE in this kernel
-                return
+                return  # after a success, EINVAL is this file's (a chunk gone): its pass ends
             self.cleared_bytes += n
 
 
