@@ -15,7 +15,7 @@
   back still verified; it implies ``--quick``, so a script picks its quick path and shrinks
   it further. Its figures mean nothing: it checks that the script still runs
   (``tests/test_bench_smoke.py`` runs every ``bench_*.py`` so).
-* ``skip``: a script that cannot run here (no CUDA device, a missing package) says which
+* ``skip``: a script that cannot run here (no CUDA device, a missing package, not root) says which
   prerequisite is missing and exits with ``SKIP_EXIT`` (77), never 0 and never 1.
 * ``expect``: a check that holds even under ``python -O`` (wrong bytes read back, a miss).
 
@@ -639,11 +639,12 @@ SKIP_EXIT = 77
 def skip(args: argparse.Namespace, needs: str, reason: str) -> int:
     """Say that this run measures nothing because ``needs`` is missing, and return
     ``SKIP_EXIT`` for ``main`` to return. ``needs`` names the prerequisite in a form a caller can
-    check: ``"cuda"`` (a CUDA device torch sees), ``"module:NAME"`` (an importable module) or
+    check: ``"cuda"`` (a CUDA device torch sees), ``"module:NAME"`` (an importable module),
     ``"file:PATH"`` (a data file, such as a trace beside the repository: absolute, or relative
-    to the repository root)."""
+    to the repository root) or ``"root"`` (running as root: a script that runs processes under
+    other uids)."""
     if not (
-        needs == "cuda"
+        needs in ("cuda", "root")
         or needs.startswith("module:")
         or (needs.startswith("file:") and needs != "file:")
     ):

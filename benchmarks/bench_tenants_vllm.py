@@ -36,6 +36,7 @@ ratios within it (this VM's timings swing 2-3x between runs).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -60,6 +61,7 @@ from _harness import (
     percentile,
     print_header,
     run_main,
+    skip,
 )
 from vllm_connector.harness import (
     BLOCK,
@@ -347,14 +349,32 @@ def run_arm(
     return out
 
 
+def skip_unless_root(args: argparse.Namespace) -> int | None:
+    """``skip`` (its exit status) when this process is not root, else None: tenants are told
+    apart by the kernel (a uid each, as an operator deploys them), and only root switches
+    uids. Checked first, before anything starts."""
+    euid = os.geteuid()
+    if euid == 0:
+        return None
+    return skip(
+        args,
+        "root",
+        f"each tenant runs under a uid of its own (setpriv), which euid {euid} cannot switch "
+        "to: run it as root",
+    )
+
+
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0])
+    skipped = skip_unless_root(args)
+    if skipped is not None:
+        return skipped
     report = Reporter(args.json)
-    # Tenants are told apart by the kernel (a uid each), as an operator deploys them: not
-    # optional, as a peer is not (the connector's tests of shared tenants need the same).
+    # As root, what else switching uids takes is not optional, as a peer is not (the
+    # connector's tests of shared tenants need the same).
     expect(
         can_run_as_other_uids(),
-        "needs root, setpriv and an interpreter other uids can run (tenants run as uids)",
+        "needs setpriv and an interpreter other uids can run (tenants run as uids)",
     )
     if not args.json:
         print_header("bench_tenants_vllm", args)

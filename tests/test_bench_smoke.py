@@ -5,7 +5,8 @@ names the benchmark and the smoke mode. Figures are never looked at.
 
 A script that cannot run here exits 77 (``_harness.SKIP_EXIT``) naming what it needs: the test
 skips only after checking, with the script's own interpreter, that this is really missing (no
-CUDA device, a package not installed, a data file that is not there); otherwise it fails. A
+CUDA device, a package not installed, a data file that is not there, not root); otherwise it
+fails. A
 script whose module sets ``VENV = ".venv-vllm"`` runs with that environment's Python (``make
 vllm-env`` builds it) and is skipped when it is not built. Peers (redis-server) are not
 optional: a script that needs one fails without it. A smoke run gets ``SCRIPT_TIMEOUT_S``, or
@@ -55,8 +56,11 @@ def interpreter_for(script: Path) -> str:
 
 
 def really_missing(python: str, needs: str) -> bool:
-    """Whether ``needs`` (``cuda``, ``module:NAME``, or ``file:PATH``, a data file outside the
-    repository such as a trace; relative to the repository root) is missing for ``python``."""
+    """Whether ``needs`` (``cuda``, ``module:NAME``, ``file:PATH``, a data file outside the
+    repository such as a trace, relative to the repository root, or ``root``, running as root)
+    is missing for ``python``."""
+    if needs == "root":
+        return os.geteuid() != 0  # the script runs as this process does
     if needs.startswith("file:"):
         path = Path(needs.removeprefix("file:"))
         if not path.parts:
@@ -152,6 +156,14 @@ def test_a_data_file_is_missing_only_when_it_is_not_there(tmp_path: Path) -> Non
     assert really_missing(sys.executable, "file:benchmarks/no-such-trace.jsonl.gz")
     with pytest.raises(AssertionError, match="names no file"):
         really_missing(sys.executable, "file:")
+
+
+def test_root_is_missing_only_when_not_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``root`` (bench_tenants_vllm runs its tenants under uids of their own)."""
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert really_missing(sys.executable, "root")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert not really_missing(sys.executable, "root")
 
 
 def test_the_harness_skips_for_a_missing_data_file(tmp_path: Path) -> None:
