@@ -51,10 +51,16 @@ pool this backend cannot read, a daemon that is down or answers late: SGLang see
 (``False``, ``None``, a shorter leading run), never an exception from these calls and never
 another page's bytes. Each kind of problem is logged once as a warning.
 
-Not supported: the ``batch_*_v2`` calls of hybrid models' side pools (Mamba, SWA, DSA indexer
-pools): the base class's ``NotImplementedError``, which SGLang's controller logs and treats as a
-miss; host layouts whose ``get_data_page`` is not a view of the pool (their pages go through a
-flat copy: two copies each way).
+Hybrid models (Mamba/linear attention, sliding-window attention, DSA sparse attention, draft
+models): SGLang registers each side pool of its host pool group (``register_mem_host_pool_v2``)
+and moves their pages with the ``batch_*_v2`` calls; each side pool's pages live in their own
+namespace, under the same page hashes, copied one copy each way where the pool's pages are views
+of its memory, checksummed the same way, and every failure is a miss
+(``kvstore.integrations.sglang_side_pools``).
+
+Not supported: host layouts whose ``get_data_page`` is not a view of the pool (their pages go
+through a flat copy: two copies each way); the ``block_groups`` hit policy of ``batch_exists_v2``
+(no SGLang pool of 0.5.23 uses it): a miss.
 """
 
 from __future__ import annotations
@@ -78,7 +84,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from kvstore.address import default_address
-from kvstore.client._parallel import each_block
 from kvstore.client.sync import KVStoreClient
 from kvstore.errors import (
     KVStoreError,
@@ -91,12 +96,15 @@ from kvstore.errors import (
 from kvstore.integrations.sglang_pages import (
     HostPages,
     PageFormat,
-    copy_in_hashing,
-    copy_out_hashing,
+    Space,
+    batch_bounds,
     describe_pool,
     page_key,
-    slot_array,
+    page_starts,
+    read_pages,
+    write_pages,
 )
+from kvstore.integrations.sglang_side_pools import SidePools, shard_parts
 
 logger = logging.getLogger(__name__)
 
@@ -118,10 +126,6 @@ SGLANG_KEYS = frozenset(
     {"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"}
 )
 """Keys of the extra config that SGLang reads itself."""
-
-MAX_BATCH_BYTES = 64 << 20
-"""Pages per reservation or lease are bounded by bytes: a batch of SGLang's 128 pages of
-several MiB each goes in parts, so no call pins more of the CPU tier than this at once."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,14 @@ class _Counters:
             "pages_present": 0,
             "write_failures": 0,
             "errors": 0,
+            # The same, for the pages of hybrid models' side pools (the v2 calls).
+            "side_hits": 0,
+            "side_misses": 0,
+            "side_bytes_read": 0,
+            "side_bytes_written": 0,
+            "side_pages_written": 0,
+            "side_pages_present": 0,
+            "side_write_failures": 0,
         }
         self.prefetch_pgs: list[int] = []
         self.backup_pgs: list[int] = []
@@ -202,9 +214,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
         self.is_mla = bool(getattr(storage_config, "is_mla_model", False))
         self.enable_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         self.mem_pool_host: Any = None
-        self.pages: HostPages | None = None
+        self.kv_space: Space | None = None
         self.fmt: PageFormat | None = None
-        self.model = ""
+        self.model = self.options.model or str(storage_config.model_name or "") or "sglang"
         self.revision = ""
         self.tp_rank, self.tp_size = 0, 1
         self.stats = _Counters()
@@ -214,6 +226,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
         self._down_until = 0.0
         self._warned: set[str] = set()
         self._closed = False
+        self.side = SidePools(self)
 
     # ------------------------------------------------------------------ set-up
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -224,13 +237,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
         try:
             fmt = describe_pool(mem_pool_host)
         except Exception as exc:
-            self.fmt = self.pages = None
+            self.fmt = self.kv_space = None
             self._warn(
                 "pool", "kvstore HiCache backend cannot store this host pool's pages: %s", exc
             )
             return
-        self.fmt = fmt
-        self.pages = HostPages(mem_pool_host, fmt) if fmt.zero_copy else None
         cfg = self.storage_config
         if self.is_mla:
             # The same KV on every TP rank: one namespace for all (per DCP shard).
@@ -238,16 +249,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
             self.tp_size = int(getattr(cfg, "dcp_size", 1) or 1)
         else:
             self.tp_rank, self.tp_size = int(cfg.tp_rank), int(cfg.tp_size)
-        shard = [fmt.description]
-        if int(getattr(cfg, "pp_size", 1) or 1) > 1:
-            shard.append(f"pp{cfg.pp_rank}of{cfg.pp_size}")
-        if int(getattr(cfg, "attn_cp_size", 1) or 1) > 1:
-            shard.append(f"cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}")
+        shard = [fmt.description, *shard_parts(cfg)]
         if self.is_mla:
             shard.append("mla")
         page = "sglang-page:v1:" + ":".join(shard)
         self.revision = f"{self.options.revision}|{page}" if self.options.revision else page
-        self.model = self.options.model or str(cfg.model_name or "") or "sglang"
+        self.fmt = fmt
+        self.kv_space = Space(
+            "", HostPages(mem_pool_host, fmt), self.revision, self.tp_rank, self.tp_size
+        )
         logger.info(
             "kvstore HiCache backend: %s, namespace %s@%s tp%d/%d, %d-byte pages%s",
             self.options.address,
@@ -259,27 +269,43 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
             "" if fmt.zero_copy else " (through flat page copies)",
         )
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A hybrid model's host pool (SGLang registers every pool of its group here, the KV
+        anchor too): each side pool gets its own namespace (``kvstore.integrations.
+        sglang_side_pools``). One whose pages cannot be stored answers misses (a warning)."""
+        try:
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        except Exception:  # pragma: no cover - SGLang's bookkeeping only
+            logger.debug("HiCacheStorage.register_mem_host_pool_v2 failed", exc_info=True)
+        self.side.register(host_pool, host_pool_name)
+
     # ------------------------------------------------------------------ clients
-    def _client(self) -> KVStoreClient | None:
-        """This thread's client, opened on first use; None while the store is left alone."""
-        client: KVStoreClient | None = getattr(self._local, "client", None)
-        if client is not None:
-            return client
-        fmt = self.fmt
-        if fmt is None or self._closed:
+    def _client(self, space: Space | None = None) -> KVStoreClient | None:
+        """This thread's client of ``space`` (default: the KV pool's), opened on first use;
+        None while the store is left alone."""
+        space = space or self.kv_space
+        if space is None or self._closed:
             self._warn("nopool", "kvstore HiCache backend has no host pool it can read: misses")
             return None
+        held: dict[str, tuple[Space, KVStoreClient]] | None = getattr(self._local, "clients", None)
+        if held is None:
+            held = self._local.clients = {}
+        entry = held.get(space.name)
+        if entry is not None:
+            if entry[0] is space:
+                return entry[1]
+            self._drop_client(entry[1])  # the pool was registered again
         if time.monotonic() < self._down_until:
             return None
         try:
             client = KVStoreClient(
                 self.options.address,
-                layout=fmt.layout,
+                layout=space.fmt.layout,
                 model=self.model,
-                revision=self.revision,
+                revision=space.revision,
                 tenant=self.options.tenant,
-                tp_rank=self.tp_rank,
-                tp_size=self.tp_size,
+                tp_rank=space.tp_rank,
+                tp_size=space.tp_size,
                 priority=self.options.priority,
                 timeout_s=self.options.timeout_s,
                 token=self.options.token,
@@ -289,17 +315,23 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
             return None
         with self._lock:
             self._clients.append(client)
-        self._local.client = client
+        held[space.name] = (space, client)
         if "down" in self._warned:
             logger.info("kvstore reachable again at %s", self.options.address)
             self._warned.discard("down")
         return client
 
-    def _with_client(self, what: str, call: Callable[[KVStoreClient], T], default: T) -> T:
-        """``call(client)``, or ``default`` when the store is left alone or the call failed.
-        A failure drops this thread's client (the next call opens a new one after
-        ``retry_after_s``)."""
-        client = self._client()
+    def _with_client(
+        self,
+        what: str,
+        call: Callable[[KVStoreClient], T],
+        default: T,
+        space: Space | None = None,
+    ) -> T:
+        """``call(client)`` with this thread's client of ``space``, or ``default`` when the
+        store is left alone or the call failed. A failure drops this thread's client (the next
+        call opens a new one after ``retry_after_s``)."""
+        client = self._client(space)
         if client is None:
             return default
         try:
@@ -333,8 +365,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
             logger.warning(message, *args)
 
     def _drop_client(self, client: KVStoreClient) -> None:
-        if getattr(self._local, "client", None) is client:
-            self._local.client = None
+        held = getattr(self._local, "clients", None) or {}
+        for name, (_, mine) in list(held.items()):
+            if mine is client:
+                del held[name]
         with self._lock:
             if client in self._clients:
                 self._clients.remove(client)
@@ -371,11 +405,6 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
             out.append(k)
         return out
 
-    def _batches(self, n: int) -> list[tuple[int, int]]:
-        assert self.fmt is not None
-        per = max(1, MAX_BATCH_BYTES // self.fmt.page_bytes)
-        return [(i, min(n, i + per)) for i in range(0, n, per)]
-
     # ------------------------------------------------------------------ existence
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading pages are stored (in any tier of the daemon)."""
@@ -388,28 +417,21 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
         return self.batch_exists([key]) == 1
 
     # ------------------------------------------------------------------ zero-copy (v1)
-    def _host_pages(self, keys: Sequence[object], host_indices: Any) -> list[int] | None:
+    def _host_pages(
+        self, keys: Sequence[object], host_indices: Any, page_size: int
+    ) -> list[int] | None:
         """The host index of each key's page, or None (with a warning) if the indices do not
-        hold one page per key."""
-        fmt = self.fmt
-        if fmt is None:
-            self._warn("nopool", "kvstore HiCache backend has no host pool it can read: misses")
-            return None
-        try:
-            n = int(host_indices.numel())
-        except AttributeError:
-            n = len(host_indices)
-        if n != len(keys) * fmt.page_size:
+        hold one page of ``page_size`` per key."""
+        starts = page_starts(host_indices, len(keys), page_size)
+        if starts is None:
             self._warn(
                 "indices",
-                "kvstore HiCache backend: %d host indices for %d pages of %d tokens",
-                n,
+                "kvstore HiCache backend: %s host indices for %d pages of %d slots",
+                getattr(host_indices, "numel", lambda: "no")(),
                 len(keys),
-                fmt.page_size,
+                page_size,
             )
-            return None
-        flat = host_indices.tolist() if hasattr(host_indices, "tolist") else list(host_indices)
-        return [int(flat[i * fmt.page_size]) for i in range(len(keys))]
+        return starts
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
@@ -417,99 +439,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
         """Store page i (at ``host_indices[i * page_size]``) under ``keys[i]``, copied straight
         from the host pool into the daemon's shared memory. Per page: stored (or already
         there)."""
-        return self._zero_copy("write", keys, host_indices, self._write_batch, self._note_write)
-
-    def _zero_copy(
-        self,
-        what: str,
-        keys: list[str],
-        host_indices: Any,
-        one_batch: Callable[[KVStoreClient, list[bytes], list[int]], int],
-        note: Callable[[int, int, float], None],
-    ) -> list[bool]:
-        """``batch_set_v1`` / ``batch_get_v1``: ``one_batch`` moves the pages of a batch of
-        keys (host pages given) and says how many leading ones it moved; batches go on while
-        each moves all of its pages. Per page: moved."""
-        results = [False] * len(keys)
-        starts = self._host_pages(keys, host_indices)
-        if starts is None or not keys:
-            return results
-        kv = self._keys(keys)
-        began = time.perf_counter()
-
-        def run(client: KVStoreClient) -> int:
-            done = 0
-            for lo, hi in self._batches(len(kv)):
-                done += one_batch(client, kv[lo:hi], starts[lo:hi])
-                if done < hi:
-                    break
-            return done
-
-        done = self._with_client(what, run, 0)
-        results[:done] = [True] * done
-        note(done, len(keys), began)
-        return results
-
-    def _write_batch(self, client: KVStoreClient, kv: list[bytes], starts: list[int]) -> int:
-        fmt = self.fmt
-        assert fmt is not None
-        reservation = client.reserve(kv)
-        try:
-            if reservation.indices:
-                self._fill(reservation, starts)
-        except BaseException:
-            reservation.abort()
-            raise
-        new = len(reservation.indices)
-        committed = reservation.commit()
-        self.stats.add(
-            pages_written=committed,
-            pages_present=len(kv) - new,
-            bytes_written=committed * fmt.page_bytes,
-        )
-        if committed < new or reservation.pending:
-            # Not all stored by this call: some were another writer's, still unfinished when
-            # the daemon stopped waiting (it may yet abort). Only what is there now counts.
-            return min(len(kv), client.lookup(kv))
-        return len(kv)
-
-    def _fill(self, reservation: Any, starts: list[int]) -> None:
-        """Copy the pages a reservation asks for into its slots, with their checksums."""
-        fmt = self.fmt
-        assert fmt is not None
-        nbytes = fmt.page_bytes
-        if reservation.codec or self.pages is None:
-            # Slots that take an encoded payload (a ``cpu`` codec), or a pool whose pages
-            # are not views: the page through a flat copy, then the client's own fill.
-            rows = torch.empty((len(starts), nbytes), dtype=torch.uint8)
-            for i in reservation.indices:
-                rows[i] = self._flat_page(starts[i])
-            reservation.fill_from(rows)
-            return
-        pages = self.pages
-        arena = reservation.arena
-        work = [
-            (
-                pages.pieces(starts[i]),
-                slot_array(arena, address, nbytes, write=True),
-                seed,
-            )
-            for i, address, seed in zip(
-                reservation.indices, reservation.offsets_new, reservation.seeds_new, strict=True
-            )
-        ]
-        sums = [0] * len(work)
-
-        def copy(j: int) -> None:
-            pieces, slot, seed = work[j]
-            sums[j] = copy_in_hashing(slot, pieces, seed)
-
-        each_block(len(work), len(work) * nbytes, copy)
-        reservation.use_checksums(sums)
-
-    def _flat_page(self, start: int) -> torch.Tensor:
-        page = self.mem_pool_host.get_data_page(start, flat=True)
-        return page.contiguous().view(torch.uint8).reshape(-1)
+        return self.move_pages("write", None, keys, host_indices)
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
@@ -518,48 +448,73 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
         from the daemon's shared memory into the host pool. Per page: loaded intact. Only the
         target pages are written; a page after the first miss may hold partial bytes and is
         reported False."""
-        return self._zero_copy("read", keys, host_indices, self._read_batch, self._note_read)
+        return self.move_pages("read", None, keys, host_indices)
 
-    def _read_batch(self, client: KVStoreClient, kv: list[bytes], starts: list[int]) -> int:
-        fmt = self.fmt
-        assert fmt is not None
-        nbytes = fmt.page_bytes
-        lease = client.acquire(kv)
-        try:
-            n = len(lease)
-            if not n:
-                return 0
-            if lease.codecs or any(lease.on_gpu) or self.pages is None:
-                rows = torch.empty((n, nbytes), dtype=torch.uint8)
-                intact = lease.copy_into(rows)
-                for i in range(intact):
-                    self._set_flat_page(starts[i], rows[i])
-                return int(intact)
-            pages = self.pages
-            work = [
-                (
-                    slot_array(lease.arena, lease.offsets[i], nbytes, write=False),
-                    pages.pieces(starts[i]),
-                    lease.seeds[i],
-                    lease.checksums[i],
-                )
-                for i in range(n)
-            ]
-            ok = [True] * n
+    def move_pages(
+        self, what: str, space: Space | None, keys: list[str], host_indices: Any
+    ) -> list[bool]:
+        """Write (``what="write"``) or read (``"read"``) the pages of ``keys`` at
+        ``host_indices`` in ``space`` (default: the KV pool's), one copy each way, in batches
+        of at most ``MAX_BATCH_BYTES`` that go on while each moves all of its pages. Per page:
+        moved. The v1 calls, and the v2 calls of every side pool."""
+        space = space or self.kv_space
+        results = [False] * len(keys)
+        if space is None:
+            self._warn("nopool", "kvstore HiCache backend has no host pool it can read: misses")
+            return results
+        fmt = space.fmt
+        starts = self._host_pages(keys, host_indices, fmt.page_size)
+        if starts is None or not keys:
+            return results
+        kv = self._keys(keys)
+        began = time.perf_counter()
+        side = "side_" if space.name else ""
 
-            def copy(j: int) -> None:
-                slot, pieces, seed, expected = work[j]
-                ok[j] = copy_out_hashing(slot, pieces, seed) == expected
+        def run(client: KVStoreClient) -> int:
+            done = 0
+            for lo, hi in batch_bounds(len(kv), fmt.page_bytes):
+                if what == "write":
+                    w = write_pages(client, space.pages, kv[lo:hi], starts[lo:hi])
+                    self.stats.add(
+                        **{
+                            f"{side}pages_written": w.committed,
+                            f"{side}pages_present": w.present,
+                            f"{side}bytes_written": w.committed * fmt.page_bytes,
+                        }
+                    )
+                    done += w.stored
+                else:
+                    done += read_pages(client, space.pages, kv[lo:hi], starts[lo:hi])
+                if done < hi:
+                    break
+            return done
 
-            each_block(n, n * nbytes, copy)
-            return ok.index(False) if False in ok else n
-        finally:
-            lease.release()
+        done = self._with_client(what, run, 0, space)
+        results[:done] = [True] * done
+        if what == "write":
+            self._note_write(done, len(keys), began, space)
+        else:
+            self._note_read(done, len(keys), began, space)
+        return results
 
-    def _set_flat_page(self, start: int, row: torch.Tensor) -> None:
-        dummy = self.mem_pool_host.get_dummy_flat_data_page()
-        dummy.view(torch.uint8).copy_(row)
-        self.mem_pool_host.set_from_flat_data_page(start, dummy)
+    # ------------------------------------------------------------------ side pools (v2)
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
+    ) -> Any:
+        """The usable prefix of ``keys`` for the KV pool and every side pool of
+        ``pool_transfers``, by each pool's hit policy: a ``PoolTransferResult``
+        (``kvstore.integrations.sglang_side_pools``)."""
+        return self.side.exists(keys, pool_transfers)
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Fill each transfer's host pages of its pool from its keys, one copy each way; per
+        pool, per page: loaded intact (a leading run)."""
+        return self.side.move("read", transfers)
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Store each transfer's host pages of its pool under its keys, in the pool's own
+        namespace; per pool, per page: stored (or already there)."""
+        return self.side.move("write", transfers)
 
     # ------------------------------------------------------------------ flat pages
     def _rows_of(self, tensor: Any) -> torch.Tensor | None:
@@ -660,9 +615,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
         return done == len(keys)
 
     # ------------------------------------------------------------------ housekeeping
-    def _note_read(self, done: int, asked: int, began: float) -> None:
-        fmt = self.fmt
+    def _note_read(self, done: int, asked: int, began: float, space: Space | None = None) -> None:
+        """Count a read; SGLang's metrics count the KV pool's pages (not side pools')."""
+        fmt = space.fmt if space is not None else self.fmt
         nbytes = done * (fmt.page_bytes if fmt else 0)
+        if space is not None and space.name:
+            self.stats.add(side_hits=done, side_misses=asked - done, side_bytes_read=nbytes)
+            return
         self.stats.add(hits=done, misses=asked - done, bytes_read=nbytes)
         if self.enable_metrics and done:
             with self.stats.lock:
@@ -670,8 +629,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
                 elapsed = max(time.perf_counter() - began, 1e-9)
                 self.stats.prefetch_bandwidth.append(nbytes / elapsed / 1e9)
 
-    def _note_write(self, done: int, asked: int, began: float) -> None:
-        fmt = self.fmt
+    def _note_write(self, done: int, asked: int, began: float, space: Space | None = None) -> None:
+        fmt = space.fmt if space is not None else self.fmt
+        if space is not None and space.name:
+            self.stats.add(side_write_failures=asked - done)
+            return
         self.stats.add(write_failures=asked - done)
         if self.enable_metrics and done:
             with self.stats.lock:
@@ -682,7 +644,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
 
     def counters(self) -> dict[str, int]:
         """Totals since start: pages hit and missed by reads, bytes read and written, pages
-        written (new) and found present, pages a write did not store, failed calls."""
+        written (new) and found present, pages a write did not store, failed calls; the
+        ``side_`` ones count the pages of side pools (the v2 calls)."""
         with self.stats.lock:
             return dict(self.stats.totals)
 
@@ -714,10 +677,12 @@ class KVStoreHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's c
         return int(self._with_client("delete", lambda c: c.delete(list(dict.fromkeys(kv))), 0))
 
     def clear(self) -> None:
-        """Delete every page of this backend's namespace from the daemon (SGLang's "clear
-        storage"), whoever stored it: pages of earlier SGLang processes too. Copies in the
-        daemon's shared Redis tier stay until they expire."""
+        """Delete every page of this backend's namespaces from the daemon (SGLang's "clear
+        storage"): the KV pool's and every side pool's, whoever stored them, pages of earlier
+        SGLang processes too. Copies in the daemon's shared Redis tier stay until they
+        expire."""
         self._with_client("clear", lambda client: client.clear(), 0)
+        self.side.clear()
 
     def close(self) -> None:
         self._closed = True

@@ -235,16 +235,127 @@ def make_pools(sglang_runtime: None) -> Callable[..., Pools]:
 
 
 @dataclass
+class HybridPools(Pools):
+    """``Pools`` of a hybrid model: SGLang's ``HostPoolGroup`` holds the KV anchor and side
+    pools (``side``: pool name -> host pool), each registered with a storage backend through
+    ``register_mem_host_pool_v2`` as SGLang's controller does at attach."""
+
+    side: dict[str, Any] = field(default_factory=dict)
+
+
+def mamba_host_pool(
+    *,
+    layout: str = "page_first",
+    slots: int = 8,
+    layers: int = 2,
+    slot_states: bool = False,
+    temporal: tuple[int, ...] = (2, 4, 4),
+    temporal_dtype: Any = None,
+    conv: tuple[tuple[int, ...], ...] = ((6, 3), (2, 3)),
+    conv_dtype: Any = None,
+) -> Any:
+    """SGLang's ``MambaPoolHost`` (a state slot a page: the temporal state, the conv states and,
+    with ``slot_states``, an int32 side state of each slot) built by its own constructor over
+    CPU device buffers (``MambaStateBufferInfo``), unpinned, twice the device slots."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    temporal_dtype = temporal_dtype or torch.float32
+    conv_dtype = conv_dtype or torch.bfloat16
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, slots, *temporal, dtype=temporal_dtype),
+        conv=tuple(torch.zeros(layers, slots, *shape, dtype=conv_dtype) for shape in conv),
+        extra_checkpoint_buffers=(torch.zeros(slots, 5, dtype=torch.int32),) if slot_states else (),
+    )
+    return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, layout=layout)
+
+
+@pytest.fixture
+def make_hybrid_pools(sglang_runtime: None) -> Callable[..., HybridPools]:
+    """``make_hybrid_pools(layout="page_first", *, page_size=4, kv_layers=2, swa_layers=1,
+    mamba_layout="page_first", slot_states=False) -> HybridPools``.
+
+    SGLang's hybrid-SWA stack on CPU: full-attention and sliding-window ``MHATokenToKVPool``
+    device pools, host pools built by SGLang's ``build_hybrid_swa_group`` (KV anchor and
+    ``"swa"``, unpinned), and a ``"mamba"`` ``MambaPoolHost`` entry (``mamba_host_pool``)
+    added to the group with SGLang's ``build_pool_entry``. ``swa_layers=kv_layers`` makes the
+    SWA pool's page format the KV pool's."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    def make(
+        layout: str = "page_first",
+        *,
+        page_size: int = 4,
+        kv_layers: int = 2,
+        swa_layers: int = 1,
+        mamba_layout: str = "page_first",
+        slot_states: bool = False,
+    ) -> HybridPools:
+        def device(layers: int) -> Any:
+            return MHATokenToKVPool(
+                size=64,
+                page_size=page_size,
+                dtype=torch.bfloat16,
+                head_num=2,
+                head_dim=8,
+                layer_num=layers,
+                device="cpu",
+                enable_memory_saver=False,
+            )
+
+        full, swa = device(kv_layers), device(swa_layers)
+        allocator = PagedTokenToKVPoolAllocator(
+            64, page_size, torch.bfloat16, "cpu", full, need_sort=False
+        )
+        asm = hybrid_pool_assembler
+        mha_cls = asm.get_mha_host_pool_cls
+        asm.get_mha_host_pool_cls = lambda info: _unpinned(mha_cls(info))
+        n = kv_layers + swa_layers
+        try:
+            with get_memory().override(hicache_mem_layout=layout, hicache_ratio=2.0):
+                group = asm.build_hybrid_swa_group(
+                    page_size=page_size,
+                    full_kv_pool=full,
+                    swa_kv_pool=swa,
+                    full_layer_mapping={i: i for i in range(kv_layers)},
+                    swa_layer_mapping={kv_layers + i: i for i in range(swa_layers)},
+                    use_mla=False,
+                    transfer_layer_id_max=n + 1,
+                )
+        finally:
+            asm.get_mha_host_pool_cls = mha_cls
+        mamba = mamba_host_pool(layout=mamba_layout, slot_states=slot_states)
+        group.add_entry(
+            asm.build_pool_entry(
+                name=PoolName.MAMBA,
+                host_pool=mamba,
+                device_pool=None,
+                layer_mapping={n: 0},
+                transfer_layer_id_max=n + 1,
+            )
+        )
+        host = group.anchor_entry.host_pool
+        side = {"swa": group.entry_map[PoolName.SWA].host_pool, "mamba": mamba}
+        return HybridPools(full, allocator, group, host, layout, False, page_size, n + 1, side)
+
+    return make
+
+
+@dataclass
 class Prefetched:
     """What one prefetch did: ``hit_tokens`` the controller's query found in storage (leading
     run), ``host_indices`` the host token slots it loaded into (empty on a miss),
     ``completed_tokens`` the tokens the transfer reported done, ``hashes`` the page keys
-    queried (SGLang's SHA-256 chain)."""
+    queried (SGLang's SHA-256 chain); with side pools (``extra_pools``), ``pool_hits`` the
+    pages of each pool its ack reports loaded, ``query_pool_hits`` each pool's boundary the
+    query found."""
 
     hit_tokens: int
     host_indices: Any
     completed_tokens: int
     hashes: list[str]
+    pool_hits: dict[str, int] = field(default_factory=dict)
+    query_pool_hits: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -356,13 +467,16 @@ class Controller:
         tokens: list[int],
         hashes: list[str] | None = None,
         prefix_keys: list[str] | None = None,
+        extra_pools: list[Any] | None = None,
     ) -> int:
         """Backs the pages of ``host_indices`` up to storage through the controller's backup
-        thread (``write_storage``) under ``hashes`` (default: ``self.hashes(tokens)``), waits
+        thread (``write_storage``) under ``hashes`` (default: ``self.hashes(tokens)``), with
+        the side pools' ``PoolTransfer`` list ``extra_pools`` (hybrid controller only), waits
         for its ack and returns the tokens it reports written (``completed_tokens``)."""
         hashes = self.hashes(tokens) if hashes is None else hashes
+        more = {} if extra_pools is None else {"extra_pools": extra_pools}
         op_id = self.ctl.write_storage(
-            host_indices, tokens, hash_value=hashes, prefix_keys=prefix_keys
+            host_indices, tokens, hash_value=hashes, prefix_keys=prefix_keys, **more
         )
         deadline = time.monotonic() + WAIT_S
         while op_id not in self._backup_acks:
@@ -382,23 +496,35 @@ class Controller:
         last_hash: str | None = None,
         prefix_keys: list[str] | None = None,
         into: Any = None,
+        extra_pools: list[Any] | None = None,
+        side_indices: Callable[[Any], None] | None = None,
     ) -> Prefetched:
         """Prefetches ``tokens`` from storage as the scheduler does: the controller's query
-        thread runs ``batch_exists`` on the page keys; on a hit, host pages are allocated from
-        the host pool (or ``into``, token indices of as many pages as hit), handed to the IO
-        thread, and this waits for the final ack (``completed_req``) of that request."""
+        thread runs ``batch_exists`` (``batch_exists_v2`` with side pools: ``extra_pools``, a
+        ``PoolTransfer`` list, hybrid controller only) on the page keys; on a hit, host pages
+        are allocated from the host pool (or ``into``, token indices of as many pages as hit),
+        ``side_indices(operation)`` gives the side pools' transfers their host indices, the
+        operation goes to the IO thread, and this waits for the final ack (``completed_req``)
+        of that request."""
         rid = f"req-{next(self._rids)}"
         if self.kind == "hybrid":
             op = self.ctl.prefetch(
-                CacheRequestHandle(rid=rid, attempt_id=0), tokens, last_hash, prefix_keys
+                CacheRequestHandle(rid=rid, attempt_id=0),
+                tokens,
+                last_hash,
+                prefix_keys,
+                extra_pools=extra_pools,
             )
         else:
             op = self.ctl.prefetch(rid, tokens, last_hash, prefix_keys)
         hit = self._get(self.ctl.prefetch_hit_queue, lambda o: o is op, "prefetch query")
         hashes = list(op.all_hash_values or [])
         hit_tokens = int(hit.storage_hit_count)
+        query_hits = {
+            str(k): int(v) for k, v in (getattr(op, "query_pool_hit_pages", None) or {}).items()
+        }
         if hit_tokens == 0:
-            return Prefetched(0, torch.empty(0, dtype=torch.int64), 0, hashes)
+            return Prefetched(0, torch.empty(0, dtype=torch.int64), 0, hashes, {}, query_hits)
         if into is None:
             if self.kind == "hybrid":
                 into, _ = self.ctl.allocate_storage_hit(
@@ -413,15 +539,20 @@ class Controller:
             assert into is not None, f"host pool has no room for {hit_tokens} tokens"
         assert into.numel() == hit_tokens, (into.numel(), hit_tokens)
         op.host_indices = into
+        if side_indices is not None:
+            side_indices(op)
         self.ctl.prefetch_buffer.put(op)
         completed = 0
+        pool_hits: dict[str, int] = {}
         while True:
             ack = self._get(self.ctl.ack_prefetch_queue, lambda a: a.rid == rid, "prefetch ack")
             if ack.completed_tokens is not None:
                 completed = int(ack.completed_tokens)
+            if getattr(ack, "pool_hits", None):
+                pool_hits = {str(k): int(v) for k, v in ack.pool_hits.items() if v}
             if ack.completed_req:
                 break
-        return Prefetched(hit_tokens, into, completed, hashes)
+        return Prefetched(hit_tokens, into, completed, hashes, pool_hits, query_hits)
 
     def _get(self, queue: Any, match: Callable[[Any], bool], what: str) -> Any:
         deadline = time.monotonic() + WAIT_S
