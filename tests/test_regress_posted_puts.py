@@ -1,23 +1,166 @@
-"""Puts that do not wait (``put(..., wait=False)``): their reply reaches ``flush`` whatever
-the client does while it is in flight, against a real daemon.
+"""Puts that do not wait (``put(..., wait=False)``): what their reply goes through before a
+``flush`` reads it, against a real daemon.
 
-A session request that carries a descriptor (a slab, the presence table) made while a posted
-call's reply is unread must not lose that reply: it is read and kept for ``flush``.
+A posted call's reply must reach ``flush`` whatever the client does meanwhile (a request that
+carries a descriptor reads it first), later calls must see the put, and ``flush`` must count
+what the daemon stored.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
 import time
 
 from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tokens
 
-from kvstore import KVStoreClient
+from kvstore import AsyncKVStoreClient, KVStoreClient
 
 LONG_GRACE = "[limits]\npin_grace_s = 30.0\n"  # spare slots stay fresh whatever the load
 
 
 def client(daemon, model: str = "posted", **kw) -> KVStoreClient:
     return KVStoreClient(daemon.address, layout=SMALL_LAYOUT, model=model, **kw)
+
+
+def stream_puts(kv: KVStoreClient, keys: list, blocks) -> None:
+    """Two waiting puts in a row: the second asks for spare slots, so the next put binds."""
+    kv.put(keys[:4], blocks[:4])
+    kv.put(keys[4:8], blocks[4:8])
+
+
+def test_a_bind_that_waits_for_another_writer_keeps_its_slots(daemon_factory) -> None:
+    """Spare slots live 2 s (pin_grace_s); a Bind that meets a key another client is writing
+    waits up to write_wait_s for it. A posted Bind lost every block when its slots expired
+    during that wait, those of keys nobody else wrote included; a waiting put stores them."""
+    d = daemon_factory(extra="[limits]\nwrite_wait_s = 4.0\n")
+    blocks = random_blocks(SMALL_LAYOUT, 12, seed=21)
+    with client(d) as kv, client(d) as other:
+        keys = kv.hash_tokens(tokens(12))
+        stream_puts(kv, keys, blocks)
+        writing = other.reserve([keys[8]])  # another engine is writing the shared block
+        try:
+            kv.put(keys[8:], blocks[8:], wait=False)
+            assert kv._posted.current is not None and kv._posted.current.method == "Bind"
+            flushed = kv.flush()
+        finally:
+            writing.abort()
+        assert (flushed, flushed.dropped) == (3, 0)  # as put(wait=True) stores them
+        assert same_bytes(kv.get(keys[9:]), blocks[9:])
+
+
+def test_a_call_over_grpc_is_served_after_the_put_in_flight(daemon_factory) -> None:
+    """A request too large for a local call goes over gRPC, which the daemon serves beside
+    the session's calls, not after them: a delete of keys put without waiting was served
+    before the put, and the keys were stored after it."""
+    d = daemon_factory(extra="[limits]\npin_grace_s = 30.0\nwrite_wait_s = 1.5\n")
+    blocks = random_blocks(SMALL_LAYOUT, 12, seed=22)
+    with client(d) as kv, client(d) as other:
+        keys = kv.hash_tokens(tokens(12))
+        fillers = kv.hash_tokens(tokens(2100, offset=100_000))  # past a local call's bound
+        stream_puts(kv, keys, blocks)
+        writing = other.reserve([keys[8]])  # holds the posted Bind in the daemon a while
+        try:
+            kv.put(keys[8:], blocks[8:], wait=False)
+            kv.delete(keys[9:] + fillers)
+            kv.flush()
+        finally:
+            writing.abort()
+        assert kv.lookup(keys[9:]) == 0  # deleted after they were put
+
+
+def test_flush_counts_the_keys_another_client_was_still_writing(daemon_factory) -> None:
+    """A waiting put's count says how many keys another client was still writing when the
+    daemon stopped waiting (``pending``); a posted Bind's reply said it too, and flush dropped
+    it."""
+    d = daemon_factory(extra="[limits]\npin_grace_s = 30.0\nwrite_wait_s = 0.3\n")
+    blocks = random_blocks(SMALL_LAYOUT, 12, seed=23)
+    with client(d) as kv, client(d) as other:
+        keys = kv.hash_tokens(tokens(12))
+        stream_puts(kv, keys, blocks)
+        writing = other.reserve([keys[8]])
+        try:
+            kv.put(keys[8:], blocks[8:], wait=False)
+            flushed = kv.flush()
+        finally:
+            writing.abort()
+        assert (flushed, flushed.pending) == (3, 1)
+
+
+def test_flush_counts_puts_on_the_bytes_path(daemon_factory) -> None:
+    """A client with no arena (another host, ``transport="grpc"``) stores at once; its put
+    returned the count and flush said 0, where the documented contract is the other way."""
+    d = daemon_factory(extra=LONG_GRACE)
+    blocks = random_blocks(SMALL_LAYOUT, 8, seed=24)
+    with client(d, transport="grpc") as kv:
+        keys = kv.hash_tokens(tokens(8))
+        assert kv.put(keys, blocks, wait=False) == 0
+        assert kv.flush() == 8
+
+
+def test_a_cancelled_flush_leaves_the_put_to_the_next(daemon_factory) -> None:
+    """asyncio: a flush cancelled while it waits for a posted put (a timeout around it)
+    cancelled the put's call too, before it was even sent when another call held the
+    session's turn, and forgot it: the next flush said 0 stored, 0 dropped, no error, and the
+    blocks were never stored."""
+    d = daemon_factory(extra=LONG_GRACE)
+    blocks = random_blocks(SMALL_LAYOUT, 12, seed=25)
+
+    async def run() -> None:
+        async with AsyncKVStoreClient(d.address, layout=SMALL_LAYOUT, model="posted") as kv:
+            keys = kv.hash_tokens(tokens(12))
+            await kv.put(keys[:4], blocks[:4])
+            await kv.put(keys[4:8], blocks[4:8])
+            assert d.proc is not None
+            d.proc.send_signal(signal.SIGSTOP)  # every call now waits for its reply
+            try:
+                busy = asyncio.ensure_future(kv.prefetch(keys[:4]))
+                await asyncio.sleep(0)  # it holds the session's turn
+                await kv.put(keys[8:], blocks[8:], wait=False)  # its call waits for the turn
+                flushing = asyncio.ensure_future(kv.flush())
+                await asyncio.sleep(0)
+                flushing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await flushing
+            finally:
+                d.proc.send_signal(signal.SIGCONT)
+            await busy
+            flushed = await kv.flush()
+            assert (flushed, flushed.dropped) == (4, 0)
+            assert same_bytes(await kv.get(keys[8:]), blocks[8:])
+
+    asyncio.run(run())
+
+
+def test_a_second_flush_waits_for_the_put_too(daemon_factory) -> None:
+    """asyncio, two tasks of one client: a flush while another task's flush waits for the
+    posted put returned at once, before the daemon had served it."""
+    d = daemon_factory(extra=LONG_GRACE)
+    blocks = random_blocks(SMALL_LAYOUT, 12, seed=26)
+
+    async def run() -> None:
+        async with AsyncKVStoreClient(d.address, layout=SMALL_LAYOUT, model="posted") as kv:
+            keys = kv.hash_tokens(tokens(12))
+            await kv.put(keys[:4], blocks[:4])
+            await kv.put(keys[4:8], blocks[4:8])
+            assert d.proc is not None
+            d.proc.send_signal(signal.SIGSTOP)  # the put cannot be served meanwhile
+            try:
+                await kv.put(keys[8:], blocks[8:], wait=False)
+                first = asyncio.ensure_future(kv.flush())
+                await asyncio.sleep(0)
+                second = asyncio.ensure_future(kv.flush())
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                returned_unserved = second.done()
+            finally:
+                d.proc.send_signal(signal.SIGCONT)
+            a, b = await asyncio.gather(first, second)
+            assert not returned_unserved
+            assert a + b == 4
+
+    asyncio.run(run())
 
 
 def test_a_descriptor_request_reads_the_posted_reply_first(daemon_factory) -> None:
@@ -39,3 +182,28 @@ def test_a_descriptor_request_reads_the_posted_reply_first(daemon_factory) -> No
         assert kv.flush() == 4
         with client(d) as reader:
             assert same_bytes(reader.get(keys), blocks)
+
+
+def test_asyncio_a_call_over_grpc_is_served_after_the_put_in_flight(daemon_factory) -> None:
+    """The asyncio face: a delete too large for a local call, made while a posted Bind waits
+    in the daemon, is served after it (the keys it names are gone at the end)."""
+    d = daemon_factory(extra="[limits]\npin_grace_s = 30.0\nwrite_wait_s = 1.5\n")
+    blocks = random_blocks(SMALL_LAYOUT, 12, seed=28)
+
+    async def run() -> None:
+        async with AsyncKVStoreClient(d.address, layout=SMALL_LAYOUT, model="posted") as kv:
+            keys = kv.hash_tokens(tokens(12))
+            fillers = kv.hash_tokens(tokens(2100, offset=100_000))  # past a local call's bound
+            await kv.put(keys[:4], blocks[:4])
+            await kv.put(keys[4:8], blocks[4:8])
+            with client(d) as other:
+                writing = other.reserve([keys[8]])  # holds the posted Bind in the daemon
+                try:
+                    await kv.put(keys[8:], blocks[8:], wait=False)
+                    await kv.delete(keys[9:] + fillers)
+                    await kv.flush()
+                finally:
+                    writing.abort()
+            assert await kv.lookup(keys[9:]) == 0  # deleted after they were put
+
+    asyncio.run(run())

@@ -157,6 +157,11 @@ class AsyncKVStoreClient(ClientCore):
                 break
 
     async def _perform(self, step: Any) -> Any:
+        posted = self._posted.current
+        if isinstance(step, Call | Fetch) and posted is not None and not posted.token.done():
+            # Served after the put in flight, whichever way this call goes (over the session
+            # it would wait its turn anyway; over gRPC the daemon would not order them).
+            await asyncio.wait([posted.token])
         if isinstance(step, Call):
             if self._stub is None:
                 raise KVStoreError("client is not open: use `await client.open()` or `async with`")
@@ -181,7 +186,9 @@ class AsyncKVStoreClient(ClientCore):
                 await asyncio.wait([task])
             return task
         if isinstance(step, Settle):
-            return await step.token
+            # Shielded: a caller cancelled while it waits leaves the put's call running,
+            # for the next settle.
+            return await asyncio.shield(step.token)
         if isinstance(step, Blocking):
             if not step.thread and step.nbytes <= INLINE_COPY_BYTES:
                 return step.fn()

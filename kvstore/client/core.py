@@ -46,7 +46,7 @@ from kvstore.client._common import (
 from kvstore.client.leases import _LeaseState, _ReservationState
 from kvstore.client.posted_puts import PostedPut, PostedPuts
 from kvstore.client.presence_link import PresenceLink
-from kvstore.client.session import ClientSession, SessionBroken
+from kvstore.client.session import ClientSession
 from kvstore.client.spare_slots import SpareSlots
 from kvstore.client.steps import Blocking, Call, Fetch, Op, Post, Settle
 from kvstore.errors import KVStoreError, LeaseExpiredError, UnknownNamespaceError
@@ -263,7 +263,11 @@ class ClientCore:
         if not keys:
             return 0
         if self._arena is None:
-            return (yield from self._put_bytes(keys, rows, prio))
+            stored = yield from self._put_bytes(keys, rows, prio)
+            if wait:
+                return stored
+            self._posted.stored += stored  # made at once: flush says it
+            return PutCount(0)
         # Spare slots first (one call), for the next put too while puts keep coming.
         handle = self._handle
         taken = self._spare.take(len(keys), handle)
@@ -300,37 +304,20 @@ class ClientCore:
     def _settle(self) -> Op[None]:
         """Read the reply to the put that did not wait, if one is in flight, and keep what it
         says for ``flush`` (``kvstore.client.posted_puts``)."""
-        posted = self._posted.take()
+        posted = self._posted.current
         if posted is None:
             return
         try:
             reply = yield Settle(posted.token)
-        except (UnknownNamespaceError, SessionBroken):  # the daemon restarted: they went with it
-            self._spare.clear()
-            self._posted.dropped += posted.blocks
-            return
-        except LeaseExpiredError as exc:
-            self._spare.clear()  # reclaimed: ask anew
-            if posted.method == "Bind":  # a waiting put would put through Reserve instead
-                self._posted.dropped += posted.blocks
-            else:
-                self._posted.failed(exc, posted.blocks)  # as a waiting put's commit raises
-            return
         except KVStoreError as exc:
-            self._posted.failed(exc, posted.blocks)
-            return
-        if posted.method == "Bind":
-            self._spare.settle_bind(
-                posted.taken, list(reply.spare), reply.spare_fresh_s, posted.sent_at, posted.handle
-            )
-        else:
-            self._spare.give(list(reply.spare), reply.spare_fresh_s, posted.sent_at, posted.handle)
-        self._posted.stored += int(reply.committed)
+            reply = exc
+        if self._posted.current is posted:  # else another task settled it (asyncio)
+            self._posted.record(posted, reply, self._spare)
 
     def _flush(self) -> Op[PutCount]:
         yield from self._settle()
-        stored, dropped = self._posted.drain()
-        return PutCount(stored, 0, dropped)
+        stored, pending, dropped = self._posted.drain()
+        return PutCount(stored, pending, dropped)
 
     def _restarted_since(self, handle: bytes) -> bool:
         """Whether the client reopened its namespace since it held ``handle``: the daemon

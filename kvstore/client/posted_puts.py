@@ -24,7 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.errors import KVStoreError
+from kvstore.client.session import SessionBroken
+from kvstore.client.spare_slots import SpareSlots
+from kvstore.errors import KVStoreError, LeaseExpiredError, UnknownNamespaceError
 from kvstore.keys import KEY_BYTES
 
 
@@ -56,6 +58,7 @@ class PostedPuts:
     def __init__(self) -> None:
         self.current: PostedPut | None = None
         self.stored = 0  # blocks newly stored
+        self.pending = 0  # keys another client was still writing when a Bind stopped waiting
         self.dropped = 0  # blocks not stored: slots reclaimed, or the daemon restarted
         self.error: KVStoreError | None = None  # the first error a settled put met
 
@@ -76,17 +79,41 @@ class PostedPuts:
         current, self.current = self.current, None
         return current
 
+    def record(self, posted: PostedPut, reply: Any, spare: SpareSlots) -> None:
+        """Take ``posted``'s outcome: its reply, or the ``KVStoreError`` it met; the spare
+        slots it named or was granted go back to ``spare``."""
+        self.current = None
+        if isinstance(reply, UnknownNamespaceError | SessionBroken):  # the daemon restarted
+            spare.clear()
+            self.dropped += posted.blocks
+        elif isinstance(reply, LeaseExpiredError):
+            spare.clear()  # reclaimed: ask anew
+            if posted.method == "Bind":  # a waiting put would put through Reserve instead
+                self.dropped += posted.blocks
+            else:
+                self.failed(reply, posted.blocks)  # as a waiting put's commit raises
+        elif isinstance(reply, KVStoreError):
+            self.failed(reply, posted.blocks)
+        else:
+            fresh_s, sent_at, handle = reply.spare_fresh_s, posted.sent_at, posted.handle
+            if posted.method == "Bind":
+                self.pending += int(reply.pending)
+                spare.settle_bind(posted.taken, list(reply.spare), fresh_s, sent_at, handle)
+            else:
+                spare.give(list(reply.spare), fresh_s, sent_at, handle)
+            self.stored += int(reply.committed)
+
     def failed(self, exc: KVStoreError, blocks: int) -> None:
         self.dropped += blocks
         if self.error is None:
             self.error = exc
 
-    def drain(self) -> tuple[int, int]:
-        """(stored, dropped) since the last drain; the first error met meanwhile is raised
-        (once: the counts go with it)."""
-        stored, dropped, error = self.stored, self.dropped, self.error
-        self.stored = self.dropped = 0
+    def drain(self) -> tuple[int, int, int]:
+        """(stored, pending, dropped) since the last drain; the first error met meanwhile is
+        raised (once: the counts go with it)."""
+        stored, pending, dropped, error = self.stored, self.pending, self.dropped, self.error
+        self.stored = self.pending = self.dropped = 0
         self.error = None
         if error is not None:
             raise error
-        return stored, dropped
+        return stored, pending, dropped

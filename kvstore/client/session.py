@@ -226,6 +226,14 @@ class ClientSession:
             self._posted = call_id = self._send_call(method, request, timeout_s)
         return call_id
 
+    def read_posted(self) -> None:
+        """Wait for the reply to the posted call, if one is unread, and keep it for settle:
+        before a call that does not go over this connection (gRPC), which the daemon would
+        otherwise serve beside it rather than after it."""
+        if self._posted is not None:
+            with self._lock:
+                self._read_posted()
+
     def _send_call(self, method: int, request: bytes, timeout_s: float) -> int:
         """Send a local call's frame (after reading the posted call's reply, if one is
         unread); its id. Called with the lock held. SessionBroken when the send fails."""

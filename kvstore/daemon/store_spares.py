@@ -192,6 +192,13 @@ class SpareOps(WriteOps):
         self._check_spare(spare, slots)  # before the keys are spent: a refusal costs none
         self.ledger.quotas.take_keys(record, n, handle.payer)
         wait = self.limits.write_wait_s if wait_s is None else wait_s
+        # The writer copied into the slots before it sent this call: none may be reclaimed
+        # while it waits for another client's writes (reap would quarantine them).
+        hold_until = self._clock() + max(0.0, min(wait, self.limits.write_wait_s)) + 1.0
+        for rid in {spare[address][0] for address in slots}:
+            reservation = handle.reservations.get(rid)
+            if reservation is not None and reservation.expires_at < hold_until:
+                reservation.expires_at = hold_until
         pending = await self.ledger.wait_for_writers(record.ns_id, keys, wait)
         if handle.closed:
             raise UnknownNamespaceError("the namespace handle was closed during the call")
