@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import time
 
+import pytest
 from conftest import SMALL_LAYOUT, random_blocks, same_bytes, tokens
 
 from kvstore import AsyncKVStoreClient, KVStoreClient
+from kvstore.client import leases
+from kvstore.errors import LeaseExpiredError
 
 LONG_GRACE = "[limits]\npin_grace_s = 30.0\n"  # spare slots stay fresh whatever the load
 
@@ -207,3 +211,40 @@ def test_asyncio_a_call_over_grpc_is_served_after_the_put_in_flight(daemon_facto
             assert await kv.lookup(keys[9:]) == 0  # deleted after they were put
 
     asyncio.run(run())
+
+
+def _late_commit(daemon_factory, monkeypatch):
+    """A daemon whose reservations live 0.3 s, and a client whose copy into a reservation
+    takes 1.5 s: the Commit a put without waiting sends then finds its reservation expired."""
+    d = daemon_factory(reservation_ttl_s=0.3)
+    original = leases._ReservationState.fill_from
+
+    def slow_fill(self, rows):
+        original(self, rows)
+        time.sleep(1.5)
+
+    monkeypatch.setattr(leases._ReservationState, "fill_from", slow_fill)
+    return d
+
+
+def test_flush_raises_what_a_put_that_did_not_wait_met(daemon_factory, monkeypatch) -> None:
+    d = _late_commit(daemon_factory, monkeypatch)
+    blocks = random_blocks(SMALL_LAYOUT, 4, seed=29)
+    with client(d) as kv:
+        keys = kv.hash_tokens(tokens(4))
+        assert kv.put(keys, blocks, wait=False) == 0  # a lone put: Reserve, then Commit
+        with pytest.raises(LeaseExpiredError):
+            kv.flush()
+        assert kv.flush() == 0  # raised once
+        monkeypatch.undo()
+        assert kv.put(keys, blocks) == 4  # the client goes on
+
+
+def test_close_logs_an_error_no_flush_reported(daemon_factory, monkeypatch, caplog) -> None:
+    """close raises nothing, so an error of a put made with wait=False that no flush reported
+    is logged: it was lost silently."""
+    d = _late_commit(daemon_factory, monkeypatch)
+    blocks = random_blocks(SMALL_LAYOUT, 4, seed=30)
+    with caplog.at_level(logging.WARNING, logger="kvstore.client.core"), client(d) as kv:
+        kv.put(kv.hash_tokens(tokens(4)), blocks, wait=False)
+    assert any("no flush reported it" in r.getMessage() for r in caplog.records)

@@ -219,7 +219,7 @@ class AsyncKVStoreClient(ClientCore):
 
     async def close(self) -> None:
         with contextlib.suppress(KVStoreError, OSError):
-            await self._run(self._settle())  # a put that did not wait: its call is served first
+            await self._run(self._settle_at_close())  # a put that did not wait: served first
         tally = self._tally_call()
         if tally is not None:
             session, method, request, timeout_s = tally

@@ -14,6 +14,7 @@ same way on both faces.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -55,6 +56,7 @@ from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 
 class ClientCore:
@@ -313,6 +315,14 @@ class ClientCore:
             reply = exc
         if self._posted.current is posted:  # else another task settled it (asyncio)
             self._posted.record(posted, reply, self._spare)
+
+    def _settle_at_close(self) -> Op[None]:
+        """``close``: the put in flight is served first; an error of a put made with
+        ``wait=False`` that no ``flush`` reported is logged, as ``close`` raises nothing."""
+        yield from self._settle()
+        error, self._posted.error = self._posted.error, None
+        if error is not None:
+            log.warning("a put made with wait=False failed, and no flush reported it: %s", error)
 
     def _flush(self) -> Op[PutCount]:
         yield from self._settle()

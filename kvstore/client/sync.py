@@ -203,7 +203,7 @@ class KVStoreClient(ClientCore):
 
     def close(self) -> None:
         with contextlib.suppress(KVStoreError, OSError):
-            self._run(self._settle())  # a put that did not wait: its call is served first
+            self._run(self._settle_at_close())  # a put that did not wait: served first
         tally = self._tally_call()
         if tally is not None:
             session, method, request, timeout_s = tally
