@@ -23,6 +23,11 @@ Fixtures (each documented where it is defined):
   -> Controller``
 - ``hicache_file_config`` -> the extra-config dict that loads SGLang's ``HiCacheFile`` through
   the dynamic factory, writing under the test's ``tmp_path``.
+- ``daemon`` -> a real ``kvstore serve`` for the test module (64 MiB CPU tier, 1 MiB slabs).
+
+Helpers: ``kvstore_config(address, **more)`` (the extra-config dict that loads kvstore's
+backend) and ``storage_config(model, extra, ...)`` (SGLang's ``HiCacheStorageConfig`` of one
+rank).
 
 A ``Controller`` fills host pages with random bytes, backs them up through the controller's
 backup thread (``write_storage``, waits for the ack), prefetches them through its prefetch
@@ -48,6 +53,7 @@ from queue import Empty
 from typing import Any
 
 import pytest
+from conftest import DaemonProcess, config_toml
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 if not HAVE_SGLANG and Path(sys.prefix).name == ".venv-sglang":
@@ -654,3 +660,54 @@ def hicache_file_config(tmp_path: Path) -> dict[str, Any]:
         "interface_v1": 0,
         "file_storage_path": str(tmp_path / "hicache"),
     }
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """A real daemon for the test module: a 64 MiB CPU tier of 1 MiB slabs."""
+    d = DaemonProcess(
+        Path(tmp_path_factory.mktemp("kvd")), config_toml(cpu_capacity="64MiB", slab="1MiB")
+    ).start()
+    yield d
+    d.stop()
+
+
+def kvstore_config(address: str, **more: Any) -> dict[str, Any]:
+    """The ``--hicache-storage-backend-extra-config`` dict that makes SGLang's factory load
+    kvstore's backend (zero-copy v1 calls), talking to the daemon at ``address``."""
+    return {
+        "backend_name": "kvstore",
+        "module_path": "kvstore.integrations.sglang",
+        "class_name": "KVStoreHiCacheStorage",
+        "interface_v1": 1,
+        "address": address,
+        **more,
+    }
+
+
+def storage_config(
+    model: str,
+    extra: dict[str, Any],
+    *,
+    mla: bool = False,
+    tp: tuple[int, int] = (0, 1),
+    page_first: bool = True,
+    metrics: bool = False,
+) -> Any:
+    """SGLang's ``HiCacheStorageConfig`` for one rank ``tp`` (rank, size), one pipeline stage
+    and no context parallelism, with backend extra config ``extra``."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=tp[0],
+        tp_size=tp[1],
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=metrics,
+        is_page_first_layout=page_first,
+        model_name=model,
+        extra_config=extra,
+    )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,6 @@ _LIBS: list[Any] = []
 _torchvision_ops()
 
 from conftest import DaemonProcess, config_toml  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
@@ -46,18 +44,11 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
 from kvstore.integrations.sglang import KVStoreHiCacheStorage  # noqa: E402
 
+from .conftest import kvstore_config, storage_config  # noqa: E402
+
 PAGE = 4  # tokens a page
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(
-        Path(tmp_path_factory.mktemp("kvd")), config_toml(cpu_capacity="64MiB", slab="1MiB")
-    ).start()
-    yield d
-    d.stop()
 
 
 def mha_pool(layout: str, dtype: Any = None, heads: int = 2) -> Any:
@@ -103,17 +94,6 @@ def fill_random(pool: Any, seed: int) -> None:
     raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
 
 
-def extra(address: str, **more: Any) -> dict[str, Any]:
-    return {
-        "backend_name": "kvstore",
-        "module_path": "kvstore.integrations.sglang",
-        "class_name": "KVStoreHiCacheStorage",
-        "interface_v1": 1,
-        "address": address,
-        **more,
-    }
-
-
 def make_backend(
     pool: Any,
     address: str,
@@ -125,18 +105,13 @@ def make_backend(
     **more: Any,
 ) -> Any:
     """The backend as SGLang's cache controller makes it: the factory, then the pool."""
-    config = HiCacheStorageConfig(
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=mla,
-        enable_storage_metrics=True,
-        is_page_first_layout=pool.layout == "page_first",
-        model_name=model,
-        extra_config=extra(address, **more),
+    config = storage_config(
+        model,
+        kvstore_config(address, **more),
+        mla=mla,
+        tp=(tp_rank, tp_size),
+        page_first=pool.layout == "page_first",
+        metrics=True,
     )
     backend = StorageBackendFactory.create_backend("dynamic", config, pool)
     backend.register_mem_pool_host(pool)

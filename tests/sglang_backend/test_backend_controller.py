@@ -6,36 +6,16 @@ servers run) and ``HiCacheController``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DaemonProcess, config_toml
+from conftest import DaemonProcess
 
-from .conftest import HAVE_SGLANG, MHA_LAYOUTS, MLA_LAYOUTS
+from .conftest import HAVE_SGLANG, MHA_LAYOUTS, MLA_LAYOUTS, kvstore_config
 
 if not HAVE_SGLANG:
     pytest.skip("needs SGLang (make sglang-env)", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(
-        Path(tmp_path_factory.mktemp("kvd")), config_toml(cpu_capacity="64MiB", slab="1MiB")
-    ).start()
-    yield d
-    d.stop()
-
-
-def kvstore_config(address: str) -> dict[str, Any]:
-    return {
-        "backend_name": "kvstore",
-        "module_path": "kvstore.integrations.sglang",
-        "class_name": "KVStoreHiCacheStorage",
-        "interface_v1": 1,
-        "address": address,
-    }
 
 
 CASES = [("mha", lay, "hybrid") for lay in MHA_LAYOUTS] + [

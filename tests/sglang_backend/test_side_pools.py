@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DaemonProcess, config_toml
+from conftest import DaemonProcess
 
-from .conftest import HAVE_SGLANG, mamba_host_pool
+from .conftest import HAVE_SGLANG, kvstore_config, mamba_host_pool, storage_config
 
 if not HAVE_SGLANG:
     pytest.skip("needs SGLang (make sglang-env)", allow_module_level=True)
@@ -24,7 +23,6 @@ if not HAVE_SGLANG:
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheFile,
-    HiCacheStorageConfig,
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
@@ -45,39 +43,6 @@ LOGGER = "kvstore.integrations.sglang"
 ALL, TRAILING = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(
-        Path(tmp_path_factory.mktemp("kvd")), config_toml(cpu_capacity="64MiB", slab="1MiB")
-    ).start()
-    yield d
-    d.stop()
-
-
-def storage_config(address: str, *, model: str, mla: bool = False, tp=(0, 1), **more: Any) -> Any:
-    extra = {
-        "backend_name": "kvstore",
-        "module_path": "kvstore.integrations.sglang",
-        "class_name": "KVStoreHiCacheStorage",
-        "interface_v1": 1,
-        "address": address,
-        **more,
-    }
-    return HiCacheStorageConfig(
-        tp_rank=tp[0],
-        tp_size=tp[1],
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=mla,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name=model,
-        extra_config=extra,
-    )
-
-
 def attach(backend: Any, anchor: Any, side: dict[str, Any]) -> Any:
     """What SGLang's hybrid controller does at attach: the anchor, then every pool of the group
     (the anchor too) through ``register_mem_host_pool_v2``, then the end of the burst."""
@@ -89,8 +54,18 @@ def attach(backend: Any, anchor: Any, side: dict[str, Any]) -> Any:
     return backend
 
 
-def make_backend(address: str, anchor: Any, side: dict[str, Any], **kw: Any) -> Any:
-    backend = StorageBackendFactory.create_backend("dynamic", storage_config(address, **kw), anchor)
+def make_backend(
+    address: str,
+    anchor: Any,
+    side: dict[str, Any],
+    *,
+    model: str,
+    mla: bool = False,
+    tp: tuple[int, int] = (0, 1),
+    **more: Any,
+) -> Any:
+    config = storage_config(model, kvstore_config(address, **more), mla=mla, tp=tp)
+    backend = StorageBackendFactory.create_backend("dynamic", config, anchor)
     assert type(backend) is KVStoreHiCacheStorage
     return attach(backend, anchor, side)
 
@@ -408,19 +383,7 @@ def test_a_pool_registered_again_with_another_page_size_misses_its_old_pages(
 
 
 def file_backend(tmp_path: Path, anchor: Any, side: dict[str, Any]) -> Any:
-    config = HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name="oracle",
-        extra_config={"file_storage_path": str(tmp_path / "hicache")},
-    )
+    config = storage_config("oracle", {"file_storage_path": str(tmp_path / "hicache")})
     return attach(HiCacheFile(config), anchor, side)
 
 

@@ -9,13 +9,12 @@ an MLA model (every page, on the KV pool's host indices)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DaemonProcess, config_toml
+from conftest import DaemonProcess
 
-from .conftest import HAVE_SGLANG, Pools
+from .conftest import HAVE_SGLANG, Pools, kvstore_config
 
 if not HAVE_SGLANG:
     pytest.skip("needs SGLang (make sglang-env)", allow_module_level=True)
@@ -29,25 +28,6 @@ from sglang.srt.mem_cache.pool_host.group import HostPoolGroup
 from .test_side_pools import buffers, dsa_pools, fill_random, page, wrote_only
 
 TRAILING = PoolHitPolicy.TRAILING_PAGES
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(
-        Path(tmp_path_factory.mktemp("kvd")), config_toml(cpu_capacity="64MiB", slab="1MiB")
-    ).start()
-    yield d
-    d.stop()
-
-
-def kvstore_config(address: str) -> dict[str, Any]:
-    return {
-        "backend_name": "kvstore",
-        "module_path": "kvstore.integrations.sglang",
-        "class_name": "KVStoreHiCacheStorage",
-        "interface_v1": 1,
-        "address": address,
-    }
 
 
 def pages_of(pool: Any, indices: Any) -> list[bytes]:
