@@ -129,9 +129,6 @@ class LocalStub(_LocalStubBase):
                     session.calls = False  # this session is over: gRPC from now on
                 else:
                     return _parse(reply_type, status, reply)
-            current = self._session()
-            if current is not None:
-                current.read_posted()  # served after a posted call, as over the session
             return grpc_method(request, timeout=timeout)
 
         return call

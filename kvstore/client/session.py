@@ -228,7 +228,7 @@ class ClientSession:
 
     def read_posted(self) -> None:
         """Wait for the reply to the posted call, if one is unread, and keep it for settle:
-        before a call that does not go over this connection (gRPC), which the daemon would
+        before a call that may not go over this connection (gRPC), which the daemon would
         otherwise serve beside it rather than after it."""
         if self._posted is not None:
             with self._lock:

@@ -153,11 +153,10 @@ class KVStoreClient(ClientCore):
                 break
 
     def _perform(self, step: Any) -> Any:
-        grpc_only = isinstance(step, Fetch) or (
-            isinstance(step, Call) and step.method not in METHOD_INDEX
-        )
-        if grpc_only and self._session is not None:
-            self._session.read_posted()  # served after a posted call, as over the session
+        if isinstance(step, Call | Fetch) and self._session is not None:
+            # Served after a posted call, whichever way this one goes (the daemon orders the
+            # session's calls, but not a gRPC call beside them).
+            self._session.read_posted()
         if isinstance(step, Call):
             # The control calls as local calls when the session offers them (LocalStub).
             where = self._rpc if step.method in METHOD_INDEX else self._stub
