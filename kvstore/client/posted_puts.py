@@ -21,13 +21,14 @@ One put is in flight at a time: the next settles it first. Not thread-safe, as t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.client.session import SessionBroken
 from kvstore.client.spare_slots import SpareSlots
 from kvstore.errors import KVStoreError, LeaseExpiredError, UnknownNamespaceError
-from kvstore.keys import KEY_BYTES
+from kvstore.keys import unpack_keys
 
 
 @dataclass
@@ -41,15 +42,14 @@ class PostedPut:
     sent_at: float  # monotonic: when its request was built (spare slots are fresh from it)
     blocks: int  # blocks it sent to be committed
     taken: list[tuple[int, float, bytes]] = field(default_factory=list)  # Bind: its slots
-    _keys: frozenset[bytes] | None = None
+
+    @functools.cached_property
+    def keys(self) -> frozenset[bytes]:
+        return frozenset(unpack_keys(self.packed))
 
     def touches(self, packed: bytes) -> bool:
         """Whether any of the packed keys ``packed`` is one of this put's."""
-        if self._keys is None:
-            mine = self.packed
-            self._keys = frozenset(mine[i : i + KEY_BYTES] for i in range(0, len(mine), KEY_BYTES))
-        keys = self._keys
-        return any(packed[i : i + KEY_BYTES] in keys for i in range(0, len(packed), KEY_BYTES))
+        return not self.keys.isdisjoint(unpack_keys(packed))
 
 
 class PostedPuts:
@@ -74,10 +74,6 @@ class PostedPuts:
         (``writing``): waiting for its reply costs less than that call."""
         current = self.current
         return current is not None and (current.method == "Commit" or current.touches(packed))
-
-    def take(self) -> PostedPut | None:
-        current, self.current = self.current, None
-        return current
 
     def record(self, posted: PostedPut, reply: Any, spare: SpareSlots) -> None:
         """Take ``posted``'s outcome: its reply, or the ``KVStoreError`` it met; the spare
