@@ -342,8 +342,7 @@ class PresenceTable:
             for key in keys:
                 self.remove(key)
             return
-        fps = np.frombuffer(b"".join(keys), dtype="<u8")[::4]  # each key's first 8 bytes
-        fps = np.maximum(fps, _FIRST_U64)
+        fps = fingerprints(b"".join(keys))
         homes = HEADER_WORDS + (fps & np.uint64(self._mask)).astype(np.int64) * BUCKET
         words = np.frombuffer(self._words, dtype=np.uint64)
         match = words[homes[:, None] + _WINDOW_STEPS] == fps[:, None]
