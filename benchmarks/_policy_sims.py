@@ -20,7 +20,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from _trace_sim import Chain, SimResult
+from _trace_sim import Chain, SimResult, leading_run, sim_result
 
 
 class _Cache:
@@ -249,15 +249,10 @@ POLICIES: dict[str, Callable[[int], _Cache]] = {
 def simulate_policy(chains: Sequence[Chain], capacity_blocks: int, policy: str) -> SimResult:
     """Replay ``chains`` through ``POLICIES[policy]`` of ``capacity_blocks`` blocks."""
     cache = POLICIES[policy](capacity_blocks)
-    hits = blocks = 0
     per_hits, per_blocks = [], []
     for chain in chains:
         keys = chain.keys
-        m = 0
-        for k in keys:
-            if k not in cache:
-                break
-            m += 1
+        m = leading_run(keys, cache)
         for k in keys[:m]:
             cache.use(k)
         for k in keys[m:]:
@@ -265,10 +260,6 @@ def simulate_policy(chains: Sequence[Chain], capacity_blocks: int, policy: str) 
                 cache.insert(k)
         if len(cache) > capacity_blocks:
             raise AssertionError(f"{policy} holds {len(cache)} of {capacity_blocks} blocks")
-        hits += m
-        blocks += len(keys)
         per_hits.append(m)
         per_blocks.append(len(keys))
-    return SimResult(
-        policy, capacity_blocks, hits, blocks, len(cache), tuple(per_hits), tuple(per_blocks)
-    )
+    return sim_result(policy, capacity_blocks, per_hits, per_blocks, len(cache))

@@ -26,7 +26,7 @@ import gzip
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,17 +158,11 @@ def simulate(
         raise ValueError(f"capacity must be positive, got {capacity_blocks}")
     cache: OrderedDict[bytes, None] = OrderedDict()  # first: evicted first
     reverse = order == "prefix"
-    hits = 0
-    blocks = 0
     per_hits = []
     per_blocks = []
     for chain in chains:
         keys = chain.keys
-        m = 0
-        for k in keys:
-            if k not in cache:
-                break
-            m += 1
+        m = leading_run(keys, cache)
         # The read: one batch touched in prefix order (or in reverse).
         for k in reversed(keys[:m]) if reverse else keys[:m]:
             cache.move_to_end(k)
@@ -188,16 +182,36 @@ def simulate(
                 cache.popitem(last=False)
         for k in reversed(new) if reverse else new:
             cache[k] = None
-        hits += m
-        blocks += len(keys)
         per_hits.append(m)
         per_blocks.append(len(keys))
+    name = order if capacity_blocks is not None else "unbounded"
+    return sim_result(name, capacity_blocks, per_hits, per_blocks, len(cache))
+
+
+def leading_run(keys: Sequence[bytes], held: Container[bytes]) -> int:
+    """How many of ``keys``, from the first, ``held`` holds: a request's hits."""
+    m = 0
+    for k in keys:
+        if k not in held:
+            break
+        m += 1
+    return m
+
+
+def sim_result(
+    order: str,
+    capacity_blocks: int | None,
+    per_hits: Sequence[int],
+    per_blocks: Sequence[int],
+    held_at_end: int,
+) -> SimResult:
+    """A simulation's result from its hits and blocks asked, request by request."""
     return SimResult(
-        order if capacity_blocks is not None else "unbounded",
+        order,
         capacity_blocks,
-        hits,
-        blocks,
-        len(cache),
+        sum(per_hits),
+        sum(per_blocks),
+        held_at_end,
         tuple(per_hits),
         tuple(per_blocks),
     )
