@@ -245,6 +245,30 @@ def test_close_logs_an_error_no_flush_reported(daemon_factory, monkeypatch, capl
     is logged: it was lost silently."""
     d = _late_commit(daemon_factory, monkeypatch)
     blocks = random_blocks(SMALL_LAYOUT, 4, seed=30)
-    with caplog.at_level(logging.WARNING, logger="kvstore.client.core"), client(d) as kv:
+    with caplog.at_level(logging.WARNING, logger="kvstore.client.posted_puts"), client(d) as kv:
         kv.put(kv.hash_tokens(tokens(4)), blocks, wait=False)
     assert any("no flush reported it" in r.getMessage() for r in caplog.records)
+
+
+def test_a_put_copied_ahead_of_a_waiting_bind_is_not_dropped(daemon_factory) -> None:
+    """A put that does not wait copies into slots it holds before it reads the reply to the
+    put in flight. When that put's Bind waited (another client writing one of its keys) past
+    the slots' window, the daemon reclaimed them and the later put was dropped; it now goes
+    through a reservation, and stores."""
+    d = daemon_factory(extra="[limits]\nwrite_wait_s = 3.0\n")  # spare slots live 2 s
+    blocks = random_blocks(SMALL_LAYOUT, 16, seed=26)
+    with client(d) as kv, client(d) as other:
+        keys = kv.hash_tokens(tokens(16))
+        # A run of puts: the client then holds two puts' worth, granted by two replies.
+        for i in range(0, 10, 2):
+            kv.put(keys[i : i + 2], blocks[i : i + 2], wait=False)
+        assert kv.flush() == 10  # (4 slots held, of two reservations, on a quiet machine)
+        writing = other.reserve([keys[10]])  # the next Bind waits write_wait_s for it
+        try:
+            kv.put(keys[10:12], blocks[10:12], wait=False)
+            kv.put(keys[12:14], blocks[12:14], wait=False)  # copied before that wait
+            flushed = kv.flush()
+        finally:
+            writing.abort()
+        assert (flushed, flushed.pending, flushed.dropped) == (3, 1, 0)
+        assert same_bytes(kv.get(keys[11:14]), blocks[11:14])

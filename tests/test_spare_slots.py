@@ -383,8 +383,11 @@ def test_a_stale_slot_is_never_handed_out_and_a_lone_put_asks_for_none() -> None
     pool.give([3, 4], fresh_s=60.0, sent_at=now, handle=b"h")
     assert pool.take(3, b"h") is None
     assert [a for a, _, _ in pool.take(2, b"h") or []] == [3, 4]
-    assert pool.wanted(4, b"h") == 0  # the first put of a run
-    assert pool.wanted(4, b"h") == 4  # the next, right after: a run
+    assert pool.wanted(4, b"h") == (0, 0)  # the first put of a run
+    assert pool.wanted(4, b"h") == (4, 0)  # the next, right after: a run
+    assert pool.wanted(4, b"h", ahead=True) == (4, 4)  # one that does not wait: two puts' worth
+    pool.give([5, 6, 7, 8, 9, 10], fresh_s=60.0, sent_at=time.monotonic(), handle=b"h")
+    assert pool.wanted(4, b"h", ahead=True) == (0, 2)  # 6 held: 2 more make two puts' worth
 
 
 def test_slots_of_another_handle_are_never_handed_out() -> None:

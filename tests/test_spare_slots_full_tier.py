@@ -79,3 +79,26 @@ def test_a_grant_past_the_bound_takes_free_slots_or_none() -> None:
         s.check()
     finally:
         s.close()
+
+
+def test_slots_ahead_come_from_free_slots_only() -> None:
+    """``ahead`` (a put that does not wait asks for a second put's worth): granted with the
+    others while that many slots are free; in a full tier, never by evicting: the slots for
+    the next put alone are granted then, as without it."""
+    s, h, keys = full_store()
+    try:
+        # Full: the 1 wanted evicts (within the bound), the 1 ahead is not made.
+        rid = asyncio.run(s.grant_spare(h, 1, ahead=1))
+        assert rid and len(h.reservations[rid].eids) == 1
+        assert len(s.ledger.policy) == SLOTS - 1
+        # Ahead alone, with nothing free: none, and nothing evicted.
+        assert not asyncio.run(s.grant_spare(h, 0, ahead=1))
+        assert len(s.ledger.policy) == SLOTS - 1
+        s.check()
+        assert s.delete(h, keys[10:13]) == 3  # 3 free slots: all of them, nothing evicted
+        rid = asyncio.run(s.grant_spare(h, 1, ahead=2))
+        assert rid and len(h.reservations[rid].eids) == 3
+        assert len(s.ledger.policy) == SLOTS - 4
+        s.check()
+    finally:
+        s.close()

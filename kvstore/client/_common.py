@@ -578,11 +578,12 @@ def commit_request(
     handle: bytes,
     release: Sequence[int] = (),
     payload_checksums: Sequence[int] = (),
-    spare_wanted: int = 0,
+    spare_wanted: tuple[int, int] = (0, 0),
 ) -> pb.CommitRequest:
     """The commit of a reservation: GPU pool slots carry device checksums, arena slots xxh3
     (both bound to namespace and key); payload slots (``reply.codec``) name their codec and
-    length, the decoded forms' checksums and the payloads'."""
+    length, the decoded forms' checksums and the payloads'. ``spare_wanted``: the spare
+    slots to ask for, and those ahead of them (``SpareSlots.wanted``)."""
     if reply.gpu:
         return pb.CommitRequest(
             reservation_id=reply.reservation_id,
@@ -598,7 +599,8 @@ def commit_request(
         codec=reply.codec,
         payload_bytes=reply.payload_bytes,
         payload_checksums=payload_checksums,
-        spare_wanted=spare_wanted,
+        spare_wanted=spare_wanted[0],
+        spare_ahead=spare_wanted[1],
     )
 
 

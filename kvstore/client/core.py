@@ -14,7 +14,6 @@ same way on both faces.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -45,21 +44,20 @@ from kvstore.client._common import (
     seeds_for,
 )
 from kvstore.client.leases import _LeaseState, _ReservationState
-from kvstore.client.posted_puts import PostedPut, PostedPuts
+from kvstore.client.posted_puts import PostedPut, PostedPuts, SettlesPuts
 from kvstore.client.presence_link import PresenceLink
 from kvstore.client.session import ClientSession
-from kvstore.client.spare_slots import SpareSlots
-from kvstore.client.steps import Blocking, Call, Fetch, Op, Post, Settle
+from kvstore.client.spare_slots import SpareSlots, stale
+from kvstore.client.steps import Blocking, Call, Fetch, Op, Post
 from kvstore.errors import KVStoreError, LeaseExpiredError, UnknownNamespaceError
 from kvstore.keys import KEY_BYTES, BlockKey, Namespace, block_hashes, unpack_keys
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2 as pb
 
 R = TypeVar("R")
-log = logging.getLogger(__name__)
 
 
-class ClientCore:
+class ClientCore(SettlesPuts):
     """What one client of one namespace knows and does; see the module docstring. Not
     thread-safe (one client per thread or task that issues calls concurrently)."""
 
@@ -261,23 +259,28 @@ class ClientCore:
         packed = check_keys(keys)
         rows = check_put(self.layout, keys, blocks)
         prio = check_priority(priority)
-        yield from self._settle()  # the put before, if it did not wait: for its spare slots
-        if not keys:
-            return 0
-        if self._arena is None:
+        if not keys or self._arena is None:
+            yield from self._settle()  # the put before, if it did not wait
+            if not keys:
+                return 0
             stored = yield from self._put_bytes(keys, rows, prio)
             if wait:
                 return stored
             self._posted.stored += stored  # made at once: flush says it
             return PutCount(0)
-        # Spare slots first (one call), for the next put too while puts keep coming.
-        handle = self._handle
-        taken = self._spare.take(len(keys), handle)
-        wanted = self._spare.wanted(len(keys), handle)
+        # Spare slots first (one call), for the next put too while puts keep coming. Slots
+        # held already are written before the reply to the put in flight is read: this copy
+        # overlaps the daemon's work on that put.
+        taken = self._spare.take(len(keys), self._handle)
+        if taken is None:
+            yield from self._settle()  # the put before, if it did not wait: for its slots
+            taken = self._spare.take(len(keys), self._handle)
         if taken is not None:
-            count = yield from self._bind(handle, keys, packed, rows, prio, taken, wanted, wait)
+            count = yield from self._bind(self._handle, keys, packed, rows, prio, taken, wait)
             if count is not None:
                 return count
+        yield from self._settle()
+        wanted = self._spare.wanted(len(keys), self._handle, ahead=not wait)
         for attempt in range(2):
             reservation = yield from self._reserve(keys, priority, packed, None)
             reservation.posted = not wait
@@ -303,32 +306,6 @@ class ClientCore:
             return PutCount(committed, reservation.pending)
         raise AssertionError("unreachable")
 
-    def _settle(self) -> Op[None]:
-        """Read the reply to the put that did not wait, if one is in flight, and keep what it
-        says for ``flush`` (``kvstore.client.posted_puts``)."""
-        posted = self._posted.current
-        if posted is None:
-            return
-        try:
-            reply = yield Settle(posted.token)
-        except KVStoreError as exc:
-            reply = exc
-        if self._posted.current is posted:  # else another task settled it (asyncio)
-            self._posted.record(posted, reply, self._spare)
-
-    def _settle_at_close(self) -> Op[None]:
-        """``close``: the put in flight is served first; an error of a put made with
-        ``wait=False`` that no ``flush`` reported is logged, as ``close`` raises nothing."""
-        yield from self._settle()
-        error, self._posted.error = self._posted.error, None
-        if error is not None:
-            log.warning("a put made with wait=False failed, and no flush reported it: %s", error)
-
-    def _flush(self) -> Op[PutCount]:
-        yield from self._settle()
-        stored, pending, dropped = self._posted.drain()
-        return PutCount(stored, pending, dropped)
-
     def _restarted_since(self, handle: bytes) -> bool:
         """Whether the client reopened its namespace since it held ``handle``: the daemon
         forgot that handle (a restart), and every reservation made on it went with it. A put
@@ -344,18 +321,26 @@ class ClientCore:
         rows: torch.Tensor,
         priority: int,
         taken: list[tuple[int, float, bytes]],
-        wanted: int,
         wait: bool,
     ) -> Op[PutCount | None]:
         """A put in one call: copy the blocks into spare slots ``taken`` (granted to
-        ``handle``), then ``Bind`` them, naming that handle. None when the daemon no longer
-        holds them as that handle's spare slots, or the handle is gone (nothing was stored:
-        the caller puts through a reservation, on the handle it has then)."""
+        ``handle``), read the reply to the put in flight, then ``Bind`` them, naming that
+        handle. None when the daemon no longer holds them as that handle's spare slots, or
+        the handle is gone (nothing was stored: the caller puts through a reservation, on the
+        handle it has then)."""
         arena = self._require_arena("put")
         addresses = [address for address, _, _ in taken]
         seeds = seeds_for(self.namespace, keys)
         nbytes = len(keys) * self.layout.block_bytes
         sums = yield Blocking(lambda: arena.copy_in(rows, addresses, seeds), nbytes)
+        clears = self._spare.clears
+        yield from self._settle()
+        # Checked again after the put before was read (its Bind may have waited for another
+        # writer): a slot past its window, reclaimed slots, or a restart, and this put goes
+        # through a reservation.
+        if self._spare.clears != clears or self._handle != handle or stale(taken):
+            return None
+        wanted = self._spare.wanted(len(keys), handle, ahead=not wait)
         sent_at = time.monotonic()
         table_reads = self._presence.take_reads()
 
@@ -366,7 +351,8 @@ class ClientCore:
                 slots=addresses,
                 checksums=sums,
                 priority=priority,
-                spare_wanted=wanted,
+                spare_wanted=wanted[0],
+                spare_ahead=wanted[1],
                 table_reads=table_reads,
                 release_leases=self._take_releases(),
             )

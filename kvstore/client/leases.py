@@ -51,7 +51,8 @@ class _ReservationState:
         pool: MappedDevicePool | None = None,
     ) -> None:
         self.arena = arena
-        self.spare_wanted = 0  # spare slots its commit asks for (``kvstore.client.spare_slots``)
+        # Spare slots its commit asks for, and ahead (``kvstore.client.spare_slots``).
+        self.spare_wanted = (0, 0)
         self.posted = False  # its commit is sent without waiting (``kvstore.client.posted_puts``)
         self.pool = pool
         """Set when the slots are in the daemon's GPU pool (``offsets`` are pool offsets)."""

@@ -6,8 +6,9 @@ times the copy for small blocks. An engine that offloads as it computes needs on
 that the bytes left its buffer. A put with ``wait=False`` returns once they are in shared
 memory and the call that commits them is sent; the client reads that call's reply later:
 
-- at its next put (which also needs the spare slots that reply grants), ``flush()`` or
-  ``close()``;
+- at its next put: once that put has copied its blocks into spare slots it holds already
+  (the copy overlaps the daemon's work on this one), or first, when it needs the slots this
+  reply grants; at ``flush()`` or ``close()``;
 - before a ``get``, ``lookup`` or ``load`` of this client that names one of the keys, so a
   client always reads its own writes. Any call it makes is served after the put's, in order.
 
@@ -22,13 +23,18 @@ One put is in flight at a time: the next settles it first. Not thread-safe, as t
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.client._common import PutCount
 from kvstore.client.session import SessionBroken
 from kvstore.client.spare_slots import SpareSlots
+from kvstore.client.steps import Op, Settle
 from kvstore.errors import KVStoreError, LeaseExpiredError, UnknownNamespaceError
 from kvstore.keys import unpack_keys
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,3 +119,36 @@ class PostedPuts:
         if error is not None:
             raise error
         return stored, pending, dropped
+
+
+class SettlesPuts:
+    """The client's steps that read the reply to the put in flight (``ClientCore``'s)."""
+
+    _posted: PostedPuts
+    _spare: SpareSlots
+
+    def _settle(self) -> Op[None]:
+        """Read the reply to the put that did not wait, if one is in flight, and keep what it
+        says for ``flush`` (``kvstore.client.posted_puts``)."""
+        posted = self._posted.current
+        if posted is None:
+            return
+        try:
+            reply = yield Settle(posted.token)
+        except KVStoreError as exc:
+            reply = exc
+        if self._posted.current is posted:  # else another task settled it (asyncio)
+            self._posted.record(posted, reply, self._spare)
+
+    def _settle_at_close(self) -> Op[None]:
+        """``close``: the put in flight is served first; an error of a put made with
+        ``wait=False`` that no ``flush`` reported is logged, as ``close`` raises nothing."""
+        yield from self._settle()
+        error, self._posted.error = self._posted.error, None
+        if error is not None:
+            log.warning("a put made with wait=False failed, and no flush reported it: %s", error)
+
+    def _flush(self) -> Op[PutCount]:
+        yield from self._settle()
+        stored, pending, dropped = self._posted.drain()
+        return PutCount(stored, pending, dropped)

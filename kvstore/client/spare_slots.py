@@ -22,6 +22,9 @@ Why this is safe:
   slot quarantined for as long again after it expired, and past that, in another block, which
   then fails its checksum: a miss, never wrong bytes.
 
+A put that does not wait asks for a second put's worth more (``spare_ahead``), granted from
+free slots only: the put after it copies into slots it holds before it reads this put's reply.
+
 A client asks only while it keeps putting (its previous put less than ``STREAMING_S`` ago): a
 single put asks for nothing, and the slots a run of puts leaves unused expire within
 ``pin_grace_s`` (then stay quarantined as long again).
@@ -47,6 +50,7 @@ class SpareSlots:
         self._last_put = -float("inf")
         self._lock = threading.Lock()
         self.binds = 0  # puts that went in one call (Bind)
+        self.clears = 0  # times every slot was forgotten (``clear``)
 
     def take(self, n: int, handle: bytes) -> list[tuple[int, float, bytes]] | None:
         """``n`` slots of ``handle`` still fresh for a put to copy into (its own, from now on);
@@ -60,17 +64,21 @@ class SpareSlots:
             self._slots = fresh[n:]
             return fresh[:n]
 
-    def wanted(self, n: int, handle: bytes) -> int:
+    def wanted(self, n: int, handle: bytes, ahead: bool = False) -> tuple[int, int]:
         """How many spare slots to ask for beside a put of ``n`` new blocks: enough for a next
-        put like it, while puts keep coming; else none."""
+        put like it, while puts keep coming; else none. And with ``ahead`` (a put that does not
+        wait), as many more for the put after it, which the daemon grants from free slots
+        only: that put then copies its blocks before it reads this one's reply, while the
+        daemon binds this one."""
         now = time.monotonic()
         with self._lock:
             streaming = now - self._last_put < STREAMING_S
             self._last_put = now
             if not streaming:
-                return 0
+                return 0, 0
             held = sum(1 for s in self._slots if s[1] > now and s[2] == handle)
-        return max(0, n - held)
+        wanted = max(0, n - held)
+        return wanted, (max(0, 2 * n - held - wanted) if ahead else 0)
 
     def give(self, addresses: list[int], fresh_s: float, sent_at: float, handle: bytes) -> None:
         """Slots a reply to ``handle``'s call granted, writable for ``fresh_s`` from
@@ -106,3 +114,10 @@ class SpareSlots:
         """Forget every slot (the daemon refused one, or restarted)."""
         with self._lock:
             self._slots = []
+            self.clears += 1
+
+
+def stale(slots: list[tuple[int, float, bytes]]) -> bool:
+    """Whether any of ``slots`` (taken by a put) is past the time it may be written until."""
+    now = time.monotonic()
+    return any(until <= now for _, until, _ in slots)

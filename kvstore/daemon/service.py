@@ -373,29 +373,32 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             list(request.payload_checksums),
         )
         reply = pb.CommitResponse(committed=committed)
-        if request.spare_wanted:
-            await self._grant_spare(reply, handle, request.spare_wanted)
+        if request.spare_wanted or request.spare_ahead:
+            await self._grant_spare(reply, handle, request.spare_wanted, request.spare_ahead)
         return reply
 
     async def _grant_spare(
-        self, reply: pb.CommitResponse | pb.BindResponse, handle: Handle, wanted: int
+        self, reply: pb.CommitResponse | pb.BindResponse, handle: Handle, wanted: int, ahead: int
     ) -> None:
         """Hand out spare slots for the client's next put: those granted in the background
         since its last call, or, when there are none (a run of puts begins), some granted now;
-        then grant the ones for the put after that in the background."""
+        then grant the ones for the put after that in the background (and ``ahead`` more,
+        from free slots: ``BlockStore.grant_spare``)."""
         store = self.store
-        if not store.spare_fits(handle, wanted):  # past a bound whatever it holds: ask nothing
-            return
+        if not store.spare_fits(handle, wanted + ahead):
+            ahead = 0
+            if not store.spare_fits(handle, wanted):  # past a bound whatever it holds
+                return
         addresses, fresh_s = store.take_spare(handle)
         if not addresses:
-            rid = await store.grant_spare(handle, wanted)
+            rid = await store.grant_spare(handle, wanted, ahead)
             if rid:
                 handle.spare_ready.append(rid)
                 addresses, fresh_s = store.take_spare(handle)
         if addresses:
             reply.spare.extend(addresses)
             reply.spare_fresh_s = fresh_s
-        store.grant_spare_soon(handle, wanted)
+        store.grant_spare_soon(handle, wanted, ahead)
 
     @_rpc
     async def Bind(self, request, context):
@@ -412,8 +415,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         )
         reply = pb.BindResponse(committed=result.committed, pending=result.pending)
         reply.spare.extend(result.unbound)
-        if request.spare_wanted:
-            await self._grant_spare(reply, handle, request.spare_wanted)
+        if request.spare_wanted or request.spare_ahead:
+            await self._grant_spare(reply, handle, request.spare_wanted, request.spare_ahead)
         return reply
 
     @_rpc

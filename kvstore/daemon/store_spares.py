@@ -65,14 +65,28 @@ class SpareOps(WriteOps):
             and nbytes <= self.spare_tier_bytes
         )
 
-    async def grant_spare(self, handle: Handle, wanted: int) -> int:
+    async def grant_spare(self, handle: Handle, wanted: int, ahead: int = 0) -> int:
         """Reserve ``wanted`` spare slots for ``handle``'s next puts, all or none, as a
         reservation marked ``spare`` (its id; 0 when none), and note each slot's address in
         ``handle.spare_slots``. None for a namespace whose slots take payloads, past
         ``spare_bytes`` with those it holds, or when the reservation is refused (tier full,
         pinned share, too many reservations). Blocks are evicted for them only within
         ``spare_evicting_bytes``; past it, only free slots are taken. Best effort: it raises
-        nothing, since the call that asks has done its own work already."""
+        nothing, since the call that asks has done its own work already.
+
+        ``ahead``: as many more, for the put after the next, in the same reservation while
+        that many slots are free (nothing is evicted for them); else ``wanted`` alone."""
+        if ahead and self._free_slots(handle) >= wanted + ahead:
+            rid = await self._grant_spare(handle, wanted + ahead, may_evict=False)
+            if rid:
+                return rid
+        return await self._grant_spare(handle, wanted) if wanted else 0
+
+    def _free_slots(self, handle: Handle) -> int:
+        record = handle.record
+        return self.ledger.allocator.free_slots(record.cpu_bytes, record.domain)
+
+    async def _grant_spare(self, handle: Handle, wanted: int, may_evict: bool = True) -> int:
         record = handle.record
         if not self.spare_fits(handle, wanted) or not handle.writable or handle.closed:
             return 0
@@ -87,7 +101,7 @@ class SpareOps(WriteOps):
         )
         if taken + nbytes > self.spare_tier_bytes:
             return 0
-        may_evict = taken + nbytes <= self.spare_evicting_bytes
+        may_evict = may_evict and taken + nbytes <= self.spare_evicting_bytes
         prefix, count = self._spare_prefix, self._spare_count
         placeholders = [prefix + next(count).to_bytes(8, "little") for _ in range(wanted)]
         handle.spare_granting_slots += wanted
@@ -119,16 +133,16 @@ class SpareOps(WriteOps):
         self.spare_quarantined_bytes += nbytes
         heapq.heappush(self._spare_quarantine, (until, nbytes))
 
-    def grant_spare_soon(self, handle: Handle, wanted: int) -> None:
+    def grant_spare_soon(self, handle: Handle, wanted: int, ahead: int = 0) -> None:
         """``grant_spare`` in the background (one at a time per handle), for a later reply to
         hand out (``take_spare``): the slots are made while the client copies its next put."""
-        if wanted <= 0 or handle.spare_granting or handle.closed:
+        if wanted + ahead <= 0 or handle.spare_granting or handle.closed:
             return
         handle.spare_granting = True
 
         async def grant() -> None:
             try:
-                rid = await self.grant_spare(handle, wanted)
+                rid = await self.grant_spare(handle, wanted, ahead)
                 if rid:
                     handle.spare_ready.append(rid)
             finally:

@@ -141,7 +141,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., gpu: _Optional[bool] = ..., pending: _Optional[int] = ..., codec: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("reservation_id", "handle", "checksums", "device_checksums", "codec", "payload_bytes", "payload_checksums", "spare_wanted", "release_leases")
+    __slots__ = ("reservation_id", "handle", "checksums", "device_checksums", "codec", "payload_bytes", "payload_checksums", "spare_wanted", "spare_ahead", "release_leases")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class CommitRequest(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     SPARE_WANTED_FIELD_NUMBER: _ClassVar[int]
+    SPARE_AHEAD_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     handle: bytes
@@ -159,8 +160,9 @@ class CommitRequest(_message.Message):
     payload_bytes: int
     payload_checksums: _containers.RepeatedScalarFieldContainer[int]
     spare_wanted: int
+    spare_ahead: int
     release_leases: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reservation_id: _Optional[int] = ..., handle: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., device_checksums: _Optional[_Iterable[int]] = ..., codec: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_checksums: _Optional[_Iterable[int]] = ..., spare_wanted: _Optional[int] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, reservation_id: _Optional[int] = ..., handle: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., device_checksums: _Optional[_Iterable[int]] = ..., codec: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_checksums: _Optional[_Iterable[int]] = ..., spare_wanted: _Optional[int] = ..., spare_ahead: _Optional[int] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed", "spare", "spare_fresh_s")
@@ -173,7 +175,7 @@ class CommitResponse(_message.Message):
     def __init__(self, committed: _Optional[int] = ..., spare: _Optional[_Iterable[int]] = ..., spare_fresh_s: _Optional[float] = ...) -> None: ...
 
 class BindRequest(_message.Message):
-    __slots__ = ("handle", "keys", "slots", "checksums", "priority", "spare_wanted", "table_reads", "release_leases")
+    __slots__ = ("handle", "keys", "slots", "checksums", "priority", "spare_wanted", "table_reads", "spare_ahead", "release_leases")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +183,7 @@ class BindRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     SPARE_WANTED_FIELD_NUMBER: _ClassVar[int]
     TABLE_READS_FIELD_NUMBER: _ClassVar[int]
+    SPARE_AHEAD_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     keys: bytes
@@ -189,8 +192,9 @@ class BindRequest(_message.Message):
     priority: int
     spare_wanted: int
     table_reads: bytes
+    spare_ahead: int
     release_leases: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., spare_wanted: _Optional[int] = ..., table_reads: _Optional[bytes] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, handle: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., spare_wanted: _Optional[int] = ..., table_reads: _Optional[bytes] = ..., spare_ahead: _Optional[int] = ..., release_leases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BindResponse(_message.Message):
     __slots__ = ("committed", "pending", "spare", "spare_fresh_s")

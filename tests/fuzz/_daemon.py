@@ -57,7 +57,7 @@ FIX_HANDLE = 1  # the live handle
 FIX_IDS = 2  # the last reservation id and lease id
 FIX_KEYS = 4  # keys: stored ones, then new ones (count in the next byte)
 FIX_CHECKSUMS = 8  # a Commit's checksums: of what its reservation's slots hold
-FIX_SMALL = 16  # numbers that are ids or counts kept small (priority, spare_wanted)
+FIX_SMALL = 16  # numbers that are ids or counts kept small (priority, spare slots asked)
 
 
 def _config() -> DaemonConfig:
@@ -176,7 +176,7 @@ class Daemon:
             count = (arg[1] if len(arg) > 1 else 1) % 9
             request.keys = pack_keys(KEYS[start : start + count])
         if flags & FIX_SMALL:
-            for field in ("priority", "spare_wanted"):
+            for field in ("priority", "spare_wanted", "spare_ahead"):
                 if field in fields:
                     setattr(request, field, getattr(request, field) % 4)
         if flags & FIX_CHECKSUMS and name == "Commit":
