@@ -120,3 +120,24 @@ def test_the_asyncio_face_puts_without_waiting_too(daemon_factory) -> None:
                 assert same_bytes(await o.get(keys), blocks)
 
     asyncio.run(run())
+
+
+def test_asyncio_tasks_putting_at_once_without_waiting_are_all_counted(daemon_factory) -> None:
+    """Concurrent calls on one asyncio client are safe for distinct keys: puts of several
+    tasks that do not wait may be sent back to back, and flush counts every one."""
+    d = daemon_factory(extra=LONG_GRACE)
+    blocks = random_blocks(SMALL_LAYOUT, 64, seed=11)
+
+    async def run() -> None:
+        async with AsyncKVStoreClient(d.address, layout=SMALL_LAYOUT, model="posted") as kv:
+            keys = kv.hash_tokens(tokens(64))
+
+            async def putter(lo: int) -> None:
+                for i in range(lo, lo + 16, 4):
+                    await kv.put(keys[i : i + 4], blocks[i : i + 4], wait=False)
+
+            await asyncio.gather(*(putter(lo) for lo in range(0, 64, 16)))
+            assert await kv.flush() == 64
+            assert same_bytes(await kv.get(keys), blocks)
+
+    asyncio.run(run())

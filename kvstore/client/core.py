@@ -359,8 +359,8 @@ class ClientCore(SettlesPuts):
 
         if not wait:
             token = yield Post("Bind", build)
-            self._posted.current = PostedPut(
-                token, "Bind", packed, handle, sent_at, len(keys), taken
+            yield from self._in_flight(
+                PostedPut(token, "Bind", packed, handle, sent_at, len(keys), taken)
             )
             return PutCount(0)
         try:
@@ -667,7 +667,7 @@ class ClientCore(SettlesPuts):
             if reservation.posted:  # a put that does not wait (``posted_puts``)
                 token = yield Post("Commit", build)
                 posted = PostedPut(token, "Commit", packed, handle, sent_at, len(checksums))
-                self._posted.current = posted
+                yield from self._in_flight(posted)
                 return 0
             reply_c = yield Call("Commit", build)
             self._spare.give(list(reply_c.spare), reply_c.spare_fresh_s, sent_at, handle)

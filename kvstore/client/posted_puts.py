@@ -17,7 +17,8 @@ What the reply says is kept here until ``flush()`` hands it over: how many block
 stored, how many were dropped (their spare slots reclaimed before the call came, or the daemon
 restarted: as if evicted at once), and the first error, which ``flush()`` raises.
 
-One put is in flight at a time: the next settles it first. Not thread-safe, as the client.
+One put is in flight at a time: the next settles it first (and a put another asyncio task
+sent meanwhile, before it becomes the one in flight). Not thread-safe, as the client.
 """
 
 from __future__ import annotations
@@ -139,6 +140,14 @@ class SettlesPuts:
             reply = exc
         if self._posted.current is posted:  # else another task settled it (asyncio)
             self._posted.record(posted, reply, self._spare)
+
+    def _in_flight(self, posted: PostedPut) -> Op[None]:
+        """``posted`` is the put in flight now. Another task's put sent just before it
+        (asyncio: concurrent calls on one client) is settled first, in the order sent: one
+        put's reply is never dropped for another's."""
+        while self._posted.current is not None:
+            yield from self._settle()
+        self._posted.current = posted
 
     def _settle_at_close(self) -> Op[None]:
         """``close``: the put in flight is served first; an error of a put made with
