@@ -268,6 +268,9 @@ def test_a_slot_freed_twice_or_with_the_wrong_size_is_refused(arena: SharedMemor
     with pytest.raises(AssertionError, match="outside"):
         alloc.free(arena.size_bytes, 64 * KiB)
     alloc.check()
+    with pytest.raises(AssertionError, match="not in use"):  # a batch naming a slot twice
+        alloc.free_many([b, b], 64 * KiB)
+    alloc.check()
 
 
 # ----------------------------------------------------------------- 3. invariants, at random
@@ -276,7 +279,8 @@ SIZES = [4 * KiB, 12 * KiB, 20 * KiB, 28 * KiB, 40 * KiB]
 """Slot sizes against 64 KiB slabs and a 20 KiB tail: 16, 5, 3, 2 and 1 per slab; 28 and 40 KiB
 never fit the tail."""
 OPS = st.lists(
-    st.tuples(st.sampled_from(["alloc", "alloc", "alloc", "free", "free", "drain", "undrain"]),
+    st.tuples(st.sampled_from(["alloc", "alloc", "alloc", "free", "free", "free_many", "drain",
+                               "undrain"]),
               st.integers(0, 1 << 16)),
     max_size=90,
 )  # fmt: skip
@@ -312,6 +316,12 @@ def test_random_allocations_keep_every_invariant(ops: list[tuple[str, int]]) -> 
                 size, stamp = held.pop(off)
                 assert arena.view[off : off + 8] == stamp.to_bytes(8, "little")
                 alloc.free(off, size)
+            elif op == "free_many" and held:  # an eviction's batch: slots of one size
+                size = held[sorted(held)[n % len(held)]][0]
+                batch = [o for o in sorted(held) if held[o][0] == size][: 1 + n % 4]
+                for off in batch:
+                    assert arena.view[off : off + 8] == held.pop(off)[1].to_bytes(8, "little")
+                alloc.free_many(batch, size)
             elif op in ("drain", "undrain") and held:
                 slab = alloc.slab_of(sorted(held)[n % len(held)])
                 if op == "drain":

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvstore.tiers.cpu_arena import (
@@ -374,32 +374,43 @@ class SlabAllocator:
     def free(self, offset: int, block_bytes: int) -> None:
         """Take back a slot from ``allocate``. AssertionError if it is not a used slot of this
         block size's class (a double free, a wrong size, an offset never handed out)."""
+        self.free_many((offset,), block_bytes)
+
+    def free_many(self, offsets: Iterable[int], block_bytes: int) -> None:
+        """``free`` of each of ``offsets``, slots of one block size, in order (an eviction
+        frees a batch: the size's slot and the lookups are made once). A bad offset raises
+        with those before it freed."""
         slot = self.slot_bytes_for(block_bytes)
-        s = self._slabs[self._slab_index(offset, AssertionError)]
-        i, rest = divmod(offset - s.base, slot) if s.slot_bytes == slot else (0, 1)
-        if rest or i >= s.slots or not s.used_map[i]:
-            raise AssertionError(
-                f"free of slot {offset} ({block_bytes}-byte block), which is not in use "
-                f"(its slab holds {s.slot_bytes or 'no'}-byte slots)"
-            )
-        cls = self._classes[(slot, s.domain)]
-        had_free = s.used < s.slots
-        s.used_map[i] = 0
-        s.freed.append(i)
-        s.used -= 1
-        cls.used -= 1
-        if s.draining:
+        slabs, classes, slab_bytes = self._slabs, self._classes, self.slab_bytes
+        end = HEADER_BYTES + self._capacity
+        for offset in offsets:
+            if not HEADER_BYTES <= offset < end:
+                raise AssertionError(f"offset {offset} is outside the arena's slabs")
+            s = slabs[(offset - HEADER_BYTES) // slab_bytes]
+            i, rest = divmod(offset - s.base, slot) if s.slot_bytes == slot else (0, 1)
+            if rest or i >= s.slots or not s.used_map[i]:
+                raise AssertionError(
+                    f"free of slot {offset} ({block_bytes}-byte block), which is not in use "
+                    f"(its slab holds {s.slot_bytes or 'no'}-byte slots)"
+                )
+            cls = classes[(slot, s.domain)]
+            had_free = s.used < s.slots
+            s.used_map[i] = 0
+            s.freed.append(i)
+            s.used -= 1
+            cls.used -= 1
+            if s.draining:
+                if s.used == 0:
+                    self._release(s, cls)
+                continue
+            cls.free += 1
             if s.used == 0:
+                cls.free -= s.slots
+                if had_free:
+                    _heap_remove(cls.partial, s.index)
                 self._release(s, cls)
-            return
-        cls.free += 1
-        if s.used == 0:
-            cls.free -= s.slots
-            if had_free:
-                _heap_remove(cls.partial, s.index)
-            self._release(s, cls)
-        elif not had_free:
-            heapq.heappush(cls.partial, s.index)
+            elif not had_free:
+                heapq.heappush(cls.partial, s.index)
 
     def _release(self, s: _Slab, cls: _SizeClass) -> None:
         """An empty slab (already out of ``cls.partial`` and ``cls.free``) goes to the pool."""

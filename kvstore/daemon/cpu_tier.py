@@ -182,6 +182,14 @@ class CpuSlots:
             self.clean_bytes -= block_bytes
         self.unalloc(offset, block_bytes)
 
+    def vacate_many(self, offsets: list[int], block_bytes: int) -> None:
+        """``vacate`` of each of ``offsets`` (copies with no disk copy, of one block size), as
+        one batch: an eviction's."""
+        for offset in offsets:
+            self._take(offset)
+        self.allocator.free_many(offsets, block_bytes)
+        self.used_bytes -= len(offsets) * block_bytes
+
     def quarantine(self, offset: int, block_bytes: int) -> None:
         """Take a slot from its entry without freeing it (``release_quarantined`` later)."""
         self._take(offset)

@@ -666,7 +666,6 @@ class Ledger:
         by_ns: dict[int, list[int]] = {}
         for eid in simple:
             by_ns.setdefault(ns_of[eid], []).append(eid)
-        vacate = self.cpu_slots.vacate
         for ns_id, group in by_ns.items():
             record = self.names[ns_id]
             keys = [index.key(e) for e in group]
@@ -675,11 +674,12 @@ class Ledger:
             if self.feed.watched:
                 self.feed.note_many(ns_id, ((key, 0) for key in keys))  # gone from every tier
             cpu_bytes = record.cpu_bytes
+            self.cpu_slots.vacate_many([offset[eid] for eid in group], cpu_bytes)
+            drop = index.drop
             for eid in group:
-                vacate(offset[eid], cpu_bytes, False)
                 offset[eid] = -1
                 tier[eid] = 0
-                index.drop(eid)
+                drop(eid)
             if self.payload_sums:
                 for eid in group:
                     self.payload_sums.pop(eid, None)
