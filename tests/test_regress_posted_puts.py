@@ -272,3 +272,64 @@ def test_a_put_copied_ahead_of_a_waiting_bind_is_not_dropped(daemon_factory) -> 
             writing.abort()
         assert (flushed, flushed.pending, flushed.dropped) == (3, 1, 0)
         assert same_bytes(kv.get(keys[11:14]), blocks[11:14])
+
+
+def test_flush_counts_the_keys_another_client_was_still_writing_at_a_reserve(
+    daemon_factory,
+) -> None:
+    """A put that does not wait and holds no spare slots (a lone put, or one whose slots
+    copied ahead went stale) goes through a reservation: the keys another client was still
+    writing when that Reserve stopped waiting went to the put's own count, which a caller of
+    ``put(..., wait=False)`` reads as 0, and flush said none."""
+    d = daemon_factory(extra="[limits]\nwrite_wait_s = 0.3\n")
+    blocks = random_blocks(SMALL_LAYOUT, 8, seed=27)
+    with client(d) as kv, client(d) as other:
+        keys = kv.hash_tokens(tokens(8))
+        writing = other.reserve([keys[0], keys[4]])
+        try:
+            assert kv.put(keys[:4], blocks[:4], wait=False) == 0  # some keys new: a Commit
+            assert kv.put(keys[4:5], blocks[4:5], wait=False) == 0  # none new: no Commit
+            flushed = kv.flush()
+        finally:
+            writing.abort()
+        assert (flushed, flushed.pending, flushed.dropped) == (3, 2, 0)
+        assert same_bytes(kv.get(keys[1:4]), blocks[1:4])
+
+
+def test_a_put_cancelled_after_its_call_was_sent_is_still_counted(daemon_factory) -> None:
+    """asyncio: a put that does not wait, sent while another task's put became the one in
+    flight, settles that one first; cancelled while it waited for that reply (a timeout
+    around it), its own call, already sent, was forgotten: the daemon stored its blocks and
+    flush neither counted them nor would have raised its error."""
+    d = daemon_factory(extra=LONG_GRACE)
+    blocks = random_blocks(SMALL_LAYOUT, 12, seed=28)
+
+    async def run() -> None:
+        async with AsyncKVStoreClient(d.address, layout=SMALL_LAYOUT, model="posted") as kv:
+            keys = kv.hash_tokens(tokens(12))
+            await kv.put(keys[:4], blocks[:4])
+            await kv.put(keys[4:8], blocks[4:8])  # asks for 4 spare slots: 2 puts bind
+            assert len(kv._spare._slots) == 4  # (else a put would wait for a Reserve below)
+            assert d.proc is not None
+            d.proc.send_signal(signal.SIGSTOP)  # every reply now waits
+            try:
+                puts = [
+                    asyncio.ensure_future(kv.put(keys[i : i + 2], blocks[i : i + 2], wait=False))
+                    for i in (8, 10)
+                ]
+                done, waiting = await asyncio.wait(puts, return_when=asyncio.FIRST_COMPLETED)
+                assert len(done) == 1 and len(waiting) == 1
+                (late,) = waiting
+                for _ in range(8):  # it waits for the reply to the other put, sent first
+                    await asyncio.sleep(0)
+                assert not late.done()
+                late.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await late
+            finally:
+                d.proc.send_signal(signal.SIGCONT)
+            flushed = await kv.flush()
+            assert (flushed, flushed.dropped) == (4, 0)
+            assert same_bytes(await kv.get(keys[8:]), blocks[8:])
+
+    asyncio.run(run())

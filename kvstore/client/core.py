@@ -286,7 +286,7 @@ class ClientCore(SettlesPuts):
             reservation.posted = not wait
             reserved_on = self._handle
             if not reservation.offsets_new:
-                return PutCount(0, reservation.pending)
+                return self._put_count(0, reservation.pending, wait)
             try:
                 nbytes = len(reservation.offsets_new) * self.layout.block_bytes
                 yield Blocking(partial(reservation.fill_from, rows), nbytes)
@@ -303,8 +303,16 @@ class ClientCore(SettlesPuts):
                 if attempt or not self._restarted_since(reserved_on):
                     raise
                 continue
-            return PutCount(committed, reservation.pending)
+            return self._put_count(committed, reservation.pending, wait)
         raise AssertionError("unreachable")
+
+    def _put_count(self, stored: int, pending: int, wait: bool) -> PutCount:
+        """A put's count; a put that did not wait keeps ``pending`` (the keys its Reserve
+        waited for) for ``flush``, as a posted Bind's reply's, and says 0."""
+        if wait:
+            return PutCount(stored, pending)
+        self._posted.pending += pending
+        return PutCount(0)
 
     def _restarted_since(self, handle: bytes) -> bool:
         """Whether the client reopened its namespace since it held ``handle``: the daemon

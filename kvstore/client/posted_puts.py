@@ -18,7 +18,8 @@ stored, how many were dropped (their spare slots reclaimed before the call came,
 restarted: as if evicted at once), and the first error, which ``flush()`` raises.
 
 One put is in flight at a time: the next settles it first (and a put another asyncio task
-sent meanwhile, before it becomes the one in flight). Not thread-safe, as the client.
+sent meanwhile, before it becomes the one in flight; a put cancelled while it waits for that
+reply was sent, so it is queued behind it for ``flush``). Not thread-safe, as the client.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class PostedPuts:
 
     def __init__(self) -> None:
         self.current: PostedPut | None = None
+        # Puts sent while another was in flight whose sender stopped waiting to settle it
+        # (cancelled): each is the one in flight in turn, in the order sent.
+        self.queued: list[PostedPut] = []
         self.stored = 0  # blocks newly stored
         self.pending = 0  # keys another client was still writing when a Bind stopped waiting
         self.dropped = 0  # blocks not stored: slots reclaimed, or the daemon restarted
@@ -84,8 +88,9 @@ class PostedPuts:
 
     def record(self, posted: PostedPut, reply: Any, spare: SpareSlots) -> None:
         """Take ``posted``'s outcome: its reply, or the ``KVStoreError`` it met; the spare
-        slots it named or was granted go back to ``spare``."""
-        self.current = None
+        slots it named or was granted go back to ``spare``. The next put queued, if any, is
+        the one in flight then."""
+        self.current = self.queued.pop(0) if self.queued else None
         if isinstance(reply, UnknownNamespaceError | SessionBroken):  # the daemon restarted
             spare.clear()
             self.dropped += posted.blocks
@@ -145,19 +150,31 @@ class SettlesPuts:
         """``posted`` is the put in flight now. Another task's put sent just before it
         (asyncio: concurrent calls on one client) is settled first, in the order sent: one
         put's reply is never dropped for another's."""
-        while self._posted.current is not None:
-            yield from self._settle()
+        try:
+            while self._posted.current is not None:
+                yield from self._settle()
+        except BaseException:  # cancelled: this put was sent, and its reply is read in turn
+            if self._posted.current is None:
+                self._posted.current = posted
+            else:
+                self._posted.queued.append(posted)
+            raise
         self._posted.current = posted
 
     def _settle_at_close(self) -> Op[None]:
         """``close``: the put in flight is served first; an error of a put made with
         ``wait=False`` that no ``flush`` reported is logged, as ``close`` raises nothing."""
-        yield from self._settle()
+        yield from self._settle_queued()
         error, self._posted.error = self._posted.error, None
         if error is not None:
             log.warning("a put made with wait=False failed, and no flush reported it: %s", error)
 
+    def _settle_queued(self) -> Op[None]:
+        """Settle the put in flight and those queued behind it (not puts sent later)."""
+        for _ in range(1 + len(self._posted.queued)):
+            yield from self._settle()
+
     def _flush(self) -> Op[PutCount]:
-        yield from self._settle()
+        yield from self._settle_queued()
         stored, pending, dropped = self._posted.drain()
         return PutCount(stored, pending, dropped)
