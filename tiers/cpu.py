@@ -381,12 +381,9 @@ class SlabAllocator:
         frees a batch: the size's slot and the lookups are made once). A bad offset raises
         with those before it freed."""
         slot = self.slot_bytes_for(block_bytes)
-        slabs, classes, slab_bytes = self._slabs, self._classes, self.slab_bytes
-        end = HEADER_BYTES + self._capacity
+        slabs, classes, slab_index = self._slabs, self._classes, self._slab_index
         for offset in offsets:
-            if not HEADER_BYTES <= offset < end:
-                raise AssertionError(f"offset {offset} is outside the arena's slabs")
-            s = slabs[(offset - HEADER_BYTES) // slab_bytes]
+            s = slabs[slab_index(offset, AssertionError)]
             i, rest = divmod(offset - s.base, slot) if s.slot_bytes == slot else (0, 1)
             if rest or i >= s.slots or not s.used_map[i]:
                 raise AssertionError(
