@@ -279,8 +279,8 @@ SIZES = [4 * KiB, 12 * KiB, 20 * KiB, 28 * KiB, 40 * KiB]
 """Slot sizes against 64 KiB slabs and a 20 KiB tail: 16, 5, 3, 2 and 1 per slab; 28 and 40 KiB
 never fit the tail."""
 OPS = st.lists(
-    st.tuples(st.sampled_from(["alloc", "alloc", "alloc", "free", "free", "free_many", "drain",
-                               "undrain"]),
+    st.tuples(st.sampled_from(["alloc", "alloc", "alloc", "alloc_many", "free", "free",
+                               "free_many", "drain", "undrain"]),
               st.integers(0, 1 << 16)),
     max_size=90,
 )  # fmt: skip
@@ -307,6 +307,16 @@ def test_random_allocations_keep_every_invariant(ops: list[tuple[str, int]]) -> 
                             assert info.used == info.slots
                         assert info.slot_bytes or info.size_bytes < size
                 else:
+                    assert off % SLOT_ALIGN == 0 and HEADER_BYTES <= off <= end - size
+                    assert off not in held
+                    held[off] = (size, step)
+                    arena.view[off : off + 8] = step.to_bytes(8, "little")
+            elif op == "alloc_many":  # a batch for an eviction's room: as many as are free
+                size, want = SIZES[n % len(SIZES)], n % 7
+                expected_free = alloc.free_slots(size)
+                offsets = alloc.allocate_many(size, want)
+                assert len(offsets) == min(want, expected_free), (step, size, expected_free)
+                for off in offsets:
                     assert off % SLOT_ALIGN == 0 and HEADER_BYTES <= off <= end - size
                     assert off not in held
                     held[off] = (size, step)
@@ -340,6 +350,21 @@ def test_random_allocations_keep_every_invariant(ops: list[tuple[str, int]]) -> 
         assert alloc.unassigned_slabs == alloc.num_slabs
     finally:
         arena.close()
+
+
+def test_allocate_many_hands_out_the_slots_allocate_would_in_turn() -> None:
+    """An eviction's room is taken as one batch: the same slots, in the same order, as that
+    many ``allocate`` calls, across slabs and past what is free (then fewer)."""
+    one = SlabAllocator(HEADER_BYTES + 4 * 16384, slab_bytes=16384)
+    many = SlabAllocator(HEADER_BYTES + 4 * 16384, slab_bytes=16384)
+    for alloc in (one, many):  # holes in the first slab, freed in an order of their own
+        taken = [alloc.allocate(4096) for _ in range(3)]
+        alloc.free_many([taken[2], taken[0]], 4096)
+    singles = [one.allocate(4096) for _ in range(20)]
+    assert many.allocate_many(4096, 20) == [o for o in singles if o is not None]
+    assert len(many.allocate_many(4096, 20)) == 0 and many.free_slots(4096) == 0
+    one.check()
+    many.check()
 
 
 def test_class_free_slots_counts_only_the_slabs_a_class_holds() -> None:

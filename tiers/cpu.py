@@ -336,6 +336,39 @@ class SlabAllocator:
             heapq.heappop(cls.partial)
         return s.base + i * slot
 
+    def allocate_many(self, block_bytes: int, n: int, domain: int = 0) -> list[int]:
+        """Up to ``n`` slots, as ``n`` calls of ``allocate`` would give them, in that order;
+        fewer when no more can be had (a slab could not be backed). A batch's slots mostly
+        come from one slab: each is taken there with no call of its own (an eviction's room
+        is made a batch at a time)."""
+        slot = (block_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN  # slot_bytes_for
+        out: list[int] = []
+        while len(out) < n:
+            cls = self._classes.get((slot, domain))
+            if cls is None or not cls.partial:
+                offset = self.allocate(block_bytes, domain)  # takes a slab for the class
+                if offset is None:
+                    break
+                out.append(offset)
+                continue
+            s = self._slabs[cls.partial[0]]
+            k = min(n - len(out), s.slots - s.used)
+            base, used_map, freed = s.base, s.used_map, s.freed
+            for _ in range(k):
+                if freed:
+                    i = freed.pop()
+                else:
+                    i = s.fresh
+                    s.fresh += 1
+                used_map[i] = 1
+                out.append(base + i * slot)
+            s.used += k
+            cls.used += k
+            cls.free -= k
+            if s.used == s.slots:
+                heapq.heappop(cls.partial)
+        return out
+
     def _take_unassigned(self, slot: int, domain: int) -> _Slab | None:
         """Take the lowest fitting unassigned slab, backed ones first; back it if it never was.
         (The short tail has the highest index, so it is at a heap's top only when alone.)"""

@@ -83,10 +83,18 @@ class CpuRoom:
         self.bring_up: Callable[[list[int]], Awaitable[list[int]]] = _nothing_below
         self._room = asyncio.Lock()
         allocator = ledger.allocator
+        names, ns_of = ledger.names, ledger.index.ns
+
+        def class_of(eid: int) -> tuple[int, int]:
+            record = names[ns_of[eid]]
+            return allocator.slot_bytes_for(record.cpu_bytes), record.domain
+
         self._slots = TierSlots(
             name="cpu",
             allocator=allocator,
             take_slot=ledger.cpu_alloc,
+            take_slots=ledger.cpu_alloc_many,
+            class_of=class_of,
             give_back=ledger.cpu_unalloc,
             slot_of=lambda eid: ledger.index.offset[eid],
             owner_of=ledger.cpu_owner,
@@ -265,19 +273,22 @@ class CpuRoom:
         # every slot's entry: a spare slot a Bind may commit while the writes run) or one whose
         # entry holds another block by then got no write: it is left for the next round, never
         # dropped as if its write had failed.
-        was = {v: index.key(v) for v in victims if index.state[v] == State.COMMITTED}
-        dirty = [v for v in was if not index.tier[v] & IN_NVME]
-        if dirty:
-            await self.move_down(dirty)
+        # With no tier below, nothing is written down and nothing waits: the victims are as
+        # the caller picked them, and the checks below need no snapshot of their keys.
+        was: dict[int, bytes] | None = None
+        if ledger.nvme is not None or self.spill.enabled:
+            was = {v: index.key(v) for v in victims if index.state[v] == State.COMMITTED}
+            dirty = [v for v in was if not index.tier[v] & IN_NVME]
+            if dirty:
+                await self.move_down(dirty)
         # Forgotten as one batch, unless a tenant's guaranteed share is checked per victim
         # (each one evicted lowers its tenant's books before the next is checked).
         gone: list[int] = []
         batch = not quotas.guaranteed_cpu
         for v in victims:
             if (
-                v not in was
-                or not index.has_key(v, index.ns[v], was[v])
-                or index.state[v] != State.COMMITTED
+                index.state[v] != State.COMMITTED
+                or (was is not None and (v not in was or not index.has_key(v, index.ns[v], was[v])))
                 or index.leases[v]
                 or v in self.writing
                 or not index.tier[v] & IN_CPU

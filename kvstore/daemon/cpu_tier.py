@@ -87,6 +87,12 @@ class CpuSlots:
             self.used_bytes += block_bytes
         return offset
 
+    def alloc_many(self, block_bytes: int, n: int, domain: int = 0) -> list[int]:
+        """Up to ``n`` slots (``alloc`` of each, as one batch); fewer when no more are free."""
+        offsets = self.allocator.allocate_many(block_bytes, n, domain)
+        self.used_bytes += len(offsets) * block_bytes
+        return offsets
+
     def unalloc(self, offset: int, block_bytes: int) -> None:
         """Give back a slot from ``alloc`` that no entry took."""
         self.allocator.free(offset, block_bytes)

@@ -455,6 +455,10 @@ class Ledger:
         slab could not be backed)."""
         return self.cpu_slots.alloc(block_bytes, domain)
 
+    def cpu_alloc_many(self, block_bytes: int, n: int, domain: int = 0) -> list[int]:
+        """Up to ``n`` CPU slots in memory ``domain`` (``cpu_alloc`` of each, as one batch)."""
+        return self.cpu_slots.alloc_many(block_bytes, n, domain)
+
     def cpu_unalloc(self, offset: int, block_bytes: int) -> None:
         """Give back a slot from ``cpu_alloc`` that no entry took."""
         self.cpu_slots.unalloc(offset, block_bytes)

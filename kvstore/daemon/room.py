@@ -45,6 +45,12 @@ class TierSlots:
     domain_of: Callable[[int], int] = lambda eid: 0
     # Move an entry to another slot of its class (not in ``avoid_slab``); False if it cannot.
     relocate: Callable[[int, int], bool] | None = None
+    # (block bytes, n, domain): up to n slots as one batch (``take_slot`` of each), fewer
+    # when no more can be had; None where the tier takes them one at a time.
+    take_slots: Callable[[int, int, int], list[int]] | None = None
+    # (slot bytes, domain) of an entry in one call, as ``slot_bytes_of`` and ``domain_of``
+    # give them: what the victim loop asks of every block it walks past.
+    class_of: Callable[[int], tuple[int, int]] | None = None
 
 
 async def make_room(
@@ -70,19 +76,25 @@ async def make_room(
     like a protected one; a slab is drained only if every block in it is granted)."""
     allocator = tier.allocator
     slot_size = allocator.slot_bytes_for(block_bytes)
+    class_of, wanted = tier.class_of, (slot_size, domain)
     slots: list[int] = []
     stuck: set[int] = set()  # slabs that could not be drained this call
     try:
         while True:
             # Each slot taken is one free slot fewer, so ``free_slots`` is asked once a run.
             while len(slots) < n and (free := allocator.free_slots(block_bytes, domain)):
-                taken = len(slots)
-                for _ in range(min(free, n - taken)):
+                taken, want = len(slots), min(free, n - len(slots))
+                if tier.take_slots is not None:
+                    slots += tier.take_slots(block_bytes, want, domain)
+                    if len(slots) - taken < want:
+                        break
+                    continue
+                for _ in range(want):
                     offset = tier.take_slot(block_bytes, domain)
                     if offset is None:  # a slab could not be backed: fewer free slots now
                         break
                     slots.append(offset)
-                if len(slots) - taken < min(free, n - taken):
+                if len(slots) - taken < want:
                     break
             if len(slots) >= n:
                 return slots
@@ -93,7 +105,11 @@ async def make_room(
             for eid in policy.order():  # coldest first
                 if protected(eid):
                     continue
-                if tier.slot_bytes_of(eid) == slot_size and tier.domain_of(eid) == domain:
+                if (
+                    class_of(eid) == wanted
+                    if class_of is not None
+                    else tier.slot_bytes_of(eid) == slot_size and tier.domain_of(eid) == domain
+                ):
                     if take is not None and not take(eid):
                         continue
                     victims.append(eid)
