@@ -240,11 +240,24 @@ class BlockIndex:
 
     def drop(self, eid: int) -> None:
         """Forget an entry entirely and recycle its id."""
-        if self.leases[eid]:
-            raise AssertionError(f"drop of entry {eid} with {self.leases[eid]} leases")
-        self._unkey(eid)
-        self.state[eid] = State.FREE
-        self._free_ids.append(eid)
+        self.drop_many((eid,))
+
+    def drop_many(self, eids: Sequence[int]) -> None:
+        """``drop`` of each entry in order (an eviction's batch); a leased one raises with
+        those before it dropped."""
+        leases, state, free_ids, unkey, free = (
+            self.leases,
+            self.state,
+            self._free_ids,
+            self._unkey,
+            State.FREE,
+        )
+        for eid in eids:
+            if leases[eid]:
+                raise AssertionError(f"drop of entry {eid} with {leases[eid]} leases")
+            unkey(eid)
+            state[eid] = free
+            free_ids.append(eid)
 
     def is_keyed(self, eid: int) -> bool:
         """Whether entry ``eid`` has a key (a spare slot's entry has none until it is bound)."""

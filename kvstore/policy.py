@@ -83,19 +83,27 @@ class LinkedQueue:
         self.size += len(eids)
 
     def unlink(self, eid: int) -> None:
-        if eid not in self:
-            raise AssertionError(f"entry {eid} is not queued")
-        prev, nxt = self._prev[eid], self._next[eid]
-        if prev == _NIL:
-            self.head = nxt
-        else:
-            self._next[prev] = nxt
-        if nxt == _NIL:
-            self.tail = prev
-        else:
-            self._prev[nxt] = prev
-        self._member[eid] = 0
-        self.size -= 1
+        self.unlink_many((eid,))
+
+    def unlink_many(self, eids: Sequence[int]) -> None:
+        """``unlink`` of each id in order (an eviction's batch); one that is not queued
+        raises with those before it unlinked."""
+        member, prev_of, next_of = self._member, self._prev, self._next
+        n = len(member)
+        for eid in eids:
+            if not (eid < n and member[eid] == 1):
+                raise AssertionError(f"entry {eid} is not queued")
+            prev, nxt = prev_of[eid], next_of[eid]
+            if prev == _NIL:
+                self.head = nxt
+            else:
+                next_of[prev] = nxt
+            if nxt == _NIL:
+                self.tail = prev
+            else:
+                prev_of[nxt] = prev
+            member[eid] = 0
+            self.size -= 1
 
     def move_to_tail(self, eid: int) -> None:
         if eid != self.tail:
@@ -119,6 +127,11 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def remove(self, eid: int) -> None: ...
+
+    def remove_many(self, eids: Sequence[int]) -> None:
+        """``remove`` of each id (an eviction's batch); a policy may do it in one pass."""
+        for eid in eids:
+            self.remove(eid)
 
     @abstractmethod
     def touch(self, eids: Sequence[int]) -> None: ...
@@ -160,6 +173,9 @@ class LruPolicy(EvictionPolicy):
 
     def remove(self, eid: int) -> None:
         self._queue.unlink(eid)
+
+    def remove_many(self, eids: Sequence[int]) -> None:
+        self._queue.unlink_many(eids)
 
     def touch(self, eids: Sequence[int]) -> None:
         for eid in eids:

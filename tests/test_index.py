@@ -50,3 +50,15 @@ def test_a_batch_with_an_indexed_or_repeated_key_adds_nothing() -> None:
         index.add_many([b"d" * 32, b"d" * 32], 5, IN_CPU, [4096, 8192], 0)
     assert len(index) == 1 and index.get(1, b"b" * 32) is None and index.entries_of(5) == 0
     assert index.ids_of(5) == {}
+
+
+def test_a_batch_drop_forgets_each_entry_and_stops_at_a_leased_one() -> None:
+    index = BlockIndex()
+    eids = [index.add(bytes([i]) * 32, 1, IN_CPU, 4096 * i, 0) for i in range(4)]
+    index.add_lease(eids[2])
+    with pytest.raises(AssertionError, match="leases"):
+        index.drop_many([eids[0], eids[1], eids[2], eids[3]])  # a reader holds entry 2
+    assert [index.get(1, bytes([i]) * 32) for i in range(4)] == [None, None, eids[2], eids[3]]
+    assert index.state[eids[0]] == index.state[eids[1]] == State.FREE and len(index) == 2
+    # The dropped ids are recycled, as one drop each would leave them.
+    assert sorted(index.add_many([b"x" * 32, b"y" * 32], 1, IN_CPU, [0, 4096], 0)) == eids[:2]

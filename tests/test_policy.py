@@ -60,6 +60,18 @@ class TestContract:
         with pytest.raises(AssertionError):
             policy.remove(0)
 
+    def test_a_batch_removed_at_once_is_gone_and_the_rest_keeps_its_order(
+        self, policy: EvictionPolicy
+    ) -> None:
+        for eid in range(6):
+            policy.insert(eid)
+        policy.touch([1])
+        kept = [e for e in policy.order() if e not in (0, 3, 5)]
+        policy.remove_many([0, 5, 3])  # an eviction's batch, head and tail among it
+        assert list(policy.order()) == kept and len(policy) == 3
+        with pytest.raises(AssertionError):
+            policy.remove_many([2, 3])  # 3 is gone: a broken invariant, not a no-op
+
     def test_double_insert_is_a_broken_invariant(self, policy: EvictionPolicy) -> None:
         policy.insert(1)
         with pytest.raises(AssertionError):

@@ -27,6 +27,7 @@ between tiers), never a client's.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 
 from kvstore.checksum import block_checksum
 from kvstore.config import CpuTierConfig
@@ -164,22 +165,28 @@ class CpuSlots:
 
     def _unplace(self, placed: list[int]) -> None:
         """Undo a ``place_dirty`` that placed ``placed`` (all free before it) and then failed."""
-        for offset in placed:
-            self._take(offset)
+        self._take_many(placed)
         self._owned += len(placed)
 
     def _take(self, offset: int) -> None:
         """The entry in slot ``offset`` leaves it; KeyError if none is there."""
-        s = (offset - HEADER_BYTES) // self._slab_bytes
-        if offset < HEADER_BYTES or s >= len(self._slabs):
-            raise KeyError(offset)
-        owners, slot, base = self._slabs[s]
-        j, rest = divmod(offset - base, slot)
-        if rest or j >= len(owners) or owners[j] < 0:
-            raise KeyError(offset)
-        owners[j] = -1
-        self._held[s] -= 1
-        self._owned -= 1
+        self._take_many((offset,))
+
+    def _take_many(self, offsets: Iterable[int]) -> None:
+        """``_take`` of each of ``offsets`` in order (an eviction's batch); one with no entry
+        raises KeyError with those before it taken."""
+        slabs, held, slab_bytes = self._slabs, self._held, self._slab_bytes
+        for offset in offsets:
+            s = (offset - HEADER_BYTES) // slab_bytes
+            if offset < HEADER_BYTES or s >= len(slabs):
+                raise KeyError(offset)
+            owners, slot, base = slabs[s]
+            j, rest = divmod(offset - base, slot)
+            if rest or j >= len(owners) or owners[j] < 0:
+                raise KeyError(offset)
+            owners[j] = -1
+            held[s] -= 1
+            self._owned -= 1
 
     def vacate(self, offset: int, block_bytes: int, clean: bool) -> None:
         """The copy in ``offset`` goes: the slot is free again."""
@@ -191,8 +198,7 @@ class CpuSlots:
     def vacate_many(self, offsets: list[int], block_bytes: int) -> None:
         """``vacate`` of each of ``offsets`` (copies with no disk copy, of one block size), as
         one batch: an eviction's."""
-        for offset in offsets:
-            self._take(offset)
+        self._take_many(offsets)
         self.allocator.free_many(offsets, block_bytes)
         self.used_bytes -= len(offsets) * block_bytes
 

@@ -664,9 +664,7 @@ class Ledger:
                 self.forget(eid)
         if not simple:
             return
-        remove = self.policy.remove
-        for eid in simple:
-            remove(eid)
+        self.policy.remove_many(simple)
         by_ns: dict[int, list[int]] = {}
         for eid in simple:
             by_ns.setdefault(ns_of[eid], []).append(eid)
@@ -679,11 +677,10 @@ class Ledger:
                 self.feed.note_many(ns_id, ((key, 0) for key in keys))  # gone from every tier
             cpu_bytes = record.cpu_bytes
             self.cpu_slots.vacate_many([offset[eid] for eid in group], cpu_bytes)
-            drop = index.drop
             for eid in group:
                 offset[eid] = -1
                 tier[eid] = 0
-                drop(eid)
+            index.drop_many(group)
             if self.payload_sums:
                 for eid in group:
                     self.payload_sums.pop(eid, None)
