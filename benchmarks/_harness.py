@@ -213,6 +213,34 @@ def _env_with_our_kvstore() -> dict[str, str]:
     return env
 
 
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for a daemon's metrics endpoint)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+_RPC_SUM = re.compile(r'^kvstore_rpc_duration_seconds_(sum|count)\{method="(\w+)"\} (\S+)$', re.M)
+
+
+def daemon_rpc_seconds(metrics_url: str) -> dict[str, tuple[float, int]]:
+    """Per method, (seconds spent serving, calls) so far, from a daemon's ``/metrics``
+    (``kvstore serve --metrics-address``): the time the daemon itself spent on each call, from
+    when it read the request to its reply."""
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for kind, method, value in _RPC_SUM.findall(text):
+        if kind == "sum":
+            sums[method] = float(value)
+        else:
+            counts[method] = int(float(value))
+    return {m: (sums.get(m, 0.0), counts.get(m, 0)) for m in sums.keys() | counts.keys()}
+
+
 def redis_server_path() -> str | None:
     found = shutil.which("redis-server")
     if found:

@@ -98,9 +98,11 @@ from _harness import (
     RedisServer,
     Reporter,
     benchmark_name,
+    daemon_rpc_seconds,
     emit,
     expect,
     fmt_size,
+    free_tcp_port,
     parse_args,
     percentile,
     print_header,
@@ -207,7 +209,8 @@ def replay_kvstore(
     result = Replay(name + (" + NVMe" if nvme_bytes else ""))
     stored = refused = 0
     refused_first: int | None = None
-    daemon_args = ["--gpu", "off"]
+    metrics = f"127.0.0.1:{free_tcp_port()}"  # where the daemon's own call times are read
+    daemon_args = ["--gpu", "off", "--metrics-address", metrics]
     with contextlib.ExitStack() as stack:
         if no_spare:
             cfg = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbench-trace-"))
@@ -226,6 +229,7 @@ def replay_kvstore(
         kv = stack.enter_context(
             KVStoreClient(daemon.address, layout=layout, model=MODEL, transport="shm")
         )
+        served_before = daemon_rpc_seconds(f"http://{metrics}/metrics")
         for i, chain in enumerate(chains):
             keys = list(chain.keys)
             n = len(keys)
@@ -251,6 +255,11 @@ def replay_kvstore(
                 f"{label}: request {i}: a block read back differs from the one put",
             )
             progress(rep, label, i, chains, result)
+        served = daemon_rpc_seconds(f"http://{metrics}/metrics")
+        expect(
+            sum(c for _, c in served.values()) > sum(c for _, c in served_before.values()),
+            f"{label}: the daemon's /metrics counted none of the replay's calls",
+        )
         tiers = {t.name: t for t in kv.stats().tiers}
         cpu = tiers["cpu"]
         nvme = tiers.get("nvme")
@@ -263,6 +272,12 @@ def replay_kvstore(
             "spare_binds": int(getattr(getattr(kv, "_spare", None), "binds", 0)),
             "puts_refused": refused,
             "first_refused_request": refused_first,
+            # Per method: (seconds the daemon spent serving it, calls) during the replay.
+            "daemon_calls": {
+                m: (t - served_before.get(m, (0.0, 0))[0], c - served_before.get(m, (0.0, 0))[1])
+                for m, (t, c) in served.items()
+                if c > served_before.get(m, (0.0, 0))[1]
+            },
         }
         if nvme is not None:
             result.extra.update(
@@ -466,6 +481,17 @@ def summarize_runs(
         "held_bytes_at_end": statistics.median(r.held_at_end for r in runs) * block_bytes,
         "extra": runs[-1].extra,
     }
+    calls = runs[-1].extra.get("daemon_calls")
+    if calls is not None:
+        n = len(chains)
+        out["time_per_request_ms"] = {
+            "wall": sum(runs[-1].latency_s) / n * 1e3,
+            "daemon": sum(t for t, _ in calls.values()) / n * 1e3,
+            "memcpy": sum(memcpy_req) / n * 1e3,
+            "calls": {
+                m: {"per_request": c / n, "us_per_call": t / c * 1e6} for m, (t, c) in calls.items()
+            },
+        }
     return out
 
 
@@ -664,6 +690,7 @@ def report(
         ["order", "whole trace", "first half", "second half", "verdict"],
         order_rows,
     )
+    report_time_split(rep, stores)
     red = stores.get("redis allkeys-lru")
     if red is not None:
         ex = red["extra"]
@@ -705,6 +732,55 @@ def report(
                 f"{st['extra']['first_refused_request']}"
             )
     return verdict_
+
+
+SPLIT_METHODS = ("Acquire", "Reserve", "Commit", "Bind")
+
+
+def report_time_split(rep: Reporter, stores: dict[str, dict[str, Any]]) -> None:
+    """Where a kvstore request's time goes (the last run of each): its wall time in store
+    calls, the daemon's own time serving its calls (from the daemon's metrics; a put that
+    does not wait is served while the client goes on, so the two overlap), by method, and the
+    memcpy of its blocks."""
+    rows = []
+    for name, st in stores.items():
+        split = st.get("time_per_request_ms")
+        if split is None:
+            continue
+        calls = split["calls"]
+        cells = []
+        for method in SPLIT_METHODS:
+            c = calls.get(method)
+            cells.append(f"{c['per_request']:.2f} x {c['us_per_call']:.0f}" if c else "-")
+        others = sum(
+            c["per_request"] * c["us_per_call"] for m, c in calls.items() if m not in SPLIT_METHODS
+        )
+        rows.append(
+            [
+                name,
+                split["wall"],
+                split["daemon"],
+                f"{split['daemon'] / split['wall']:.0%}",
+                *cells,
+                f"{others / 1e3:.3f}",
+                split["memcpy"],
+            ]
+        )
+    if rows:
+        rep.table(
+            "Where a kvstore request's time goes (per request; by method: calls per request x "
+            "us the daemon spent on each, from its /metrics)",
+            [
+                "store",
+                "wall ms",
+                "daemon ms",
+                "daemon/wall",
+                *SPLIT_METHODS,
+                "other ms",
+                "memcpy ms",
+            ],
+            rows,
+        )
 
 
 # --------------------------------------------------------------------------- sweep
