@@ -306,51 +306,22 @@ class SlabAllocator:
         """A free slot's offset in a slab of ``domain`` (a tenant's memory: slabs are never
         shared between domains), or None (see the class docstring). ValueError if the block
         cannot fit a slab at all."""
-        slot = (block_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN  # slot_bytes_for
-        if slot > self.slab_bytes:
-            self.check_fits(block_bytes)  # raises, naming the sizes
-        cls = self._classes.get((slot, domain))
-        if cls is None or not cls.partial:
-            s = self._take_unassigned(slot, domain)
-            if s is None:
-                return None
-            if cls is None:
-                cls = self._classes[(slot, domain)] = _SizeClass(slot, domain)
-            s.state, s.slot_bytes, s.slots = _State.CLASS, slot, s.size // slot
-            s.domain = domain
-            s.used_map = bytearray(s.slots)
-            cls.slabs.add(s.index)
-            cls.free += s.slots
-            heapq.heappush(cls.partial, s.index)
-        s = self._slabs[cls.partial[0]]
-        if s.freed:
-            i = s.freed.pop()
-        else:
-            i = s.fresh
-            s.fresh += 1
-        s.used_map[i] = 1
-        s.used += 1
-        cls.used += 1
-        cls.free -= 1
-        if s.used == s.slots:
-            heapq.heappop(cls.partial)
-        return s.base + i * slot
+        offsets = self.allocate_many(block_bytes, 1, domain)
+        return offsets[0] if offsets else None
 
     def allocate_many(self, block_bytes: int, n: int, domain: int = 0) -> list[int]:
         """Up to ``n`` slots, as ``n`` calls of ``allocate`` would give them, in that order;
         fewer when no more can be had (a slab could not be backed). A batch's slots mostly
         come from one slab: each is taken there with no call of its own (an eviction's room
-        is made a batch at a time)."""
+        is made a batch at a time). ValueError if the block cannot fit a slab at all."""
         slot = (block_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN  # slot_bytes_for
+        if slot > self.slab_bytes:
+            self.check_fits(block_bytes)  # raises, naming the sizes
         out: list[int] = []
         while len(out) < n:
-            cls = self._classes.get((slot, domain))
-            if cls is None or not cls.partial:
-                offset = self.allocate(block_bytes, domain)  # takes a slab for the class
-                if offset is None:
-                    break
-                out.append(offset)
-                continue
+            cls = self._class_with_room(slot, domain)
+            if cls is None:
+                break
             s = self._slabs[cls.partial[0]]
             k = min(n - len(out), s.slots - s.used)
             base, used_map, freed = s.base, s.used_map, s.freed
@@ -368,6 +339,26 @@ class SlabAllocator:
             if s.used == s.slots:
                 heapq.heappop(cls.partial)
         return out
+
+    def _class_with_room(self, slot: int, domain: int) -> _SizeClass | None:
+        """The size class of ``slot`` in ``domain`` with a slab that has a free slot at the top
+        of its ``partial`` heap, taking an unassigned slab for it when it has none; None when
+        none can be had."""
+        cls = self._classes.get((slot, domain))
+        if cls is not None and cls.partial:
+            return cls
+        s = self._take_unassigned(slot, domain)
+        if s is None:
+            return None
+        if cls is None:
+            cls = self._classes[(slot, domain)] = _SizeClass(slot, domain)
+        s.state, s.slot_bytes, s.slots = _State.CLASS, slot, s.size // slot
+        s.domain = domain
+        s.used_map = bytearray(s.slots)
+        cls.slabs.add(s.index)
+        cls.free += s.slots
+        heapq.heappush(cls.partial, s.index)
+        return cls
 
     def _take_unassigned(self, slot: int, domain: int) -> _Slab | None:
         """Take the lowest fitting unassigned slab, backed ones first; back it if it never was.

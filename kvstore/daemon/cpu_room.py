@@ -92,14 +92,11 @@ class CpuRoom:
         self._slots = TierSlots(
             name="cpu",
             allocator=allocator,
-            take_slot=ledger.cpu_alloc,
             take_slots=ledger.cpu_alloc_many,
-            class_of=class_of,
             give_back=ledger.cpu_unalloc,
             slot_of=lambda eid: ledger.index.offset[eid],
             owner_of=ledger.cpu_owner,
-            slot_bytes_of=lambda eid: allocator.slot_bytes_for(ledger.cpu_bytes_of(eid)),
-            domain_of=ledger.domain_of,
+            class_of=class_of,
             relocate=ledger.relocate_cpu,
         )
 

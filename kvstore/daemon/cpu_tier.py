@@ -83,10 +83,8 @@ class CpuSlots:
     def alloc(self, block_bytes: int, domain: int = 0) -> int | None:
         """A slot in memory ``domain``, counted as used; None when none is free (or its slab
         could not be backed)."""
-        offset = self.allocator.allocate(block_bytes, domain)
-        if offset is not None:
-            self.used_bytes += block_bytes
-        return offset
+        offsets = self.alloc_many(block_bytes, 1, domain)
+        return offsets[0] if offsets else None
 
     def alloc_many(self, block_bytes: int, n: int, domain: int = 0) -> list[int]:
         """Up to ``n`` slots (``alloc`` of each, as one batch); fewer when no more are free."""

@@ -231,11 +231,11 @@ class DeviceTier:
         slots = TierSlots(
             name="gpu",
             allocator=allocator,
-            take_slot=ledger.gpu_alloc,
+            take_slots=ledger.gpu_alloc_many,
             give_back=ledger.gpu_unalloc,
             slot_of=lambda eid: self.books.offset[eid],
             owner_of=ledger.gpu_owner,
-            slot_bytes_of=lambda eid: allocator.slot_bytes_for(ledger.block_bytes_of(eid)),
+            class_of=lambda eid: (allocator.slot_bytes_for(ledger.block_bytes_of(eid)), 0),
         )
         async with self._room:
             return await make_room(

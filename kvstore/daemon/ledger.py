@@ -450,17 +450,13 @@ class Ledger:
     def discard_reserved(self, eid: int) -> None:
         self.free_entry(eid)
 
-    def cpu_alloc(self, block_bytes: int, domain: int = 0) -> int | None:
-        """A CPU slot in memory ``domain``, counted as used; None when none is free (or its
-        slab could not be backed)."""
-        return self.cpu_slots.alloc(block_bytes, domain)
-
     def cpu_alloc_many(self, block_bytes: int, n: int, domain: int = 0) -> list[int]:
-        """Up to ``n`` CPU slots in memory ``domain`` (``cpu_alloc`` of each, as one batch)."""
+        """Up to ``n`` CPU slots in memory ``domain``, counted as used; fewer when no more are
+        free (or a slab could not be backed)."""
         return self.cpu_slots.alloc_many(block_bytes, n, domain)
 
     def cpu_unalloc(self, offset: int, block_bytes: int) -> None:
-        """Give back a slot from ``cpu_alloc`` that no entry took."""
+        """Give back a slot from ``cpu_alloc_many`` that no entry took."""
         self.cpu_slots.unalloc(offset, block_bytes)
 
     def drop_cpu_copy(self, eid: int) -> None:
@@ -527,14 +523,14 @@ class Ledger:
             raise AssertionError("a GPU pool attached while entries hold pool slots")
         self.gpu_slots.allocator = allocator
 
-    def gpu_alloc(self, block_bytes: int, domain: int = 0) -> int | None:
-        """A pool slot, counted as used; None when none is free. The pool is one memory
-        domain: with a tenant policy only all-tenant callers map it."""
+    def gpu_alloc_many(self, block_bytes: int, n: int, domain: int = 0) -> list[int]:
+        """Up to ``n`` pool slots, counted as used; fewer when no more are free. The pool is
+        one memory domain: with a tenant policy only all-tenant callers map it."""
         assert domain == 0, "the GPU pool is one domain"
-        return self.gpu_slots.alloc(block_bytes)
+        return self.gpu_slots.alloc_many(block_bytes, n)
 
     def gpu_unalloc(self, offset: int, block_bytes: int) -> None:
-        """Give back a slot from ``gpu_alloc`` that no entry took."""
+        """Give back a slot from ``gpu_alloc_many`` that no entry took."""
         self.gpu_slots.unalloc(offset, block_bytes)
 
     def gpu_owner(self, offset: int) -> int | None:

@@ -33,22 +33,21 @@ class PoolSlots:
         self.quarantined_bytes = 0
 
     # ----------------------------------------------------------------- slots
-    def alloc(self, block_bytes: int) -> int | None:
-        """A free pool slot, counted as used; None when none is free."""
+    def alloc_many(self, block_bytes: int, n: int) -> list[int]:
+        """Up to ``n`` free pool slots, counted as used; fewer when no more are free."""
         assert self.allocator is not None, "no GPU pool"
-        offset = self.allocator.allocate(block_bytes)
-        if offset is not None:
-            self.used_bytes += block_bytes
-        return offset
+        offsets = self.allocator.allocate_many(block_bytes, n)
+        self.used_bytes += len(offsets) * block_bytes
+        return offsets
 
     def unalloc(self, offset: int, block_bytes: int) -> None:
-        """Give back a slot from ``alloc`` that no entry holds."""
+        """Give back a slot from ``alloc_many`` that no entry holds."""
         assert self.allocator is not None, "no GPU pool"
         self.allocator.free(offset, block_bytes)
         self.used_bytes -= block_bytes
 
     def place(self, eid: int, offset: int) -> None:
-        """Entry ``eid``'s GPU copy is (being written) in slot ``offset``, from ``alloc``."""
+        """Entry ``eid``'s GPU copy is (being written) in slot ``offset``, from ``alloc_many``."""
         if offset in self._owner:
             raise AssertionError(f"pool slot {offset} already holds entry {self._owner[offset]}")
         if eid in self.offset:

@@ -36,21 +36,17 @@ class TierSlots:
 
     name: str
     allocator: SlabAllocator
-    take_slot: Callable[[int, int], int | None]  # (block bytes, domain): one slot, or None
-    give_back: Callable[[int, int], None]  # (offset, block bytes): undo a take_slot
+    # (block bytes, n, domain): up to n slots as one batch, fewer when no more can be had
+    # (a slab could not be backed).
+    take_slots: Callable[[int, int, int], list[int]]
+    give_back: Callable[[int, int], None]  # (offset, block bytes): undo a take_slots slot
     slot_of: Callable[[int], int]  # an entry's slot offset in this tier
     owner_of: Callable[[int], int | None]  # the entry in a slot (None: quarantined, unknown)
-    slot_bytes_of: Callable[[int], int]  # an entry's slot size in this tier
-    # An entry's memory domain (a tenant's slabs; 0 where the tier is not divided).
-    domain_of: Callable[[int], int] = lambda eid: 0
+    # An entry's (slot size, memory domain) in this tier (a domain is a tenant's slabs; 0
+    # where the tier is not divided): what the victim loop asks of every block it walks past.
+    class_of: Callable[[int], tuple[int, int]]
     # Move an entry to another slot of its class (not in ``avoid_slab``); False if it cannot.
     relocate: Callable[[int, int], bool] | None = None
-    # (block bytes, n, domain): up to n slots as one batch (``take_slot`` of each), fewer
-    # when no more can be had; None where the tier takes them one at a time.
-    take_slots: Callable[[int, int, int], list[int]] | None = None
-    # (slot bytes, domain) of an entry in one call, as ``slot_bytes_of`` and ``domain_of``
-    # give them: what the victim loop asks of every block it walks past.
-    class_of: Callable[[int], tuple[int, int]] | None = None
 
 
 async def make_room(
@@ -83,18 +79,10 @@ async def make_room(
         while True:
             # Each slot taken is one free slot fewer, so ``free_slots`` is asked once a run.
             while len(slots) < n and (free := allocator.free_slots(block_bytes, domain)):
-                taken, want = len(slots), min(free, n - len(slots))
-                if tier.take_slots is not None:
-                    slots += tier.take_slots(block_bytes, want, domain)
-                    if len(slots) - taken < want:
-                        break
-                    continue
-                for _ in range(want):
-                    offset = tier.take_slot(block_bytes, domain)
-                    if offset is None:  # a slab could not be backed: fewer free slots now
-                        break
-                    slots.append(offset)
-                if len(slots) - taken < want:
+                want = min(free, n - len(slots))
+                got = tier.take_slots(block_bytes, want, domain)
+                slots += got
+                if len(got) < want:  # a slab could not be backed: fewer free slots now
                     break
             if len(slots) >= n:
                 return slots
@@ -105,11 +93,7 @@ async def make_room(
             for eid in policy.order():  # coldest first
                 if protected(eid):
                     continue
-                if (
-                    class_of(eid) == wanted
-                    if class_of is not None
-                    else tier.slot_bytes_of(eid) == slot_size and tier.domain_of(eid) == domain
-                ):
+                if class_of(eid) == wanted:
                     if take is not None and not take(eid):
                         continue
                     victims.append(eid)
