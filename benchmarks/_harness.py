@@ -241,6 +241,18 @@ def daemon_rpc_seconds(metrics_url: str) -> dict[str, tuple[float, int]]:
     return {m: (sums.get(m, 0.0), counts.get(m, 0)) for m in sums.keys() | counts.keys()}
 
 
+def rpc_seconds_between(
+    before: dict[str, tuple[float, int]], after: dict[str, tuple[float, int]]
+) -> dict[str, tuple[float, int]]:
+    """Per method called in between, (seconds, calls) from two ``daemon_rpc_seconds`` reads."""
+    out = {}
+    for method, (seconds, calls) in after.items():
+        seconds_before, calls_before = before.get(method, (0.0, 0))
+        if calls > calls_before:
+            out[method] = (seconds - seconds_before, calls - calls_before)
+    return out
+
+
 def redis_server_path() -> str | None:
     found = shutil.which("redis-server")
     if found:

@@ -107,6 +107,7 @@ from _harness import (
     percentile,
     print_header,
     redis_server_path,
+    rpc_seconds_between,
     run_main,
 )
 from _policy_sims import POLICIES as FREQUENCY_POLICIES
@@ -255,11 +256,8 @@ def replay_kvstore(
                 f"{label}: request {i}: a block read back differs from the one put",
             )
             progress(rep, label, i, chains, result)
-        served = daemon_rpc_seconds(f"http://{metrics}/metrics")
-        expect(
-            sum(c for _, c in served.values()) > sum(c for _, c in served_before.values()),
-            f"{label}: the daemon's /metrics counted none of the replay's calls",
-        )
+        served = rpc_seconds_between(served_before, daemon_rpc_seconds(f"http://{metrics}/metrics"))
+        expect(bool(served), f"{label}: the daemon's /metrics counted none of the replay's calls")
         tiers = {t.name: t for t in kv.stats().tiers}
         cpu = tiers["cpu"]
         nvme = tiers.get("nvme")
@@ -273,11 +271,7 @@ def replay_kvstore(
             "puts_refused": refused,
             "first_refused_request": refused_first,
             # Per method: (seconds the daemon spent serving it, calls) during the replay.
-            "daemon_calls": {
-                m: (t - served_before.get(m, (0.0, 0))[0], c - served_before.get(m, (0.0, 0))[1])
-                for m, (t, c) in served.items()
-                if c > served_before.get(m, (0.0, 0))[1]
-            },
+            "daemon_calls": served,
         }
         if nvme is not None:
             result.extra.update(
