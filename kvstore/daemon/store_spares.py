@@ -102,6 +102,11 @@ class SpareOps(WriteOps):
         if taken + nbytes > self.spare_tier_bytes:
             return 0
         may_evict = may_evict and taken + nbytes <= self.spare_evicting_bytes
+        if not may_evict and self._free_slots(handle) < wanted:
+            # The reservation below would be refused (it takes free slots only): on a full
+            # tier most grants end here, and a refused reservation costs ~40 us of the
+            # daemon's time, a check ~1 us.
+            return 0
         prefix, count = self._spare_prefix, self._spare_count
         placeholders = [prefix + next(count).to_bytes(8, "little") for _ in range(wanted)]
         handle.spare_granting_slots += wanted
