@@ -1,16 +1,37 @@
 """Fixtures the engine test modules share: one working folder, one random-weight model and one
 daemon per module (engines take tens of seconds to start, so a module runs a few engines
-against them)."""
+against them), and how those engines lay out their processes."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import DaemonProcess, config_toml
 
-from .harness import make_random_model
+from .harness import IN_PROCESS, make_random_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_processes(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Engines of a module run in one process each (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
+    here an engine then starts in ~2 s instead of ~15 s (its core and worker processes each
+    import vLLM and torch again), which is most of what the connector's suite spends. A module
+    that sets ``ENGINE_PROCESSES = True`` keeps vLLM's own process layout, as a deployment runs
+    it: the connector's round trips (``test_vllm_connector``), whose metadata then crosses a
+    process boundary as it does in production, tensor parallel ranks, ``vllm serve`` and the
+    harness's own process handling. One engine may ask for it in its spec's ``env``
+    (``IN_PROCESS: "1"``)."""
+    before = os.environ.get(IN_PROCESS)
+    if not getattr(request.module, "ENGINE_PROCESSES", False):
+        os.environ[IN_PROCESS] = "0"  # engine_env() copies it into each engine's environment
+    yield
+    if before is None:
+        os.environ.pop(IN_PROCESS, None)
+    else:
+        os.environ[IN_PROCESS] = before
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,9 @@ from typing import Any
 
 ENGINE = Path(__file__).with_name("engine.py")
 BLOCK = 32  # vLLM's CPU backend needs block sizes that are multiples of 32
+# vLLM's switch: "0" runs an engine's core and its one worker inside the engine's own process
+# (the tests' default, ``conftest.engine_processes``), "1" in processes of their own.
+IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 # A small Llama shape: 4 layers, 2 KV heads of 64 (32 KiB fp32 blocks per layer).
 RANDOM_LLAMA = dict(

@@ -24,6 +24,8 @@ from conftest import DaemonProcess, config_toml
 from .harness import BLOCK, Engine, assert_same_answers, outputs, prompt
 from .harness import engine_spec as base_spec
 
+ENGINE_PROCESSES = True  # vLLM's own process layout, as deployed (conftest.engine_processes)
+
 pytestmark = pytest.mark.timeout(1800)
 
 P_FULL = prompt(200, 1)  # 6 full blocks and 8 tokens

@@ -20,7 +20,7 @@ if importlib.util.find_spec("vllm") is None:
 
 from conftest import DaemonProcess
 
-from .harness import BLOCK, Engine, assert_same_answers, engine_spec, outputs, prompt
+from .harness import BLOCK, IN_PROCESS, Engine, assert_same_answers, engine_spec, outputs, prompt
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -114,6 +114,9 @@ def test_abort_while_loading_leaks_nothing_and_the_engine_keeps_serving(
             connector_class=["gated_connector", "GatedKVStoreConnector"],
             check_blocks_free=True,
             env={
+                # The engine core in its own process, stepping while this one waits for the
+                # load to start (in one process, nothing steps until the next generate).
+                IN_PROCESS: "1",
                 "KVSTORE_TEST_LOAD_STARTED": files["started"],
                 "KVSTORE_TEST_LOAD_GATE": files["gate"],
                 "KVSTORE_TEST_FINISHED": files["finished"],

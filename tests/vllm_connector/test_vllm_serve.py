@@ -25,6 +25,8 @@ from conftest import DaemonProcess, smollm2_missing
 from .harness import BLOCK, Engine, engine_spec, outputs, smollm2_dir
 from .serve import VllmServer
 
+ENGINE_PROCESSES = True  # vllm serve runs as deployed (conftest.engine_processes)
+
 pytestmark = pytest.mark.timeout(1800)
 
 HISTORY = (

@@ -21,6 +21,8 @@ from conftest import DaemonProcess
 
 from .harness import BLOCK, Engine, assert_same_answers, engine_spec, outputs, prompt
 
+ENGINE_PROCESSES = True  # tensor parallel ranks run in processes (conftest.engine_processes)
+
 pytestmark = pytest.mark.timeout(1800)
 
 X = [prompt(200, 71), prompt(150, 72)]  # 6 and 4 full blocks load (the last token computes)
