@@ -8,7 +8,8 @@ skips only after checking, with the script's own interpreter, that this is reall
 CUDA device, a package not installed, a data file that is not there, not root); otherwise it
 fails. A
 script whose module sets ``VENV = ".venv-vllm"`` runs with that environment's Python (``make
-vllm-env`` builds it) and is skipped when it is not built. Peers (redis-server) are not
+vllm-env`` builds it; ``.venv-sglang``, ``make sglang-env``) and is skipped, naming that
+target, when it is not built. Peers (redis-server) are not
 optional: a script that needs one fails without it. A smoke run gets ``SCRIPT_TIMEOUT_S``, or
 the ``SMOKE_TIMEOUT_S`` its module sets (the vLLM ones start engines: minutes).
 """
@@ -51,7 +52,9 @@ def interpreter_for(script: Path) -> str:
         return sys.executable
     python = ROOT / venv / "bin" / "python"
     if not python.exists():
-        pytest.skip(f"{script.name} runs in {venv}, which is not built here (make vllm-env)")
+        # .venv-vllm is built by `make vllm-env`, .venv-sglang by `make sglang-env`
+        target = f"make {venv.removeprefix('.venv-')}-env"
+        pytest.skip(f"{script.name} runs in {venv}, which is not built here ({target})")
     return str(python)
 
 
@@ -143,6 +146,15 @@ def test_benchmark_runs_in_smoke_mode(script: Path, tmp_path: Path) -> None:
 def test_the_benchmarks_are_found() -> None:
     """The glob above sees the scripts (a moved folder would leave nothing to parametrize)."""
     assert (ROOT / "benchmarks" / "bench_lookup.py") in SCRIPTS
+
+
+def test_a_script_whose_environment_is_not_built_names_what_builds_it(tmp_path: Path) -> None:
+    """The skip of a script that runs in its own venv names that venv's make target (an
+    SGLang benchmark once said ``make vllm-env``)."""
+    script = tmp_path / "bench_elsewhere.py"
+    script.write_text('VENV = ".venv-absent"\n')
+    with pytest.raises(pytest.skip.Exception, match=r"\.venv-absent, .*\(make absent-env\)"):
+        interpreter_for(script)
 
 
 def test_a_data_file_is_missing_only_when_it_is_not_there(tmp_path: Path) -> None:
