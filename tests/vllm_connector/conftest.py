@@ -4,7 +4,6 @@ against them), and how those engines lay out their processes."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,14 +23,10 @@ def engine_processes(request: pytest.FixtureRequest) -> Iterator[None]:
     process boundary as it does in production, tensor parallel ranks, ``vllm serve`` and the
     harness's own process handling. One engine may ask for it in its spec's ``env``
     (``IN_PROCESS: "1"``)."""
-    before = os.environ.get(IN_PROCESS)
-    if not getattr(request.module, "ENGINE_PROCESSES", False):
-        os.environ[IN_PROCESS] = "0"  # engine_env() copies it into each engine's environment
-    yield
-    if before is None:
-        os.environ.pop(IN_PROCESS, None)
-    else:
-        os.environ[IN_PROCESS] = before
+    with pytest.MonkeyPatch.context() as patch:
+        if not getattr(request.module, "ENGINE_PROCESSES", False):
+            patch.setenv(IN_PROCESS, "0")  # engine_env() copies it into each engine's env
+        yield
 
 
 @pytest.fixture(scope="module")
