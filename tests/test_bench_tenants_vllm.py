@@ -55,3 +55,33 @@ def test_as_root_it_does_not_skip(bench: ModuleType, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     args = argparse.Namespace(json=False, json_out=None, smoke=True, quick=True)
     assert bench.skip_unless_root(args) is None
+
+
+def test_each_servers_kv_cache_holds_every_request_it_may_admit(bench: ModuleType) -> None:
+    # A server admits up to ``concurrency`` requests (``--max-num-seqs``): a smaller cache
+    # preempts some, which then load their prompt again (measured: 191.9% of prompt tokens).
+    tokens = 2048 + 64 + 32
+    blocks = -(-tokens // bench.BLOCK)
+    for concurrency in (1, 4, 12, 24, 32, 100):
+        sizes = {"system": 2048, "question": 64, "generated": 32, "concurrency": concurrency}
+        gib = bench.kv_cache_gib(sizes)
+        assert gib * (1 << 30) >= concurrency * blocks * bench.BLOCK_BYTES, concurrency
+        assert gib >= 1
+    # At the default load, the harness's 1 GiB, as before.
+    assert (
+        bench.kv_cache_gib({"system": 2048, "question": 64, "generated": 32, "concurrency": 4}) == 1
+    )
+
+
+@pytest.mark.parametrize("flag", ["--concurrency", "--per-tenant"])
+def test_a_load_below_one_is_refused_before_anything_starts(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, flag: str
+) -> None:
+    def started(*args: object, **kw: object) -> NoReturn:
+        raise AssertionError("the benchmark started something")
+
+    for name in ("can_run_as_other_uids", "KVStoreDaemon", "Engine", "Server", "open_dir"):
+        monkeypatch.setattr(bench, name, started)
+    monkeypatch.setattr(sys, "argv", ["bench_tenants_vllm.py", flag, "0"])
+    with pytest.raises(SystemExit, match=f"{flag} must be at least 1, got 0"):
+        bench.main()
