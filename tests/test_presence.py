@@ -32,6 +32,7 @@ from kvstore.errors import CapacityError
 from kvstore.presence import (
     MAX_SPARSENESS,
     MIN_CAPACITY,
+    WALK_REMOVES,
     WINDOW,
     PresenceTable,
     PresenceView,
@@ -89,14 +90,17 @@ def test_a_batch_that_fills_a_table_lands_in_the_bigger_one() -> None:
     assert view_of(table).leading(b"".join(keys)) == len(keys)
 
 
-def test_removing_a_batch_leaves_the_table_as_removing_one_by_one() -> None:
+@pytest.mark.parametrize("removed", [60, 20])  # 68 keys: one numpy pass; 28: walked
+def test_removing_a_batch_leaves_the_table_as_removing_one_by_one(removed: int) -> None:
     """``remove_many`` (an eviction's batch) against ``remove`` of each key: the same words,
-    keys sharing a fingerprint among them (and one that shares it with a key not removed)."""
+    keys sharing a fingerprint among them (and one that shares it with a key not removed),
+    whether the batch is searched in one numpy pass or key by key (``WALK_REMOVES``)."""
     base = rand_keys(200)
     twins = [base[i][:8] + os.urandom(24) for i in (100, 101, 102)]  # fingerprints held
     keys = base + twins[:2]
     places = list(range(1, len(keys) + 1))
-    gone = base[:60] + twins[:2] + [twins[2]] + rand_keys(5)  # some never held
+    gone = base[:removed] + twins[:2] + [twins[2]] + rand_keys(5)  # some never held
+    assert (len(gone) < WALK_REMOVES) == (removed == 20)
     one = PresenceTable().add_many(keys, places, places)
     batch = PresenceTable().add_many(keys, places, places)
     for key in gone:
@@ -105,7 +109,7 @@ def test_removing_a_batch_leaves_the_table_as_removing_one_by_one() -> None:
     assert batch.count == one.count
     assert bytes(batch._words) == bytes(one._words)
     view = view_of(batch)
-    kept = base[60:100] + base[103:]
+    kept = base[removed:100] + base[103:]
     assert [view.leading(k) for k in kept] == [1] * len(kept)
 
 
@@ -170,6 +174,12 @@ def test_the_table_holds_exactly_the_keys_added_and_not_removed(first, ops, home
     if not table.overflow:
         in_order = [pool[i] for i in sorted(live)]
         assert view.leading(b"".join(in_order)) == len(in_order)
+    # The walk of a run's first keys finds what the numpy probe finds, slot for slot, on
+    # runs that end at a removed or never-added key in any bucket of a window.
+    packed = b"".join(pool)
+    hit, slot = view._probe(packed)
+    run = len(hit) if hit.all() else int(hit.argmin())
+    assert view._walk(packed, len(pool)) == slot[:run].tolist()
 
 
 def test_a_table_is_handed_out_read_only_and_cannot_be_shrunk() -> None:
@@ -666,7 +676,7 @@ def test_places_follow_the_daemons_moves_and_survive_rebuilds() -> None:
     view = view_of(table)
     packed = b"".join(keys[:10])
     places, sums, _ = view.places(packed)
-    assert places.tolist() == list(range(10)) and sums.tolist() == list(range(100, 110))
+    assert places == list(range(10)) and sums == list(range(100, 110))
     table.unlocate(keys[3], 999)  # not its place: kept
     assert len(view.places(packed)[0]) == 10
     table.unlocate(keys[3], 4)
@@ -687,10 +697,10 @@ def test_places_follow_the_daemons_moves_and_survive_rebuilds() -> None:
     view = view_of(table)
     places, sums, _ = view.places(b"".join(keys[6:]))
     assert len(places) == len(keys) - 6
-    assert places[:4].tolist() == [6, 7, 8, 9] and sums[:4].tolist() == [106, 107, 108, 109]
-    assert places[4:694].tolist() == list(range(999, 1689))
-    assert places[694:].tolist() == list(range(4999, 4999 + len(rest)))
-    assert view.places(keys[3] + keys[4])[0].tolist() == [77, 4]
+    assert places[:4] == [6, 7, 8, 9] and sums[:4] == [106, 107, 108, 109]
+    assert places[4:694] == list(range(999, 1689))
+    assert places[694:] == list(range(4999, 4999 + len(rest)))
+    assert view.places(keys[3] + keys[4])[0] == [77, 4]
 
 
 @settings(max_examples=150, deadline=None)
@@ -743,8 +753,8 @@ def test_the_tables_places_are_where_the_daemon_keeps_each_block(ops) -> None:
                         assert len(places) == 0
                         continue
                     (address,) = store.arena.addresses([store.index.offset[eid]])
-                    assert places.tolist() == [address]
-                    assert sums.tolist() == [store.index.checksum[eid]]
+                    assert places == [address]
+                    assert sums == [store.index.checksum[eid]]
                 view.close()
         finally:
             store.close()

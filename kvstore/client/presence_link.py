@@ -170,7 +170,7 @@ class PresenceLink:
         )
         if not n and not whole:
             return None
-        return Placed(addresses.tolist(), sums.tolist(), whole)
+        return Placed(addresses, sums, whole)
 
     def note_read(self, packed: bytes) -> None:
         """A get read the blocks of these keys (packed) from their places."""
