@@ -86,12 +86,14 @@ BUCKET = 8
 WINDOW = 4 * BUCKET
 _WINDOW_STEPS = np.arange(WINDOW, dtype=np.int64)
 """Slots a key may sit past its home: the most any probe reads."""
-WALK_KEYS = 8
-"""Leading keys a client's probe walks one at a time before it probes the rest in one numpy
-pass. A get of a request stream mostly ends its leading run within its first keys (a miss
-ends it), and a walked key costs ~1 us where a numpy pass costs tens of microseconds once
-the caller's other work has left numpy's code cold in the caches (~5 us a ufunc call,
-against ~1 us in a tight loop): a 27-key miss probed in 77 us by numpy alone."""
+WALK_KEYS = 1
+"""Leading keys a client's probe walks one at a time before a run that still hits is probed
+whole with numpy. Most gets of a request stream miss at their first key (81% of a FAST'25
+trace replay's: its hits come in long runs), and walking a key costs a few microseconds where
+a numpy pass costs tens once the caller's other work has left numpy's code cold in the caches
+(~5 us a ufunc call, against under 1 us in a tight loop): such a get's probe of its 27 keys
+took 77 us median by numpy alone, 6 us walked. Each key walked before a run goes on to numpy
+is wasted, so the walk stops early."""
 WALK_REMOVES = 64
 """An eviction's batch of fewer keys is removed one key at a time: in the daemon, between
 calls that leave numpy's code cold in the caches, the numpy pass took 121-149 us for a
@@ -531,16 +533,19 @@ class PresenceView:
                 return slots
         return slots
 
-    def _leading_slots(self, packed: bytes) -> list[int]:
-        """The slots of the leading keys of ``packed`` the table holds: the first
-        ``WALK_KEYS`` walked (``_walk``), the rest, if those all hit, probed in one numpy
-        pass (``_probe``)."""
+    def _short_run(self, packed: bytes) -> list[int] | None:
+        """The slots of the leading keys of ``packed`` the table holds when the run ends
+        within its first ``WALK_KEYS`` keys, walked (``_walk``); None when it may run on (the
+        caller probes it whole with numpy, ``_probe``)."""
         slots = self._walk(packed, WALK_KEYS)
         if len(slots) < WALK_KEYS or len(packed) <= WALK_KEYS * KEY_BYTES:
             return slots
-        hit, slot = self._probe(packed[WALK_KEYS * KEY_BYTES :])
-        n = len(hit) if hit.all() else int(hit.argmin())
-        return slots + slot[:n].tolist()
+        return None
+
+    def _leading(self, packed: bytes) -> tuple[np.ndarray, int]:
+        """``_probe``'s slots of ``packed`` and the length of its leading run of held keys."""
+        hit, slot = self._probe(packed)
+        return slot, len(hit) if hit.all() else int(hit.argmin())
 
     def _words_at(self, base: int, slots: list[int]) -> list[int]:
         """The words at ``base`` + each of ``slots`` (``base``: where an array starts)."""
@@ -575,25 +580,36 @@ class PresenceView:
 
     def leading(self, packed: bytes) -> int:
         """How many leading keys of ``packed`` (32-byte keys, concatenated) the table holds."""
-        return len(self._leading_slots(packed))
+        slots = self._short_run(packed)
+        return len(slots) if slots is not None else self._leading(packed)[1]
 
     def leading_in_cpu(self, packed: bytes) -> tuple[int, int]:
         """(how many leading keys of ``packed`` the table holds, how many of those had a place:
         a CPU copy) as of some moment during the call, for the tally's split by tier."""
-        slots = self._leading_slots(packed)
-        places = self._words_at(self._places_at, slots)
-        return len(slots), len(places) - places.count(0)
+        slots = self._short_run(packed)
+        if slots is not None:
+            places = self._words_at(self._places_at, slots)
+            return len(slots), len(places) - places.count(0)
+        slot, n = self._leading(packed)
+        return n, int(np.count_nonzero(self._places[slot[:n]]))
 
     def places(self, packed: bytes) -> tuple[list[int], list[int], int]:
         """(arena addresses, checksums) of the blocks of the leading keys of ``packed`` that
         the table holds with a place: hints, to be copied and verified (module docstring);
         then how many leading keys the table holds, with a place or not."""
-        slots = self._leading_slots(packed)
-        places = self._words_at(self._places_at, slots)  # after the slots, before the sums
-        if 0 in places:
-            places = places[: places.index(0)]
-        sums = self._words_at(self._sums_at, slots[: len(places)])
-        return [place - 1 for place in places], sums, len(slots)
+        slots = self._short_run(packed)
+        if slots is not None:
+            places = self._words_at(self._places_at, slots)  # after the slots, before the sums
+            if 0 in places:
+                places = places[: places.index(0)]
+            sums = self._words_at(self._sums_at, slots[: len(places)])
+            return [place - 1 for place in places], sums, len(slots)
+        slot, held = self._leading(packed)
+        at = self._places[slot[:held]]  # read after the slots, before the checksums
+        sums_at = self._sums[slot[:held]]
+        placed = at != 0
+        n = held if placed.all() else int(placed.argmin())
+        return (at[:n] - np.uint64(1)).tolist(), sums_at[:n].tolist(), held
 
     def close(self) -> None:
         self._rows = np.empty((0, BUCKET), dtype=np.uint64)

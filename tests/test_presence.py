@@ -703,6 +703,23 @@ def test_places_follow_the_daemons_moves_and_survive_rebuilds() -> None:
     assert view.places(keys[3] + keys[4])[0] == [77, 4]
 
 
+def test_a_run_walked_key_by_key_reads_places_as_one_probed_with_numpy() -> None:
+    """A run that ends at its first key is walked (``WALK_KEYS``), a longer one probed with
+    numpy: both give the place and checksum of each key held, stop at the first key without
+    a place, and count the keys held with a place or not."""
+    keys = rand_keys(3)
+    table = PresenceTable().add_many(keys[:2], [11, 12], [101, 102])
+    view = view_of(table)
+    assert view.places(keys[0]) == ([10], [101], 1)
+    assert view.places(keys[2]) == ([], [], 0)  # not held
+    assert view.places(keys[0] + keys[1]) == ([10, 11], [101, 102], 2)
+    table.unlocate(keys[1], 12)
+    assert view.places(keys[1]) == ([], [], 1)  # held, with no place
+    assert view.places(keys[0] + keys[1] + keys[2]) == ([10], [101], 2)
+    assert view.leading_in_cpu(keys[0]) == (1, 1) and view.leading_in_cpu(keys[1]) == (1, 0)
+    assert view.leading_in_cpu(keys[0] + keys[1] + keys[2]) == (2, 1)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(
