@@ -5,9 +5,9 @@ A ``lookup`` over the session socket costs a round trip through the daemon's Pyt
 whatever the daemon does inside (``docs/architecture.md``: "The same-host data path"), and an
 engine's scheduler pays one for every new request. So the daemon publishes, per namespace, a table
 of its committed keys' fingerprints in a shared-memory file that same-host clients of that namespace
-map read-only (handed over as a descriptor, like a slab) and probe: the first keys one at a time,
-the rest of a run that still hits with numpy. A lookup of 128 keys is then a few tens of
-microseconds of the client's own CPU and no call at all, and one that misses at its first keys
+map read-only (handed over as a descriptor, like a slab) and probe: the first key on its own,
+and a run that starts with a hit whole, with numpy. A lookup of 128 keys is then a few tens of
+microseconds of the client's own CPU and no call at all, and one that misses at its first key
 a few microseconds.
 
 What a client may learn is exactly what ``lookup`` would tell it: which keys of its own
