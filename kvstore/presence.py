@@ -484,7 +484,6 @@ class PresenceView:
         if int(header[_MAGIC]) != MAGIC or size != table_bytes(capacity):
             self._mmap.close()
             raise ValueError("not a presence table")
-        self._header = header
         self._mask = np.uint64(capacity // BUCKET - 1)
         self._home_mask = capacity // BUCKET - 1
         # The same words for the walk of a run's first keys (``_walk``): read one at a time,
@@ -613,7 +612,7 @@ class PresenceView:
 
     def close(self) -> None:
         self._rows = np.empty((0, BUCKET), dtype=np.uint64)
-        self._header = self._places = self._sums = np.empty(0, dtype=np.uint64)
+        self._places = self._sums = np.empty(0, dtype=np.uint64)
         self._mv.release()
         try:
             self._mmap.close()
